@@ -1,0 +1,66 @@
+"""Swap the weights of a model's nn.Linear layers for NVFP4 parameters."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .format import TILE
+from .quantize import quantize
+
+
+@dataclass
+class ConversionReport:
+    """Which linear weights became NVFP4 and why the others stayed in high precision."""
+
+    converted: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"NVFP4 weights: {len(self.converted)} converted, {len(self.skipped)} kept in high precision"]
+        lines += [f"  kept {name}: {why}" for name, why in self.skipped.items()]
+        return "\n".join(lines)
+
+
+def convert_linear_weights(
+    model: nn.Module,
+    *,
+    numerics: str = "te",
+    dtype: torch.dtype = torch.bfloat16,
+    skip: tuple[str, ...] = (),
+    verbose: bool = False,
+) -> ConversionReport:
+    """Replace every eligible nn.Linear weight (2D, K % 16 == 0) by an NVFP4 parameter, in place.
+
+    Args:
+        model: any module; its nn.Linear children are converted where eligible.
+        numerics: block-scale formula ("te" or "te-2.14").
+        dtype: model dtype the NVFP4 weights report (their compute dtype), bf16 by default.
+        skip: module names (as in `named_modules`) to leave in high precision, e.g. the output head.
+        verbose: print the report.
+    Returns:
+        ConversionReport naming converted and skipped weights (with the reason).
+    """
+    report = ConversionReport()
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        w = module.weight
+        if name in skip:
+            report.skipped[name] = "listed in skip"
+        elif w.shape[1] % TILE:
+            report.skipped[name] = f"in_features = {w.shape[1]} is not a multiple of {TILE}"
+        elif not torch.isfinite(w).all():
+            report.skipped[name] = "weight holds non-finite values"
+        else:
+            q = quantize(w.detach(), numerics=numerics, dtype=dtype, name=f"{name}.weight")
+            module.weight = nn.Parameter(q, requires_grad=w.requires_grad)
+            report.converted.append(name)
+    if report.skipped:
+        warnings.warn(str(report), stacklevel=2)
+    if verbose:
+        print(report)
+    return report

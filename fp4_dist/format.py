@@ -1,0 +1,90 @@
+"""The NVFP4 2D weight format in numbers: constants and shape arithmetic (ints only).
+
+Layouts of a weight with logical shape [M, K] (spec section 3)::
+
+    rowwise_data          uint8 [M, K/2]                              even column -> low nibble
+    rowwise_scale_inv     uint8 [roundup(M,128), roundup(ceil(K/16),4)] tile scale repeated on its 16 rows
+    columnwise_data       uint8 [K, M/2]                              nibble transpose of rowwise (M even)
+    columnwise_scale_inv  uint8 [roundup(K,128), roundup(ceil(M/16),4)]
+    amax                  fp32  [1]
+
+Padding of both scale arrays is always zero.
+"""
+
+from __future__ import annotations
+
+TILE = 16
+"""Side of the square quantization tile (16x16 elements share one E4M3 scale)."""
+
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+GLOBAL_SCALE_NUMERATOR = 2688.0
+"""E4M3_MAX * E2M1_MAX, folded into one exact fp32 constant as TransformerEngine does."""
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+"""Magnitude of each 3-bit E2M1 code; bit 3 (0x8) of a nibble is the sign."""
+
+NUMERICS = ("te", "te-2.14")
+"""`te`: TransformerEngine main, d_t = a_t * (S * fp32(1/6)); `te-2.14`: d_t = (a_t / 6) * S."""
+
+SCALE_ROW_ALIGN = 128
+SCALE_COL_ALIGN = 4
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def round_up(a: int, b: int) -> int:
+    return ceil_div(a, b) * b
+
+
+def tile_grid(m: int, k: int) -> tuple[int, int]:
+    """(tiles along M, tiles along K); ragged edge tiles count as whole tiles."""
+    return ceil_div(m, TILE), ceil_div(k, TILE)
+
+
+def num_tiles(m: int, k: int) -> int:
+    tm, tk = tile_grid(m, k)
+    return tm * tk
+
+
+def rowwise_data_shape(m: int, k: int) -> tuple[int, int]:
+    return m, k // 2
+
+
+def rowwise_scale_shape(m: int, k: int) -> tuple[int, int]:
+    return round_up(m, SCALE_ROW_ALIGN), round_up(ceil_div(k, TILE), SCALE_COL_ALIGN)
+
+
+def columnwise_data_shape(m: int, k: int) -> tuple[int, int]:
+    return k, m // 2
+
+
+def columnwise_scale_shape(m: int, k: int) -> tuple[int, int]:
+    return round_up(k, SCALE_ROW_ALIGN), round_up(ceil_div(m, TILE), SCALE_COL_ALIGN)
+
+
+def check_numerics(numerics: str) -> str:
+    if numerics not in NUMERICS:
+        raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
+    return numerics
+
+
+def check_weight_shape(shape, name: str = "weight") -> tuple[int, int]:
+    """Return (M, K) of an NVFP4-quantizable 2D shape, or raise a ValueError naming the rule."""
+    shape = tuple(int(s) for s in shape)
+    if len(shape) != 2:
+        raise ValueError(
+            f"{name}: NVFP4 weights are 2D [M, K], got a {len(shape)}D shape {list(shape)}; "
+            "reshape to 2D or keep this tensor in high precision"
+        )
+    m, k = shape
+    if m < 1 or k < 1:
+        raise ValueError(f"{name}: shape {list(shape)} is empty; NVFP4 needs M >= 1 and K >= 16")
+    if k % TILE:
+        raise ValueError(
+            f"{name}: K = {k} is not a multiple of {TILE} (shape {list(shape)}); NVFP4 16x16 tiles need "
+            "K % 16 == 0: pad the layer's input features or keep this weight in high precision"
+        )
+    return m, k
