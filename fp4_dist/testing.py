@@ -1,0 +1,64 @@
+"""Pytest-free helpers for bitwise tests: byte comparison with a useful message, poisoning, awkward shapes."""
+
+from __future__ import annotations
+
+import random
+from typing import Iterator
+
+import torch
+
+POISON_BYTE = 0xA5
+"""Written into outputs before a kernel runs: a byte the kernel should have written but did not shows up."""
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill `t` with a value no correct kernel output has by accident (uint8 0xA5, NaN for floats)."""
+    if t.dtype == torch.uint8:
+        return t.fill_(POISON_BYTE)
+    if t.dtype.is_floating_point:
+        return t.fill_(float("nan"))
+    return t.fill_(-0x5A5A5A5A)
+
+
+def bytes_mismatch(got: torch.Tensor, ref: torch.Tensor, label: str = "") -> str | None:
+    """None when `got` and `ref` have the same shape and bits, else 'label: k/n bytes differ at first index i'."""
+    if tuple(got.shape) != tuple(ref.shape):
+        return f"{label}: shape {list(got.shape)} != expected {list(ref.shape)}"
+    g = got.detach().contiguous().view(torch.uint8).reshape(-1).cpu()
+    r = ref.detach().contiguous().view(torch.uint8).reshape(-1).cpu()
+    diff = (g != r).nonzero()
+    if diff.numel() == 0:
+        return None
+    i = int(diff[0])
+    return f"{label}: {diff.numel()}/{g.numel()} bytes differ, first at byte {i} (got {int(g[i]):#04x}, want {int(r[i]):#04x})"
+
+
+def assert_bytes_equal(got: torch.Tensor, ref: torch.Tensor, label: str = "") -> None:
+    msg = bytes_mismatch(got, ref, label)
+    if msg is not None:
+        raise AssertionError(msg)
+
+
+def random_weight(m: int, k: int, *, heavy_tailed: bool = False, generator=None, device="cpu") -> torch.Tensor:
+    """fp32 [m, k] values, Gaussian or heavy-tailed (Student-t-like), with a spread of tile magnitudes."""
+    x = torch.randn(m, k, generator=generator)
+    if heavy_tailed:
+        x = x / torch.rand(m, k, generator=generator).clamp_min(1e-3).sqrt()
+    rows = torch.exp(torch.randn(m, 1, generator=generator) * 2)  # tiles with very different amaxes
+    return (x * rows).to(device)
+
+
+def awkward_shapes(rng: random.Random, count: int, max_m: int = 80, ks=(16, 48, 80, 128, 144)) -> list[tuple[int, int]]:
+    """Shapes with ragged M (not a multiple of 16, sometimes odd) and K % 64 != 0."""
+    return [(rng.randint(1, max_m), rng.choice(ks)) for _ in range(count)]
+
+
+def shard_cuts(numel: int, parts: int, rng: random.Random, even: bool = True) -> Iterator[tuple[int, int]]:
+    """`parts` contiguous [start, end) ranges covering [0, numel) cut at random points (mid-tile, mid-row);
+    some ranges may be empty. With even=True every cut is an even element offset."""
+    cuts = sorted(rng.randint(0, numel) for _ in range(parts - 1))
+    if even:
+        cuts = [c - (c % 2) for c in cuts]
+    bounds = [0, *cuts, numel]
+    for a, b in zip(bounds, bounds[1:]):
+        yield a, b
