@@ -1,0 +1,265 @@
+"""Contiguous buffer layout of a list of weights across a data-parallel group.
+
+One layout serves three buffers that must agree exactly:
+
+* the element buffer (fp32 masters, fp32 grads), in elements;
+* the packed NVFP4 buffer (uint8 ``rowwise_data`` bytes, all-gathered), in bytes;
+* each rank's master shard (the concatenation of its shard of every bucket).
+
+The packed layout is *derived*: byte offset == element offset / 2 everywhere. It is never
+recomputed with its own padding (the source of Megatron's stale-byte bug at dp=3/6).
+
+Padding rules (all offsets are element offsets)::
+
+    bucket b:  |w0 .. pad|w1 .. pad|w2 ..........|pad to dp*align|
+               ^ weight starts are multiples of `align`
+    shards:    |  rank 0   |  rank 1   |  rank 2   |     (each bucket.numel / dp elements)
+
+* a weight starts at a multiple of ``align`` (even, default 64: 32-byte aligned packed rows,
+  256-byte aligned fp32 masters, and the same SIMD phase for shard-local and whole-weight
+  elementwise optimizer steps);
+* a bucket's padded length is a multiple of ``dp * align``, so every rank boundary is a
+  multiple of ``align``, hence an even element for every dp size (3, 5, 6, 7 included);
+* a weight never spans two buckets.
+
+Everything here is plain ints and frozen dataclasses, computed once; nothing touches tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+DEFAULT_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class Span:
+    """Half-open element range ``[start, end)``."""
+
+    start: int
+    end: int
+
+    def __post_init__(self):
+        assert 0 <= self.start <= self.end, f"bad span [{self.start}, {self.end})"
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    def intersect(self, other: "Span") -> Optional["Span"]:
+        """Overlap with ``other``, or None when it is empty."""
+        lo, hi = max(self.start, other.start), min(self.end, other.end)
+        return Span(lo, hi) if lo < hi else None
+
+    def shift(self, offset: int) -> "Span":
+        """The same range with ``offset`` subtracted (e.g. buffer -> weight-local coordinates)."""
+        return Span(self.start - offset, self.end - offset)
+
+    def packed(self) -> "Span":
+        """Byte range of the packed (2 elements per byte) buffer; both ends must be even."""
+        assert self.start % 2 == 0 and self.end % 2 == 0, (
+            f"span [{self.start}, {self.end}) splits a byte; the layout keeps all boundaries even")
+        return Span(self.start // 2, self.end // 2)
+
+
+@dataclass(frozen=True)
+class WeightSlot:
+    """Where weight ``index`` lives in the buffer (element coordinates)."""
+
+    index: int
+    span: Span
+    bucket: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A contiguous group of weights, sharded evenly over the data-parallel ranks.
+
+    ``span`` includes the tail padding; ``shard_numel = span.numel // dp_size`` is a multiple
+    of the layout's ``align``.
+    """
+
+    index: int
+    span: Span
+    weights: Tuple[int, ...]
+    shard_numel: int
+
+    def shard(self, rank: int) -> Span:
+        """Element range of the buffer owned by ``rank`` in this bucket."""
+        start = self.span.start + rank * self.shard_numel
+        return Span(start, start + self.shard_numel)
+
+
+@dataclass(frozen=True)
+class ShardPiece:
+    """The part of one weight that one rank owns.
+
+    Attributes:
+        weight: index of the weight.
+        bucket: index of its bucket.
+        span: owned elements in weight-local coordinates (``span.start`` is the
+            ``start_offset`` of ``cast_master_weights_to_nvfp4``).
+        master_offset: offset of ``span.start`` inside the rank's master shard buffer.
+    """
+
+    weight: int
+    bucket: int
+    span: Span
+    master_offset: int
+
+
+@dataclass(frozen=True)
+class BufferLayout:
+    """Layout of ``numels`` in buckets sharded over ``dp_size`` ranks (build with `build_layout`)."""
+
+    numels: Tuple[int, ...]
+    dp_size: int
+    align: int
+    weights: Tuple[WeightSlot, ...]
+    buckets: Tuple[Bucket, ...]
+
+    @property
+    def total(self) -> int:
+        """Padded element count of the whole buffer (a multiple of ``dp_size * align``)."""
+        return self.buckets[-1].span.end if self.buckets else 0
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements of one rank's master shard (the same on every rank)."""
+        return self.total // self.dp_size
+
+    def bucket_master_offset(self, bucket: int) -> int:
+        """Offset of ``bucket``'s shard inside a rank's master shard buffer."""
+        return sum(b.shard_numel for b in self.buckets[:bucket])
+
+    def pieces(self, rank: int) -> Tuple[Optional[ShardPiece], ...]:
+        """Per weight: the piece ``rank`` owns, or None. Pieces are disjoint across ranks and
+        cover every weight exactly once."""
+        _check_rank(rank, self.dp_size)
+        out = []
+        for slot in self.weights:
+            bucket = self.buckets[slot.bucket]
+            shard = bucket.shard(rank)
+            own = slot.span.intersect(shard)
+            if own is None:
+                out.append(None)
+                continue
+            master_offset = self.bucket_master_offset(slot.bucket) + own.start - shard.start
+            out.append(ShardPiece(slot.index, slot.bucket, own.shift(slot.span.start), master_offset))
+        return tuple(out)
+
+    def cuts(self, weight: int) -> Tuple[int, ...]:
+        """Weight-local element offsets where ownership changes rank (strictly inside the weight)."""
+        slot = self.weights[weight]
+        bucket = self.buckets[slot.bucket]
+        found = []
+        for rank in range(1, self.dp_size):
+            boundary = bucket.shard(rank).start
+            if slot.span.start < boundary < slot.span.end:
+                found.append(boundary - slot.span.start)
+        return tuple(found)
+
+
+def _check_rank(rank: int, dp_size: int) -> None:
+    if not (isinstance(rank, int) and 0 <= rank < dp_size):
+        raise ValueError(f"rank {rank!r} is out of range for a data-parallel group of size {dp_size}")
+
+
+def _check_args(numels: Sequence[int], dp_size: int, align: int, bucket_numel) -> None:
+    if not (isinstance(dp_size, int) and dp_size >= 1):
+        raise ValueError(f"dp_size must be a positive int, got {dp_size!r}")
+    if not (isinstance(align, int) and align >= 2 and align % 2 == 0):
+        raise ValueError(f"align must be a positive even int (keeps rank boundaries on whole bytes), "
+                         f"got {align!r}")
+    if bucket_numel is not None and not (isinstance(bucket_numel, int) and bucket_numel >= 1):
+        raise ValueError(f"bucket_numel must be a positive int or None (one bucket), got {bucket_numel!r}")
+    for i, n in enumerate(numels):
+        if not (isinstance(n, int) and n >= 1):
+            raise ValueError(f"weight {i}: numel must be a positive int, got {n!r}")
+
+
+def _as_int(n):
+    # numpy / torch integer scalars are fine; floats and bools are caller mistakes.
+    if isinstance(n, bool) or not hasattr(n, "__index__"):
+        return n
+    return operator.index(n)
+
+
+def round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def build_layout(numels: Sequence[int], dp_size: int, *, bucket_numel: Optional[int] = None,
+                 align: int = DEFAULT_ALIGN) -> BufferLayout:
+    """Lay out weights of ``numels`` elements in order, in buckets, sharded over ``dp_size`` ranks.
+
+    Args:
+        numels: element count of each weight (M*K for an NVFP4 weight), in buffer order.
+        dp_size: data-parallel world size.
+        bucket_numel: a bucket is closed as soon as its weights hold at least this many elements
+            (None: one bucket for everything). Each bucket is one reduce-scatter and one all-gather.
+        align: even element alignment of weight starts and of every rank boundary.
+
+    Returns:
+        A `BufferLayout`; every rank boundary is a multiple of ``align`` (so even), and byte
+        offsets of the packed buffer are element offsets / 2.
+    """
+    numels = tuple(_as_int(n) for n in numels)
+    _check_args(numels, dp_size, align, bucket_numel)
+    weights, buckets = [], []
+    bucket_start, cursor, members = 0, 0, []
+
+    def close_bucket():
+        nonlocal bucket_start, cursor, members
+        end = bucket_start + round_up(cursor - bucket_start, dp_size * align)
+        buckets.append(Bucket(len(buckets), Span(bucket_start, end), tuple(members),
+                              (end - bucket_start) // dp_size))
+        bucket_start, cursor, members = end, end, []
+
+    for i, n in enumerate(numels):
+        start = round_up(cursor, align)
+        weights.append(WeightSlot(i, Span(start, start + n), len(buckets)))
+        members.append(i)
+        cursor = start + n
+        if bucket_numel is not None and cursor - bucket_start >= bucket_numel:
+            close_bucket()
+    if members:
+        close_bucket()
+    return BufferLayout(numels, dp_size, align, tuple(weights), tuple(buckets))
+
+
+def tile_grid(rows: int, cols: int) -> Tuple[int, int]:
+    return math.ceil(rows / 16), math.ceil(cols / 16)
+
+
+def cut_tiles(shape: Tuple[int, int], cut: int) -> Tuple[int, int]:
+    """16x16 tiles of a row-major ``shape`` weight that hold elements on both sides of element ``cut``.
+
+    Only these tiles have owners on two ranks, so only their amaxes need a cross-rank MAX
+    (every other tile's amax is complete on the one rank that owns it).
+
+    Returns:
+        ``(first, last)``: flat tile indices ``tr * tiles_k + tc`` of the cut tiles are
+        ``range(first, last)``; empty (``first == last``) when the cut is on a tile-row boundary.
+    """
+    rows, cols = shape
+    if not 0 < cut < rows * cols:
+        raise ValueError(f"cut {cut} must be strictly inside the weight of {rows * cols} elements")
+    row, col = divmod(cut, cols)
+    tr = row // 16
+    tiles_k = tile_grid(rows, cols)[1]
+    last_row = min(16 * tr + 15, rows - 1)
+    hit = []
+    for tc in range(tiles_k):
+        lo = 16 * tr * cols + 16 * tc                       # first element of the tile
+        hi = last_row * cols + min(16 * tc + 15, cols - 1)  # last element of the tile
+        if lo < cut <= hi:
+            hit.append(tc)
+    if not hit:
+        return (tr * tiles_k, tr * tiles_k)
+    # Cut tiles form one run of a tile row (see tests); return it as a flat range.
+    assert hit == list(range(hit[0], hit[-1] + 1)), f"non-contiguous cut tiles {hit}"
+    return (tr * tiles_k + hit[0], tr * tiles_k + hit[-1] + 1)
