@@ -59,7 +59,7 @@ def convert_linear_weights(
             q = quantize(w.detach(), numerics=numerics, dtype=dtype, name=f"{name}.weight")
             module.weight = nn.Parameter(q, requires_grad=w.requires_grad)
             report.converted.append(name)
-    if report.skipped:
+    if any(why != "listed in skip" for why in report.skipped.values()):
         warnings.warn(str(report), stacklevel=2)
     if verbose:
         print(report)
