@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Run the whole test suite (unit + multi-rank distributed + Megatron-Core integration) in ./.venv.
+# GPU tests are skipped without CUDA; extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/bootstrap.sh
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONUNBUFFERED=1
+exec .venv/bin/python -m pytest tests -ra --durations=15 "$@"
