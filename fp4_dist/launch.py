@@ -1,0 +1,125 @@
+"""Start torch.distributed from whatever launched this process: torchrun, mpirun/mpiexec, or nothing.
+
+* torchrun (or any launcher that sets ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``):
+  ``env://`` initialisation.
+* mpirun / mpiexec (MPICH, Open MPI, Intel MPI, Slurm PMI): rank and world size come from
+  ``MPI.COMM_WORLD`` (mpi4py), the local rank from a shared-memory split of it, and rank 0
+  broadcasts its address and a free TCP port (``MASTER_ADDR``/``MASTER_PORT`` win when set).
+* neither: a single process; nothing is initialised and fp4_dist's collectives are local copies.
+
+Backend: NCCL when CUDA is available, else gloo (override with ``backend=``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+# Variables an MPI launcher sets in every rank's environment (MPICH/Hydra, Open MPI, Intel MPI, Slurm PMI).
+_MPI_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "MPI_LOCALRANKID", "PMIX_RANK")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: Optional[str]
+    """"gloo", "nccl", or None for a single process without torch.distributed."""
+    device: torch.device
+    """cuda:<local_rank> under NCCL, else cpu."""
+    launcher: str
+    """"torchrun", "mpi" or "single"."""
+
+
+def _default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _device_for(backend: Optional[str], local_rank: int) -> torch.device:
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def launched_by() -> str:
+    """Which launcher started this process: "torchrun", "mpi" or "single"."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return "torchrun"
+    if any(k in os.environ for k in _MPI_ENV):
+        return "mpi"
+    return "single"
+
+
+def init_distributed(backend: Optional[str] = None, *, timeout_s: float = 300.0) -> DistInfo:
+    """Initialise the default process group from the launcher's environment (idempotent).
+
+    Args:
+        backend: "gloo" or "nccl"; default NCCL when CUDA is available, else gloo.
+        timeout_s: collective timeout.
+    Returns:
+        `DistInfo` of this process.
+    """
+    launcher = launched_by()
+    if dist.is_initialized():
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        be = dist.get_backend()
+        return DistInfo(dist.get_rank(), dist.get_world_size(), local, be, _device_for(be, local), launcher)
+    if launcher == "single":
+        return DistInfo(0, 1, 0, None, _device_for("nccl" if torch.cuda.is_available() else None, 0), "single")
+    backend = backend or _default_backend()
+    timeout = timedelta(seconds=timeout_s)
+    if launcher == "torchrun":
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        device = _device_for(backend, local)
+        dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
+        return DistInfo(dist.get_rank(), dist.get_world_size(), local, backend, device, launcher)
+    return _init_from_mpi(backend, timeout)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _this_host_address() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def _init_from_mpi(backend: str, timeout: timedelta) -> DistInfo:
+    try:
+        from mpi4py import MPI
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise RuntimeError("this process was started by an MPI launcher but mpi4py is not installed; "
+                           "`pip install mpi4py` (extra `fp4_dist[mpi]`) or launch with torchrun") from e
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank).Get_rank()
+    addr = port = None
+    if rank == 0:
+        addr = os.environ.get("MASTER_ADDR") or _this_host_address()
+        port = int(os.environ.get("MASTER_PORT") or _free_port())
+    addr, port = comm.bcast((addr, port), root=0)
+    device = _device_for(backend, local)
+    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=size,
+                            timeout=timeout, device_id=device if backend == "nccl" else None)
+    return DistInfo(rank, size, local, backend, device, "mpi")
+
+
+def shutdown() -> None:
+    """Destroy the default process group if one was initialised."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

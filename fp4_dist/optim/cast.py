@@ -1,0 +1,281 @@
+"""Cast fp32 master shards straight into NVFP4 weights (ZeRO partial cast), composed from the stage API.
+
+One call, for any number of weights (spec section 4)::
+
+    validate everything            (nothing written yet; errors name the weight)
+    partial_amax   -> amax buffer  [group 0: n0 tensor amaxes | tiles][group 1: ...][ws error flags]
+    ONE MAX all-reduce of that buffer over the data-parallel group
+    one scalar read: all tensor amaxes finite and no rank flagged an error?   (the only host sync)
+    fused_scale    -> every weight's rowwise_scale_inv + amax (identical on every rank), encode multipliers
+    partial_cast   -> the owned nibbles of each weight's rowwise_data (or of its FSDP shard)
+
+Weights are grouped by (model dtype, numerics) because the stages take one of each; all groups share the
+one all-reduce. Per-step metadata (`CastPlan`: groups and buffer offsets) is built once per list of shapes
+and cached; `run_cast` takes a prebuilt plan so optimizers skip the per-call checks of the public entry.
+
+Why the error flags: a rank whose inputs are invalid must not skip the collective (the others would hang),
+so it contributes zeros plus a flag in its own slot, and every rank raises before writing a byte.
+
+The `AmaxExchange` is the one place that decides what the all-reduce carries. Today it carries every tile;
+shrinking it to the tiles cut by rank boundaries (`fp4_dist.buffers.layout.cut_tiles`) is a change of that
+object only (plus a gather of the owners' tile scales), not of this flow.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from .. import kernels
+from ..format import check_weight_shape, columnwise_scale_shape
+from ..tensor import NVFP4Tensor, is_nvfp4_tensor
+from .collectives import CommStats, all_reduce_max_, rank_and_size
+
+MASTER_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class CastGroup:
+    """Weights cast with one set of stage calls (same model dtype and numerics)."""
+
+    indices: Tuple[int, ...]
+    shapes: Tuple[Tuple[int, int], ...]
+    round_to: torch.dtype
+    numerics: str
+    offset: int
+    """First entry of this group's `kernels.amax_layout` block in the amax buffer."""
+    layout: kernels.AmaxLayout
+
+
+@dataclass(frozen=True)
+class CastPlan:
+    """Static metadata of one list of weights: built once, reused every step."""
+
+    shapes: Tuple[Tuple[int, int], ...]
+    groups: Tuple[CastGroup, ...]
+    amax_numel: int
+    """Entries of all groups' amax layouts; the buffer adds one error-flag slot per rank."""
+
+
+@functools.lru_cache(maxsize=64)
+def make_cast_plan(shapes: Tuple[Tuple[int, int], ...], dtypes: Tuple[torch.dtype, ...],
+                   numerics: Tuple[str, ...]) -> CastPlan:
+    """Group weights by (dtype, numerics) and place each group's amax block; pure, cached."""
+    keys = {}
+    for i, key in enumerate(zip(dtypes, numerics)):
+        keys.setdefault(key, []).append(i)
+    groups, offset = [], 0
+    for (dtype, num), idx in keys.items():
+        g_shapes = tuple(shapes[i] for i in idx)
+        layout = kernels.amax_layout(g_shapes)
+        groups.append(CastGroup(tuple(idx), g_shapes, dtype, num, offset, layout))
+        offset += layout.total
+    return CastPlan(tuple(shapes), tuple(groups), offset)
+
+
+def plan_for(model_weights: Sequence[NVFP4Tensor]) -> CastPlan:
+    shapes = tuple(tuple(int(s) for s in w.shape) for w in model_weights)
+    return make_cast_plan(shapes, tuple(w.dtype for w in model_weights), tuple(w.numerics for w in model_weights))
+
+
+# ------------------------------------------------------------------------------------------------ validation
+def _name(i: int, w) -> str:
+    return f"model_weights[{i}] ({'x'.join(map(str, w.shape))})"
+
+
+def _check_weights(model_weights, master_weights, start_offsets, fsdp_shard_model_weights) -> None:
+    """Structure errors: the same on every rank (the model is replicated), so raising at once is safe."""
+    n = len(model_weights)
+    if len(master_weights) != n or len(start_offsets) != n:
+        raise ValueError(f"got {n} model_weights, {len(master_weights)} master_weights and "
+                         f"{len(start_offsets)} start_offsets; pass one of each per weight (None where not owned)")
+    if fsdp_shard_model_weights is not None and len(fsdp_shard_model_weights) != n:
+        raise ValueError(f"got {len(fsdp_shard_model_weights)} fsdp_shard_model_weights for {n} model_weights")
+    for i, w in enumerate(model_weights):
+        if not is_nvfp4_tensor(w):
+            raise TypeError(f"model_weights[{i}] is a {type(w).__name__} ({getattr(w, 'dtype', '')}); "
+                            "cast_master_weights_to_nvfp4 only casts into NVFP4Tensor weights "
+                            "(convert them with fp4_dist.convert_linear_weights or fp4_dist.quantize)")
+        check_weight_shape(w.shape, _name(i, w))
+
+
+def _check_shard(i: int, w: NVFP4Tensor, master, start, fragment) -> None:
+    """One weight's master shard, offset and optional FSDP fragment; raise naming the weight."""
+    name = _name(i, w)
+    if master is None:
+        return
+    if not isinstance(master, torch.Tensor) or master.dtype not in MASTER_DTYPES:
+        got = master.dtype if isinstance(master, torch.Tensor) else type(master).__name__
+        raise TypeError(f"{name}: master shard must be an fp32 (or bf16) tensor, got {got}")
+    if master.device != w.rowwise_data.device:
+        raise ValueError(f"{name}: master shard is on {master.device} but the weight is on "
+                         f"{w.rowwise_data.device}; move the master to the weight's device")
+    if master.dim() != 1 or not master.is_contiguous():
+        raise ValueError(f"{name}: master shard must be a flat contiguous tensor, got shape "
+                         f"{list(master.shape)}; pass master.view(-1)")
+    if start is None or isinstance(start, bool) or not hasattr(start, "__index__"):
+        raise TypeError(f"{name}: start offset must be an int element offset, got {start!r}")
+    start, numel = int(start), w.shape[0] * w.shape[1]
+    end = start + master.numel()
+    if start < 0 or end > numel:
+        raise ValueError(f"{name}: master shard covers elements [{start}, {end}) but the weight has {numel}; "
+                         "the shard length or start offset does not match the buffer layout")
+    if master.numel() and (start % 2 or end % 2):
+        raise ValueError(f"{name}: shard [{start}, {end}) has an odd boundary; two FP4 values share a byte, so "
+                         "shard boundaries must be even element offsets (use fp4_dist.buffers.build_layout)")
+    if fragment is not None:
+        want = (end + 1) // 2 - start // 2
+        if fragment.dtype != torch.uint8 or fragment.numel() != want or fragment.device != master.device:
+            raise ValueError(f"{name}: FSDP fragment must be {want} uint8 bytes on {master.device}, got "
+                             f"{fragment.dtype} x {fragment.numel()} on {fragment.device}")
+
+
+def _normalise(master, start):
+    """(shard or None, int start) as the stages take them; an empty shard owns nothing."""
+    if master is None or master.numel() == 0:
+        return None, 0
+    return master, int(start)
+
+
+# ------------------------------------------------------------------------------------------------ the cast
+def cast_master_weights_to_nvfp4(
+    model_weights: Sequence[NVFP4Tensor],
+    master_weights: Sequence[Optional[torch.Tensor]],
+    start_offsets: Sequence[Optional[int]],
+    group=None,
+    fsdp_shard_model_weights: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    manual_post_all_gather_processing: bool = True,
+) -> None:
+    """Cast this rank's fp32 master shards into NVFP4 weights (TransformerEngine's `quantize_master_weights`).
+
+    Args:
+        model_weights: NVFP4Tensor weights [M, K] (the same list on every rank of ``group``).
+        master_weights: per weight, the flat fp32 shard this rank owns (elements
+            ``[start, start + numel)`` of the row-major weight), or None where it owns nothing.
+            Values are rounded to the weight's dtype (bf16) before amax and cast, as TE does.
+        start_offsets: per weight, the first element of the shard (even), or None.
+        group: data-parallel process group (None: default group, or a single process).
+        fsdp_shard_model_weights: optional per weight uint8 byte fragments
+            ``[start >> 1, (end + 1) >> 1)`` that receive the cast bytes instead of ``rowwise_data``.
+        manual_post_all_gather_processing: True (default): the caller all-gathers ``rowwise_data`` and then
+            calls `post_all_gather_processing`. False: columnwise copies are dropped here (they are stale)
+            and ``make_columnwise()`` rebuilds them later, as TE does.
+
+    Every weight's ``rowwise_scale_inv`` and ``amax`` are written (identical on every rank) and the owned
+    nibbles of ``rowwise_data``; nothing else. One MAX all-reduce per call, one scalar device-to-host read.
+    Raises ValueError/TypeError naming the weight, with no byte written, for bad shards, offsets, dtypes,
+    devices, or non-finite master values.
+    """
+    _check_weights(model_weights, master_weights, start_offsets, fsdp_shard_model_weights)
+    frags = fsdp_shard_model_weights or [None] * len(model_weights)
+    local_error = None
+    try:
+        for i, (w, m, s, f) in enumerate(zip(model_weights, master_weights, start_offsets, frags)):
+            _check_shard(i, w, m, s, f)
+    except (TypeError, ValueError) as e:
+        local_error = e
+    pairs = [_normalise(m, s) for m, s in zip(master_weights, start_offsets)] if local_error is None else None
+    shards = [p[0] for p in pairs] if pairs else None
+    starts = [p[1] for p in pairs] if pairs else None
+    run_cast(plan_for(model_weights), model_weights, shards, starts, group=group, fragments=frags,
+             local_error=local_error)
+    if not manual_post_all_gather_processing:
+        for w in model_weights:
+            w.columnwise_data = w.columnwise_scale_inv = None
+
+
+quantize_master_weights = cast_master_weights_to_nvfp4
+
+
+def _weight_device(model_weights) -> torch.device:
+    return model_weights[0].rowwise_data.device if len(model_weights) else torch.device("cpu")
+
+
+def run_cast(plan: CastPlan, model_weights, shards, starts, *, group=None, fragments=None,
+             stats: Optional[CommStats] = None, local_error: Optional[Exception] = None) -> None:
+    """The cast with a prebuilt plan: shards/starts already valid (or ``local_error`` set, shards None).
+
+    Args:
+        fragments: per weight an FSDP byte fragment or None (then ``rowwise_data`` bytes are written).
+        local_error: a validation error of this rank; it still joins the collective, then raises it.
+    """
+    rank, size = rank_and_size(group)
+    buf = torch.zeros(plan.amax_numel + size, dtype=torch.float32, device=_weight_device(model_weights))
+    if local_error is None:
+        for g in plan.groups:
+            kernels.partial_amax([shards[i] for i in g.indices], [starts[i] for i in g.indices], g.shapes,
+                                 round_to=g.round_to, out=buf[g.offset:g.offset + g.layout.total])
+    else:
+        buf[plan.amax_numel + rank] = 1.0
+    all_reduce_max_(buf, group, stats)
+    _raise_if_bad(plan, buf, model_weights, local_error)
+    fragments = fragments or [None] * len(model_weights)
+    for g in plan.groups:
+        weights = [model_weights[i] for i in g.indices]
+        enc = kernels.fused_scale(buf[g.offset:g.offset + g.layout.total], g.shapes,
+                                  [w.rowwise_scale_inv for w in weights], [w.amax for w in weights],
+                                  numerics=g.numerics)
+        g_shards = [shards[i] for i in g.indices]
+        g_starts = [starts[i] for i in g.indices]
+        frags = [_fragment(model_weights[i], shards[i], starts[i], fragments[i]) for i in g.indices]
+        kernels.partial_cast(g_shards, g_starts, g.shapes, enc, frags, round_to=g.round_to)
+
+
+def _fragment(w: NVFP4Tensor, shard, start: int, fsdp_fragment):
+    if shard is None:
+        return None
+    if fsdp_fragment is not None:
+        return fsdp_fragment
+    return w.rowwise_data.view(-1)[start >> 1:(start + shard.numel() + 1) >> 1]
+
+
+def _raise_if_bad(plan: CastPlan, buf: torch.Tensor, model_weights, local_error) -> None:
+    """One scalar read decides; the error path may read more (it is about to raise anyway)."""
+    flags = buf[plan.amax_numel:]
+    ok = (flags == 0).all()
+    for g in plan.groups:
+        ok = ok & torch.isfinite(buf[g.offset:g.offset + g.layout.n]).all()
+    if bool(ok.item()):  # the only device-to-host read of a successful call
+        return
+    if local_error is not None:
+        raise local_error
+    bad_ranks = flags.nonzero().flatten().tolist()
+    if bad_ranks:
+        raise RuntimeError(f"rank(s) {bad_ranks} rejected their master shards (see the error on those ranks); "
+                           "no weight, scale or amax was written on any rank")
+    for g in plan.groups:
+        amaxes = buf[g.offset:g.offset + g.layout.n].tolist()
+        for i, a in zip(g.indices, amaxes):
+            if a != a or a in (float("inf"), float("-inf")):
+                raise ValueError(f"{_name(i, model_weights[i])}: master values are not finite (inf or NaN on "
+                                 "some rank); NVFP4 cannot encode them. No weight, scale or amax was written")
+    raise AssertionError("amax check failed without a non-finite amax or an error flag")
+
+
+# ----------------------------------------------------------------------------------- after the all-gather
+def post_all_gather_processing(model_weights) -> None:
+    """Build the columnwise copies (nibble transpose + scale transpose) of NVFP4 weights after the gather.
+
+    Args:
+        model_weights: a tensor or a list; entries that are not NVFP4Tensor are ignored (as in TE), and so
+            are NVFP4 weights with an odd M (two rows share a columnwise byte; they stay rowwise-only).
+    One batched launch per stage for all weights. Columnwise buffers are allocated on first use.
+    """
+    if isinstance(model_weights, torch.Tensor):
+        model_weights = [model_weights]
+    todo = [w for w in model_weights if is_nvfp4_tensor(w) and w.shape[0] % 2 == 0]
+    if not todo:
+        return
+    for w in todo:
+        if w.columnwise_data is None:
+            m, k = w.shape
+            dev = w.rowwise_data.device
+            w.columnwise_data = torch.empty((k, m // 2), dtype=torch.uint8, device=dev)
+            w.columnwise_scale_inv = torch.empty(columnwise_scale_shape(m, k), dtype=torch.uint8, device=dev)
+    kernels.nibble_transpose([w.rowwise_data for w in todo], [w.columnwise_data for w in todo])
+    kernels.scale_transpose([w.rowwise_scale_inv for w in todo], [w.columnwise_scale_inv for w in todo],
+                            [tuple(w.shape) for w in todo])
+

@@ -1,0 +1,123 @@
+"""The only module of fp4_dist.optim that calls torch.distributed.
+
+Every function takes the process group as an argument (None = the default group) and works
+without an initialised process group when the group has one rank: a single process runs the
+same code path with the collectives reduced to local copies.
+
+`CommStats` (optional everywhere) counts the collectives issued and the bytes they carry, so
+tools can print "bytes all-gathered" without wrapping torch.distributed themselves.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class CommStats:
+    """Collectives issued through this module: ``calls[name]`` and payload ``bytes[name]``.
+
+    Bytes are the full buffer a collective produces (all-gather output, all-reduce buffer,
+    reduce-scatter input), i.e. the size of the logical message, not the wire traffic.
+    """
+
+    calls: Counter = field(default_factory=Counter)
+    bytes: Counter = field(default_factory=Counter)
+
+    def record(self, name: str, nbytes: int) -> None:
+        self.calls[name] += 1
+        self.bytes[name] += int(nbytes)
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def rank_and_size(group=None) -> Tuple[int, int]:
+    """(rank in ``group``, size of ``group``); (0, 1) when torch.distributed is not initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise ValueError("a process group was passed but torch.distributed is not initialised; "
+                             "call fp4_dist.launch.init_distributed() (or dist.init_process_group) first")
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+# torch 2.13 renamed the tensor forms of all-gather / reduce-scatter; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor")
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor")
+
+
+def all_reduce_max_(buf: torch.Tensor, group=None, stats: Optional[CommStats] = None) -> None:
+    """In-place elementwise MAX of ``buf`` over the ranks of ``group`` (any float dtype)."""
+    _, size = rank_and_size(group)
+    if size == 1:
+        return
+    if stats is not None:
+        stats.record("all_reduce", _nbytes(buf))
+    dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
+
+
+def reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, group=None,
+                       stats: Optional[CommStats] = None) -> None:
+    """``out`` (numel N) <- sum over ranks of ``inp[rank*N:(rank+1)*N]``; summation order is the backend's."""
+    _check_scatter(out, inp, group)
+    _, size = rank_and_size(group)
+    if size == 1:
+        out.copy_(inp)
+        return
+    if stats is not None:
+        stats.record("reduce_scatter", _nbytes(inp))
+    _reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=group)
+
+
+def reduce_scatter_ordered(out: torch.Tensor, inp: torch.Tensor, group=None,
+                           stats: Optional[CommStats] = None) -> None:
+    """Like `reduce_scatter_sum`, but summed in rank order ``((x0 + x1) + x2) + ...`` on every rank.
+
+    One all-to-all moves the same bytes a ring reduce-scatter does; the local sum then has a fixed
+    association, so the result equals a single process accumulating the ranks' gradients in rank
+    order (gradient accumulation), bit for bit, for every world size.
+    """
+    _check_scatter(out, inp, group)
+    _, size = rank_and_size(group)
+    if size == 1:
+        out.copy_(inp)
+        return
+    if stats is not None:
+        stats.record("all_to_all", _nbytes(inp))
+    recv = torch.empty_like(inp)
+    dist.all_to_all_single(recv, inp, group=group)
+    parts = recv.view(size, -1)
+    out.copy_(parts[0])
+    for r in range(1, size):
+        out.add_(parts[r])
+
+
+def all_gather_inplace(buf: torch.Tensor, group=None, stats: Optional[CommStats] = None) -> None:
+    """Every rank's slice ``buf[rank*N:(rank+1)*N]`` is sent to all ranks, in place (N = numel / size)."""
+    rank, size = rank_and_size(group)
+    if size == 1:
+        return
+    if buf.numel() % size:
+        raise ValueError(f"all-gather buffer of {buf.numel()} elements is not divisible by {size} ranks")
+    n = buf.numel() // size
+    if stats is not None:
+        stats.record("all_gather", _nbytes(buf))
+    _all_gather_single(buf, buf[rank * n:(rank + 1) * n], group=group)
+
+
+def _check_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    _, size = rank_and_size(group)
+    if inp.numel() != out.numel() * size or inp.dtype != out.dtype:
+        raise ValueError(f"reduce-scatter of {inp.numel()} {inp.dtype} into {out.numel()} {out.dtype} "
+                         f"over {size} ranks: input must be size x output, same dtype")

@@ -1,0 +1,186 @@
+"""fp4_dist/optim/cast.py in one process: cast of master shards, validation, post-all-gather processing.
+
+The multi-rank parity (amaxes merged by the all-reduce) is in tests/distributed/parity_cast.py.
+"""
+
+import random
+
+import pytest
+import torch
+
+import fp4_dist
+from fp4_dist.optim import cast_master_weights_to_nvfp4, post_all_gather_processing, quantize_master_weights
+from fp4_dist.optim.cast import make_cast_plan
+from fp4_dist.tensor import NVFP4Tensor
+from fp4_dist.testing import assert_bytes_equal, awkward_shapes, poison_, random_weight
+
+FIELDS = ("rowwise_data", "rowwise_scale_inv", "amax")
+
+
+def poisoned_weights(shapes, dtype=torch.bfloat16):
+    ws = [NVFP4Tensor.empty(s, dtype=dtype) for s in shapes]
+    for w in ws:
+        for f in FIELDS:
+            poison_(getattr(w, f))
+    return ws
+
+
+def snapshot(ws):
+    return [{f: getattr(w, f).clone() for f in FIELDS} for w in ws]
+
+
+def assert_untouched(ws, snap):
+    for i, (w, s) in enumerate(zip(ws, snap)):
+        for f in FIELDS:
+            assert_bytes_equal(getattr(w, f), s[f], f"weight {i} {f}")
+
+
+def masters_for(shapes, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [random_weight(m, k, generator=g, heavy_tailed=i % 2 == 1) for i, (m, k) in enumerate(shapes)]
+
+
+def test_full_shards_cast_equals_quantize_of_bf16_master_for_awkward_shapes():
+    shapes = awkward_shapes(random.Random(1), 8) + [(272, 80), (16, 16), (1, 48)]
+    masters = masters_for(shapes)
+    ws = poisoned_weights(shapes)
+    cast_master_weights_to_nvfp4(ws, [m.view(-1) for m in masters], [0] * len(ws))
+    for i, (w, m) in enumerate(zip(ws, masters)):
+        ref = fp4_dist.quantize(m.to(torch.bfloat16))
+        for f in FIELDS:
+            assert_bytes_equal(getattr(w, f), getattr(ref, f), f"weight {i} {shapes[i]} {f}")
+
+
+def test_partial_shard_writes_only_its_byte_range():
+    m, k = 40, 48
+    master = random_weight(m, k).view(-1)
+    (w,) = poisoned_weights([(m, k)])
+    start, end = 2 * 137, 2 * 611  # mid-tile, mid-row
+    cast_master_weights_to_nvfp4([w], [master[start:end]], [start])
+    data = w.rowwise_data.view(-1)
+    assert (data[: start // 2] == 0xA5).all() and (data[end // 2:] == 0xA5).all()
+    assert not (data[start // 2:end // 2] == 0xA5).all()
+
+
+def test_quantize_master_weights_is_the_same_function():
+    assert quantize_master_weights is cast_master_weights_to_nvfp4
+    assert fp4_dist.cast_master_weights_to_nvfp4 is cast_master_weights_to_nvfp4
+
+
+def test_fsdp_fragment_receives_the_bytes_instead_of_rowwise_data():
+    m, k = 33, 80
+    master = random_weight(m, k).view(-1)
+    (w,) = poisoned_weights([(m, k)])
+    rowwise_before = w.rowwise_data.clone()
+    frag = torch.full((m * k // 2,), 0xA5, dtype=torch.uint8)
+    cast_master_weights_to_nvfp4([w], [master], [0], fsdp_shard_model_weights=[frag])
+    ref = fp4_dist.quantize(master.view(m, k).to(torch.bfloat16))
+    assert_bytes_equal(frag, ref.rowwise_data.view(-1), "fragment")
+    assert_bytes_equal(w.rowwise_data, rowwise_before, "rowwise_data")
+    assert_bytes_equal(w.rowwise_scale_inv, ref.rowwise_scale_inv, "scales")
+
+
+def test_weights_without_a_shard_still_get_scales_and_amax():
+    shapes = [(32, 16), (48, 48)]
+    masters = masters_for(shapes)
+    ws = poisoned_weights(shapes)
+    cast_master_weights_to_nvfp4(ws, [masters[0].view(-1), None], [0, None])
+    assert (ws[1].amax == 0).all() and (ws[1].rowwise_scale_inv == 0).all()
+    assert (ws[1].rowwise_data == 0xA5).all()
+
+
+def test_manual_false_drops_stale_columnwise_copies():
+    (w,) = poisoned_weights([(32, 32)])
+    w.make_columnwise()
+    cast_master_weights_to_nvfp4([w], [random_weight(32, 32).view(-1)], [0], manual_post_all_gather_processing=False)
+    assert w.columnwise_data is None and w.columnwise_scale_inv is None
+
+
+def test_plan_is_built_once_per_list_of_shapes():
+    shapes = ((32, 16), (48, 48))
+    make_cast_plan.cache_clear()
+    for _ in range(3):
+        ws = poisoned_weights(shapes)
+        cast_master_weights_to_nvfp4(ws, [torch.randn(m * k) for m, k in shapes], [0, 0])
+    info = make_cast_plan.cache_info()
+    assert info.misses == 1 and info.hits == 2
+
+
+def test_mixed_model_dtypes_and_numerics_share_one_call():
+    shapes = [(40, 48), (24, 80), (16, 32)]
+    masters = masters_for(shapes, seed=3)
+    ws = poisoned_weights(shapes[:2]) + poisoned_weights(shapes[2:], dtype=torch.float16)
+    ws[1].numerics = "te-2.14"
+    cast_master_weights_to_nvfp4(ws, [m.view(-1) for m in masters], [0, 0, 0])
+    for i, (w, m) in enumerate(zip(ws, masters)):
+        ref = fp4_dist.quantize(m, numerics=w.numerics, dtype=w.dtype)
+        for f in FIELDS:
+            assert_bytes_equal(getattr(w, f), getattr(ref, f), f"weight {i} {f}")
+
+
+# ----------------------------------------------------------------------------------------------- bad input
+def _bad_cases():
+    m, k = 40, 48
+    good = random_weight(m, k).view(-1)
+    nan = good.clone()
+    nan[1000] = float("nan")
+    inf = good.clone()
+    inf[7] = -float("inf")
+    return {
+        "odd-start": ([good[3:101]], [3], ValueError, "odd boundary"),
+        "odd-end": ([good[0:101]], [0], ValueError, "odd boundary"),
+        "past-the-end": ([good[100:]], [102], ValueError, "does not match"),
+        "negative-start": ([good[:100]], [-2], ValueError, "does not match"),
+        "fp16-master": ([good.half()], [0], TypeError, "fp32"),
+        "fp64-master": ([good.double()], [0], TypeError, "fp32"),
+        "meta-device": ([torch.empty(m * k, device="meta")], [0], ValueError, "device|is on"),
+        "2d-master": ([good.view(m, k)], [0], ValueError, "flat"),
+        "non-contiguous": ([good[::2]], [0], ValueError, "flat contiguous"),
+        "missing-start": ([good], [None], TypeError, "start offset"),
+        "nan-master": ([nan], [0], ValueError, "not finite"),
+        "inf-master": ([inf], [0], ValueError, "not finite"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_cases()))
+def test_bad_input_raises_naming_the_weight_and_leaves_every_weight_untouched(case):
+    masters, starts, exc, match = _bad_cases()[case]
+    ws = poisoned_weights([(16, 16), (40, 48)])
+    snap = snapshot(ws)
+    with pytest.raises(exc, match=match) as info:
+        cast_master_weights_to_nvfp4(ws, [random_weight(16, 16).view(-1)] + masters, [0] + starts)
+    assert "model_weights[1] (40x48)" in str(info.value)
+    assert_untouched(ws, snap)
+
+
+def test_non_nvfp4_model_weight_is_refused_by_type():
+    with pytest.raises(TypeError, match="model_weights\\[0\\].*NVFP4Tensor"):
+        cast_master_weights_to_nvfp4([torch.zeros(16, 16)], [torch.zeros(256)], [0])
+
+
+def test_list_length_mismatch_is_refused():
+    ws = poisoned_weights([(16, 16)])
+    with pytest.raises(ValueError, match="one of each per weight"):
+        cast_master_weights_to_nvfp4(ws, [torch.zeros(256)], [0, 0])
+
+
+def test_bad_fsdp_fragment_is_refused_before_writing():
+    ws = poisoned_weights([(16, 16)])
+    snap = snapshot(ws)
+    with pytest.raises(ValueError, match="FSDP fragment"):
+        cast_master_weights_to_nvfp4(ws, [torch.randn(256)], [0], fsdp_shard_model_weights=[torch.zeros(3, dtype=torch.uint8)])
+    assert_untouched(ws, snap)
+
+
+# ----------------------------------------------------------------------------------- post all-gather
+def test_post_all_gather_processing_builds_columnwise_like_make_columnwise():
+    shapes = [(32, 48), (18, 80), (33, 16)]  # the odd-M weight stays rowwise-only
+    masters = masters_for(shapes, seed=5)
+    ws = poisoned_weights(shapes)
+    cast_master_weights_to_nvfp4(ws, [m.view(-1) for m in masters], [0, 0, 0])
+    post_all_gather_processing(ws + [torch.zeros(3)])
+    for w, m in zip(ws[:2], masters):
+        ref = fp4_dist.quantize(m).make_columnwise()
+        assert_bytes_equal(w.columnwise_data, ref.columnwise_data, "columnwise_data")
+        assert_bytes_equal(w.columnwise_scale_inv, ref.columnwise_scale_inv, "columnwise_scale_inv")
+    assert ws[2].columnwise_data is None
