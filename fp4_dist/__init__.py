@@ -3,9 +3,11 @@
 Public API (everything else is internal and may change)::
 
     format      NVFP4Tensor, quantize, is_nvfp4_tensor, convert_linear_weights
+    zero        cast_master_weights_to_nvfp4 (= quantize_master_weights), post_all_gather_processing
 """
 
 from .convert import ConversionReport, convert_linear_weights
+from .optim.cast import cast_master_weights_to_nvfp4, post_all_gather_processing, quantize_master_weights
 from .quantize import quantize
 from .tensor import NVFP4Tensor, is_nvfp4_tensor
 
@@ -16,6 +18,10 @@ __all__ = [
     "is_nvfp4_tensor",
     "convert_linear_weights",
     "ConversionReport",
+    # ZeRO partial cast (TransformerEngine's quantize_master_weights signature)
+    "cast_master_weights_to_nvfp4",
+    "quantize_master_weights",
+    "post_all_gather_processing",
 ]
 
 __version__ = "0.1.0"
