@@ -1,0 +1,205 @@
+"""Compile the CUDA stage kernels once per device and launch them on torch's current stream.
+
+Sources are the `.cu` files in `cuda/`, compiled with NVRTC (CuPy's bindings) for the exact device
+architecture (`-arch=sm_XY`). Options, and why:
+
+    -fmad=false      no multiply-add contraction: every fp32 op is rounded on its own (spec section 2)
+    -ftz=false       keep subnormals (E4M3 subnormal scales, tiny masters); CuPy's own RawModule path adds
+                     -ftz=true, which is why this module drives NVRTC itself
+    -prec-div=true   correctly rounded division and reciprocal (1/S, 2688/A, 1/(s_t*Sdec))
+    no fast math, ever
+
+`common.cuh` is pasted into each source with `#line` markers, so compiler messages name the right file and
+line, and the compiled text is the whole input (no include path to go stale).
+
+Launchers check their arguments, size the grid, and launch; they never allocate and never synchronize.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+CUDA_DIR = Path(__file__).resolve().parent / "cuda"
+SOURCES = ("amax.cu", "scale.cu", "cast.cu", "transpose.cu")
+THREADS = 256  # every kernel is written for 256-thread blocks (kThreads in common.cuh)
+
+COMPILE_OPTIONS = ("-std=c++17", "-fmad=false", "-ftz=false", "-prec-div=true", "-prec-sqrt=true")
+
+_ROUND = {torch.bfloat16: "RoundBf16", torch.float16: "RoundFp16", torch.float32: "RoundFp32"}
+_NUMERICS = {"te": "NumericsTe", "te-2.14": "NumericsTe214"}
+
+# The one name table: (stage, variant) -> (source file, kernel name expression).
+KERNELS: dict[tuple[str, str], tuple[str, str]] = {
+    **{("partial_amax", r): ("amax.cu", f"fp4d::partial_amax_kernel<fp4d::{r}>") for r in _ROUND.values()},
+    **{("partial_cast", r): ("cast.cu", f"fp4d::partial_cast_kernel<fp4d::{r}>") for r in _ROUND.values()},
+    **{("fused_scale", v): ("scale.cu", f"fp4d::fused_scale_kernel<fp4d::{v}>") for v in _NUMERICS.values()},
+    ("nibble_transpose", ""): ("transpose.cu", "fp4d::nibble_transpose_kernel"),
+    ("scale_transpose", ""): ("transpose.cu", "fp4d::scale_transpose_kernel"),
+    ("e2m1_codes", ""): ("cast.cu", "fp4d::e2m1_codes_kernel"),  # test hooks
+    ("e4m3_codes", ""): ("scale.cu", "fp4d::e4m3_codes_kernel"),
+}
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
+
+
+def load_source(name: str) -> str:
+    """Text of cuda/<name> with its local includes pasted in, each part under a `#line` of its own file."""
+    path = CUDA_DIR / name
+    out = [f'#line 1 "{path}"']
+    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        m = _INCLUDE.match(line)
+        if m:
+            inc = CUDA_DIR / m.group(1)
+            out.append(f'#line 1 "{inc}"')
+            out.extend(inc.read_text().splitlines())
+            out.append(f'#line {lineno + 1} "{path}"')
+        else:
+            out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def arch_option(capability: tuple[int, int]) -> str:
+    major, minor = capability
+    return f"-arch=sm_{major}{minor}"
+
+
+def compile_source(name: str, expressions: list[str], capability: tuple[int, int]) -> tuple[bytes, dict[str, str]]:
+    """NVRTC-compile cuda/<name> to a cubin for `capability`; returns (cubin, expression -> lowered name)."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    options = [*COMPILE_OPTIONS, arch_option(capability)]
+    prog = nvrtc.createProgram(load_source(name), name, (), ())
+    try:
+        for expr in expressions:
+            nvrtc.addNameExpression(prog, expr)
+        try:
+            nvrtc.compileProgram(prog, options)
+        except nvrtc.NVRTCError as e:
+            raise RuntimeError(f"NVRTC failed to compile {name} with {options}:\n{nvrtc.getProgramLog(prog)}") from e
+        log = nvrtc.getProgramLog(prog).strip()
+        if "warning" in log:
+            raise RuntimeError(f"NVRTC warnings compiling {name} (kernels must compile clean):\n{log}")
+        lowered = {expr: nvrtc.getLoweredName(prog, expr) for expr in expressions}
+        return nvrtc.getCUBIN(prog), lowered
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+class _DeviceKernels:
+    """Every kernel of the name table, loaded on one device, with its launch grid limit."""
+
+    def __init__(self, index: int):
+        import cupy
+        from cupy_backends.cuda.api import driver
+
+        self.index = index
+        props = torch.cuda.get_device_properties(index)
+        self.sm_count = props.multi_processor_count
+        capability = (props.major, props.minor)
+        self.functions, self.max_blocks, self._modules = {}, {}, []
+        with cupy.cuda.Device(index):
+            for src in SOURCES:
+                keys = [key for key, (s, _) in KERNELS.items() if s == src]
+                cubin, lowered = compile_source(src, [KERNELS[k][1] for k in keys], capability)
+                module = cupy.cuda.function.Module()
+                module.load(cubin)
+                self._modules.append(module)
+                for key in keys:
+                    fn = module.get_function(lowered[KERNELS[key][1]])
+                    per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, THREADS, 0)
+                    self.functions[key] = fn
+                    self.max_blocks[key] = max(1, per_sm) * self.sm_count
+
+
+_lock = threading.Lock()
+_devices: dict[int, _DeviceKernels] = {}
+_streams: dict[int, object] = {}
+
+
+def device_kernels(index: int) -> _DeviceKernels:
+    """Kernels of device `index`, compiled on first use (once per process and device)."""
+    k = _devices.get(index)
+    if k is None:
+        with _lock:
+            k = _devices.get(index)
+            if k is None:
+                k = _devices[index] = _DeviceKernels(index)
+    return k
+
+
+def _cupy_stream(ptr: int, index: int):
+    s = _streams.get(ptr)
+    if s is None:
+        import warnings
+
+        import cupy
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            s = _streams[ptr] = cupy.cuda.ExternalStream(ptr, index)
+    return s
+
+
+def _launch(index: int, key: tuple[str, str], units: int, args: tuple) -> None:
+    """Launch kernel `key` with min(units, resident blocks) blocks on torch's current stream of `index`."""
+    import cupy
+
+    if units <= 0:
+        raise ValueError(f"{key[0]}: launch with {units} work units")
+    k = device_kernels(index)
+    fn = k.functions.get(key)
+    if fn is None:
+        raise KeyError(f"no kernel {key} in the name table")
+    grid = min(units, k.max_blocks[key])
+    stream = _cupy_stream(torch.cuda.current_stream(index).cuda_stream, index)
+    if cupy.cuda.runtime.getDevice() != index:
+        with cupy.cuda.Device(index):
+            fn((grid,), (THREADS,), args, stream=stream)
+    else:
+        fn((grid,), (THREADS,), args, stream=stream)
+
+
+def _check_ptrs(stage: str, **ptrs: int) -> None:
+    for name, p in ptrs.items():
+        if not p:
+            raise ValueError(f"{stage}: {name} is a null pointer")
+
+
+# One launcher per stage. Pointers are device addresses (int); `table` is a ShardDesc/ScaleDesc/... array and
+# `unit_begin` its int64 [n + 1] prefix sum of work units (see common.cuh).
+
+
+def launch_partial_amax(index, round_to, table, unit_begin, n, units, out, scratch) -> None:
+    _check_ptrs("partial_amax", table=table, unit_begin=unit_begin, out=out, scratch=scratch)
+    _launch(index, ("partial_amax", _ROUND[round_to]), units, (table, unit_begin, np.int32(n), out, scratch))
+
+
+def launch_fused_scale(index, numerics, table, unit_begin, n, units, amaxes, enc) -> None:
+    _check_ptrs("fused_scale", table=table, unit_begin=unit_begin, amaxes=amaxes, enc=enc)
+    _launch(index, ("fused_scale", _NUMERICS[numerics]), units, (table, unit_begin, np.int32(n), amaxes, enc))
+
+
+def launch_partial_cast(index, round_to, table, unit_begin, n, units, enc) -> None:
+    _check_ptrs("partial_cast", table=table, unit_begin=unit_begin, enc=enc)
+    _launch(index, ("partial_cast", _ROUND[round_to]), units, (table, unit_begin, np.int32(n), enc))
+
+
+def launch_nibble_transpose(index, table, unit_begin, n, units) -> None:
+    _check_ptrs("nibble_transpose", table=table, unit_begin=unit_begin)
+    # Units are per warp here: 8 of them per block.
+    _launch(index, ("nibble_transpose", ""), -(-units // (THREADS // 32)), (table, unit_begin, np.int32(n)))
+
+
+def launch_scale_transpose(index, table, unit_begin, n, units) -> None:
+    _check_ptrs("scale_transpose", table=table, unit_begin=unit_begin)
+    _launch(index, ("scale_transpose", ""), units, (table, unit_begin, np.int32(n)))
+
+
+def launch_pointwise(index, key: str, args: tuple, n: int) -> None:
+    """Test hooks e2m1_codes / e4m3_codes over n values."""
+    _launch(index, (key, ""), -(-n // THREADS), (*args, np.int64(n)))

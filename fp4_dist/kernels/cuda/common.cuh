@@ -1,0 +1,184 @@
+// Shared device code of the NVFP4 stage kernels: rounding to the model dtype, E4M3 and E2M1 rounding,
+// the multi-tensor work-table lookup and the descriptor layouts the Python side fills.
+//
+// No #include: these sources are compiled by NVRTC (at run time, through CuPy) and by nvcc (CI compile test)
+// alike, and the loader in _launch.py pastes this header into each .cu so that CuPy's cache key covers it.
+// Numerics (spec section 2) need IEEE fp32 one operation at a time: build with -fmad=false -ftz=false
+// -prec-div=true and never with fast math. The conversions below are written so that they do not depend on
+// those flags, but the scale math in scale.cu does.
+#pragma once
+
+namespace fp4d {
+
+typedef long long i64;
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+constexpr int kTile = 16;
+constexpr int kThreads = 256;  // every kernel of this package runs 256-thread blocks
+constexpr float kFltMax = 3.402823466e+38f;
+constexpr u32 kInfBits = 0x7f800000u;
+
+// min(v, hi) that lets NaN through, as torch.clamp(max=hi) does (fminf would drop the NaN).
+__device__ __forceinline__ float clamp_max(float v, float hi) { return v > hi ? hi : v; }
+
+// ---------------------------------------------------------------------------------------------------------
+// Rounding of the master value to the model dtype (spec section 2: "an fp32 master is first rounded to
+// bf16"). Each policy returns an fp32 that holds the rounded value exactly. PTX cvt.rn is what
+// __float2bfloat16_rn / __float2half_rn compile to; written here so that no header is needed.
+struct RoundBf16 {
+    static __device__ __forceinline__ float apply(float x) {
+        u16 h;
+        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
+        return __uint_as_float(static_cast<u32>(h) << 16);
+    }
+    static constexpr bool kIdentityOnBf16 = true;
+};
+
+struct RoundFp16 {
+    static __device__ __forceinline__ float apply(float x) {
+        u16 h;
+        float y;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+        asm("cvt.f32.f16 %0, %1;" : "=f"(y) : "h"(h));
+        return y;
+    }
+    static constexpr bool kIdentityOnBf16 = false;
+};
+
+struct RoundFp32 {
+    static __device__ __forceinline__ float apply(float x) { return x; }
+    static constexpr bool kIdentityOnBf16 = true;
+};
+
+// bf16 bits -> the fp32 value they hold (exact).
+__device__ __forceinline__ float bf16_lo(u32 w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
+
+// ---------------------------------------------------------------------------------------------------------
+// E4M3 (float8_e4m3fn) round-to-nearest-even with saturation to 448, subnormals kept, for d >= 0 or NaN.
+// Same bits as torch.clamp(d, max=448).to(torch.float8_e4m3fn): NaN gives 0x7F, anything >= 448 gives 0x7E.
+__device__ __forceinline__ u32 e4m3_rne_satfinite(float d) {
+    if (!(d == d)) return 0x7Fu;
+    if (d >= 448.0f) return 0x7Eu;
+    if (d < 0.015625f) {
+        // Below 2^-6 the E4M3 grid is k * 2^-9 (k = 0..8; k = 8 is the smallest normal, code 0x08, so the
+        // carry into the exponent is free). d * 512 is exact; __float2int_rn rounds half to even.
+        return static_cast<u32>(__float2int_rn(d * 512.0f));
+    }
+    u32 u = __float_as_uint(d);
+    u = u + 0x7FFFFu + ((u >> 20) & 1u);  // round the 23-bit mantissa to 3 bits, ties to even
+    u32 code = ((((u >> 23) & 0xFFu) - 120u) << 3) | ((u >> 20) & 7u);  // rebias 127 -> 7
+    return code > 0x7Eu ? 0x7Eu : code;
+}
+
+__device__ __forceinline__ float e4m3_to_float(u32 code) {
+    u32 e = (code >> 3) & 0xFu, m = code & 7u;
+    if (code == 0x7Fu) return __uint_as_float(0x7fc00000u);
+    if (e == 0) return static_cast<float>(m) * 0.001953125f;  // m * 2^-9, exact
+    return __uint_as_float(((e + 120u) << 23) | (m << 20));
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// E2M1 code of y: round-to-nearest-even on |y| by the thresholds of the spec table (section 2.8), saturating
+// (inf gives 7), sign bit 0x8 when y < 0 (so -0.0 gives 0 and NaN gives 0, as the reference does).
+// Done in software: sm_90 has no cvt to e2m1.
+__device__ __forceinline__ u32 e2m1_code(float y) {
+    float a = fabsf(y);
+    u32 c = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
+    return c | (y < 0.0f ? 8u : 0u);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Multi-tensor work tables. Each launch gets an array of per-tensor descriptors (all fields int64, so the
+// Python side fills a plain int64 [n, fields] array; the field order below is mirrored by the *_FIELDS
+// tuples in cuda_ops.py, and a CPU test compares the two) and `unit_begin` [n + 1], the prefix sum of each
+// tensor's work units. A block finds the tensor of unit u by binary search.
+
+// Largest t in [lo, n) with begin[t] <= u, given begin[lo] <= u < begin[n]. `lo` is the caller's last answer:
+// grid-stride loops visit units in increasing order, so the search only moves forward and usually ends at
+// once.
+__device__ __forceinline__ int find_tensor(const i64* __restrict__ begin, int n, i64 u, int lo) {
+    if (u < begin[lo + 1]) return lo;
+    int hi = n - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        if (begin[mid] <= u) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
+// partial_amax and partial_cast: one flat shard [start, end) of a row-major M x K weight.
+// Owned units are (16-row band, 256-column chunk) pairs over bands band_lo .. band_lo + n_bands - 1.
+struct ShardDesc {
+    i64 src;          // shard data pointer (element `start` of the weight)
+    i64 dst;          // cast: fragment pointer (byte start >> 1); amax: unused
+    i64 start;        // first owned element (row-major)
+    i64 end;          // one past the last owned element
+    i64 m;
+    i64 k;
+    i64 tiles_k;      // ceil(K / 16)
+    i64 tile_off;     // index of this weight's tile (0, 0) in the packed tile array
+    i64 band_lo;      // first 16-row band holding an owned element
+    i64 n_chunks;     // ceil(K / 256)
+    i64 owned_units;  // n_bands * n_chunks (0 for an empty shard)
+    i64 zero_lo;      // amax: tiles [0, zero_lo) and [zero_hi, tiles) are outside the owned bands
+    i64 zero_hi;
+    i64 zero_units;   // amax: units that write those tiles' zeros (kZeroChunk tiles each)
+    i64 flags;        // kFlagBf16Src | kFlagVecSrc | kFlagVecDst
+    i64 pad_;
+};
+
+constexpr i64 kFlagBf16Src = 1;  // shard holds bf16 (else fp32)
+constexpr i64 kFlagVecSrc = 2;   // element e of the weight sits at a 16-byte boundary when e % 8 == 0
+constexpr i64 kFlagVecDst = 4;   // cast: byte (e >> 1) of the fragment is 4-byte aligned when e % 8 == 0
+constexpr int kChunkCols = 256;  // columns of one owned unit: 32 lanes x 8 elements
+constexpr int kZeroChunk = 1024; // tiles zero-filled by one amax zero unit: 256 threads x 4
+
+// fused_scale: one weight's scale row bands.
+struct ScaleDesc {
+    i64 scale_inv;    // uint8 [rows_pad, cols_pad] rowwise_scale_inv
+    i64 amax_out;     // fp32 [1]
+    i64 m;
+    i64 tiles_m;
+    i64 tiles_k;
+    i64 cols_pad;     // roundup(tiles_k, 4)
+    i64 tile_off;     // this weight's first tile in the packed tile part
+    i64 n_chunks;     // ceil(cols_pad / kScaleChunk)
+    i64 flags;        // kFlagVecDst: scale_inv is 4-byte aligned (rows are: cols_pad % 4 == 0)
+    i64 pad_;
+};
+
+constexpr int kScaleChunk = 1024;  // scale columns handled by one fused_scale unit
+
+// nibble_transpose: [M, K/2] -> [K, M/2].
+struct TransposeDesc {
+    i64 src;
+    i64 dst;
+    i64 m;
+    i64 k;
+    i64 n_mt;         // ceil(M / 64)
+    i64 flags;        // kFlagVecSrc: src 4-byte aligned; kFlagVecDst: dst rows 4-byte aligned;
+                      // kFlagVec16Dst: dst rows 16-byte aligned
+};
+
+constexpr i64 kFlagVec16Dst = 8;
+
+// scale_transpose: rowwise [rows_pad, cols_pad] -> columnwise [k_pad, mt_pad].
+struct ScaleTDesc {
+    i64 src;
+    i64 dst;
+    i64 k;
+    i64 tiles_m;
+    i64 tiles_k;
+    i64 src_cols;     // row stride of the rowwise scales
+    i64 dst_cols;     // roundup(tiles_m, 4): row stride of the columnwise scales
+    i64 dst_rows;     // roundup(K, 128)
+    i64 flags;        // kFlagVecDst: dst 4-byte aligned
+    i64 pad_;
+};
+
+constexpr int kScaleTWords = 1024;  // 4-byte output words per scale_transpose unit
+
+}  // namespace fp4d

@@ -1,0 +1,94 @@
+"""Every CUDA source compiles clean for sm_80, sm_90 and sm_100 (no GPU needed), and the descriptor structs
+of common.cuh match the field tuples cuda_ops.py fills, so a broken kernel cannot land unseen on a CPU CI."""
+
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from fp4_dist.kernels import _launch, cuda_ops
+
+ARCHS = ("80", "90", "100")
+# The run-time numerics flags of _launch.COMPILE_OPTIONS, plus: every warning is an error, and ptxas warns
+# (hence fails) on register spills and on any local-memory use (a slow path nobody meant to write).
+NVCC_FLAGS = [
+    *_launch.COMPILE_OPTIONS,
+    "--Werror", "all-warnings",
+    "-Xptxas", "-warn-spills,-warn-lmem-usage",
+    "-Xcompiler", "-Wall,-Wextra",
+    *[f"-gencode=arch=compute_{a},code=sm_{a}" for a in ARCHS],
+    "-fatbin",
+]  # fmt: skip
+
+
+def _nvcc():
+    path = shutil.which("nvcc")
+    if path is None:
+        pytest.skip("nvcc is not installed on this machine: CUDA sources not compiled (install the CUDA toolkit)")
+    return path
+
+
+def test_every_cuda_source_compiles_for_sm80_sm90_sm100_without_warnings():
+    nvcc = _nvcc()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = {
+            src: subprocess.Popen(
+                [nvcc, *NVCC_FLAGS, "-o", str(Path(tmp) / f"{src}.fatbin"), str(_launch.CUDA_DIR / src)],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            )  # fmt: skip
+            for src in _launch.SOURCES
+        }
+        failures = []
+        for src, p in procs.items():
+            out, _ = p.communicate(timeout=300)
+            if p.returncode != 0 or "warning" in out.lower():
+                failures.append(f"--- {src} (exit {p.returncode}):\n{out}")
+    assert not failures, "nvcc " + " ".join(NVCC_FLAGS) + "\n" + "\n".join(failures)
+
+
+def test_every_cuda_source_is_in_the_name_table_and_on_disk():
+    on_disk = {p.name for p in _launch.CUDA_DIR.glob("*.cu")}
+    assert on_disk == set(_launch.SOURCES)
+    assert {src for src, _ in _launch.KERNELS.values()} == set(_launch.SOURCES)
+    for src, expr in _launch.KERNELS.values():
+        # "fp4d::k<fp4d::P>" must be explicitly instantiated as "k<P>" so that nvcc compiles that variant too.
+        local = re.sub(r"fp4d::", "", expr)
+        assert re.search(rf"\b{re.escape(local)}(\(|\s)", (_launch.CUDA_DIR / src).read_text()), f"{local} not in {src}"
+
+
+def _struct_fields(name: str) -> tuple[str, ...]:
+    text = (_launch.CUDA_DIR / "common.cuh").read_text()
+    body = re.search(rf"struct {name} \{{(.*?)\n\}};", text, re.S).group(1)
+    fields = re.findall(r"^\s*i64 (\w+);", body, re.M)
+    assert len(fields) == len(re.findall(r";", re.sub(r"//.*", "", body))), f"{name}: every field must be i64"
+    return tuple(fields)
+
+
+@pytest.mark.parametrize(
+    "struct,fields",
+    [
+        ("ShardDesc", cuda_ops.SHARD_FIELDS),
+        ("ScaleDesc", cuda_ops.SCALE_FIELDS),
+        ("TransposeDesc", cuda_ops.TRANSPOSE_FIELDS),
+        ("ScaleTDesc", cuda_ops.SCALET_FIELDS),
+    ],
+)
+def test_descriptor_struct_fields_match_the_python_table_columns(struct, fields):
+    assert _struct_fields(struct) == fields
+
+
+def test_loader_pastes_common_header_under_line_markers():
+    src = _launch.load_source("amax.cu")
+    assert '#include "common.cuh"' not in src
+    assert f'#line 1 "{_launch.CUDA_DIR / "common.cuh"}"' in src
+    assert "e4m3_rne_satfinite" in src and src.startswith(f'#line 1 "{_launch.CUDA_DIR / "amax.cu"}"')
+
+
+def test_compile_options_keep_ieee_fp32_numerics():
+    opts = set(_launch.COMPILE_OPTIONS)
+    assert {"-fmad=false", "-ftz=false", "-prec-div=true"} <= opts
+    assert not any("fast" in o for o in opts)
+    assert _launch.arch_option((9, 0)) == "-arch=sm_90"
