@@ -53,8 +53,15 @@ def rank_and_size(group=None) -> Tuple[int, int]:
 
 
 # torch 2.13 renamed the tensor forms of all-gather / reduce-scatter; older releases only have the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor")
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor")
+# Looked up at call time, so a profiler or test that wraps torch.distributed sees every call.
+def _all_gather_single(out, inp, group):
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
+
+
+def _reduce_scatter_single(out, inp, op, group):
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, inp, op=op, group=group)
 
 
 def all_reduce_max_(buf: torch.Tensor, group=None, stats: Optional[CommStats] = None) -> None:

@@ -1,0 +1,241 @@
+"""Zero1Optimizer: ZeRO stage 1 for plain PyTorch models, with a 4-bit NVFP4 parameter all-gather.
+
+Each rank keeps fp32 masters (and the wrapped optimizer's state) only for its shard of the parameters.
+One `step()`::
+
+    grads -> fp32 grad buffer       (copy of each param.grad into its slot of the flat buffer)
+    reduce-scatter per bucket       -> this rank's grad shard (averaged over ranks by default)
+    inner.step()                    any torch.optim optimizer, over views of the fp32 master shard
+    cast_master_weights_to_nvfp4    amax + ONE MAX all-reduce + scales + cast of the owned nibbles,
+                                    written straight into the packed all-gather buffer
+    all-gather per bucket           packed NVFP4 bytes (0.5 B/element) and dense params (model dtype)
+    post_all_gather_processing      columnwise copies of the NVFP4 weights
+
+Collectives per step: (reduce-scatter + all-gather) per bucket of each buffer, plus one all-reduce.
+
+NVFP4 weights are `nn.Parameter(NVFP4Tensor)` (see `fp4_dist.convert_linear_weights`); every other
+parameter (norms, biases, embeddings) is "dense": sharded the same way, gathered in its own dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
+
+import torch
+
+from ..buffers import ShardBuffer, build_layout
+from ..tensor import is_nvfp4_tensor
+from .cast import plan_for, post_all_gather_processing, run_cast
+from .collectives import CommStats, all_gather_inplace, rank_and_size, reduce_scatter_ordered, reduce_scatter_sum
+
+GRAD_REDUCTIONS = {"reduce_scatter": reduce_scatter_sum, "ordered": reduce_scatter_ordered}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Zero1Config:
+    """Options of `Zero1Optimizer`."""
+
+    bucket_numel: Optional[int] = 40_000_000
+    """A bucket closes once it holds this many elements (None: one bucket). One reduce-scatter and one
+    all-gather per bucket and buffer."""
+    align: int = 64
+    """Even element alignment of every weight start and rank boundary (see `fp4_dist.buffers.layout`)."""
+    grad_reduction: str = "reduce_scatter"
+    """"reduce_scatter": the backend's sum (fastest). "ordered": all-to-all then a rank-ordered sum, bitwise
+    equal to single-process gradient accumulation over the ranks' micro-batches for any world size."""
+    average_grads: bool = True
+    """Divide the summed grads by the world size (DDP semantics)."""
+    columnwise: bool = True
+    """Build the columnwise NVFP4 copies after each gather (needed by transposed GEMMs)."""
+
+    def __post_init__(self):
+        if self.grad_reduction not in GRAD_REDUCTIONS:
+            raise ValueError(f"grad_reduction must be one of {sorted(GRAD_REDUCTIONS)}, got {self.grad_reduction!r}")
+        if not (isinstance(self.align, int) and self.align >= 2 and self.align % 2 == 0):
+            raise ValueError(f"align must be a positive even int, got {self.align!r}")
+
+
+class _Section:
+    """Parameters that share one buffer: the NVFP4 weights, or the dense params of one dtype."""
+
+    def __init__(self, indices: List[int], params, rank: int, size: int, config: Zero1Config, packed: bool):
+        self.indices = indices
+        self.packed = packed
+        layout = build_layout([params[i].numel() for i in indices], size, bucket_numel=config.bucket_numel,
+                              align=config.align)
+        first = params[indices[0]]
+        self.buf = ShardBuffer(layout, rank, packed=packed, param_dtype=first.dtype, device=first.device)
+
+
+def _normalise_groups(params) -> List[dict]:
+    params = list(params)
+    if not params:
+        raise ValueError("Zero1Optimizer got an empty parameter list")
+    if not isinstance(params[0], dict):
+        params = [{"params": params}]
+    return [dict(g, params=list(g["params"])) for g in params]
+
+
+class Zero1Optimizer:
+    """ZeRO-1 over any ``torch.optim`` optimizer, gathering NVFP4 weights as packed 4-bit bytes.
+
+    Args:
+        params: parameters or param-group dicts (as for torch.optim); the same list on every rank.
+        make_optimizer: builds the inner optimizer from param groups of fp32 master-shard views,
+            e.g. ``lambda groups: torch.optim.AdamW(groups, lr=1e-3)``. Group options are passed through.
+        group: data-parallel process group (None: default group, or a single process).
+        config: `Zero1Config`.
+        master_init: per parameter (same order as ``params`` flattened) the full-precision initial value,
+            or None to start from the parameter's current value (an NVFP4 weight's dequantized value).
+            Must be identical on every rank; each rank copies its shard.
+        stats: optional `CommStats` that records every collective this optimizer issues.
+    """
+
+    def __init__(self, params: Iterable, make_optimizer: Callable[[List[dict]], torch.optim.Optimizer], *,
+                 group=None, config: Zero1Config = Zero1Config(),
+                 master_init: Optional[Sequence[Optional[torch.Tensor]]] = None, stats: Optional[CommStats] = None):
+        groups = _normalise_groups(params)
+        self.params = [p for g in groups for p in g["params"]]
+        self.group, self.config, self.stats = group, config, stats
+        self.rank, self.world_size = rank_and_size(group)
+        self._reduce = GRAD_REDUCTIONS[config.grad_reduction]
+        self._sections = self._build_sections()
+        self._init_masters(master_init)
+        self.optimizer = make_optimizer(self._inner_groups(groups))
+        fp4 = self._fp4_section()
+        self.nvfp4_params = [self.params[i] for i in fp4.indices] if fp4 else []
+        if fp4:
+            self._plan = plan_for(self.nvfp4_params)
+            self._shards = fp4.buf.master_pieces()
+            self._starts = [s or 0 for s in fp4.buf.start_offsets()]
+            for j, w in enumerate(self.nvfp4_params):
+                w.set_rowwise_storage(fp4.buf.param_view(j))
+        self._bind_dense_params()
+        self._publish_params()
+
+    # --------------------------------------------------------------------------------------- construction
+    def _build_sections(self) -> List[_Section]:
+        fp4 = [i for i, p in enumerate(self.params) if is_nvfp4_tensor(p)]
+        by_dtype: Dict[torch.dtype, List[int]] = {}
+        for i, p in enumerate(self.params):
+            if not is_nvfp4_tensor(p):
+                by_dtype.setdefault(p.dtype, []).append(i)
+        sections = [_Section(fp4, self.params, self.rank, self.world_size, self.config, True)] if fp4 else []
+        sections += [_Section(idx, self.params, self.rank, self.world_size, self.config, False)
+                     for idx in by_dtype.values()]
+        return sections
+
+    def _fp4_section(self) -> Optional[_Section]:
+        return next((s for s in self._sections if s.packed), None)
+
+    def _init_masters(self, master_init) -> None:
+        if master_init is not None and len(master_init) != len(self.params):
+            raise ValueError(f"master_init has {len(master_init)} entries for {len(self.params)} parameters")
+        for sec in self._sections:
+            for j, i in enumerate(sec.indices):
+                piece = sec.buf.pieces[j]
+                if piece is None:
+                    continue
+                p = self.params[i]
+                init = master_init[i] if master_init is not None and master_init[i] is not None else None
+                if init is None:
+                    init = p.dequantize(torch.float32) if sec.packed else p.detach()
+                if tuple(init.shape) != tuple(p.shape):
+                    raise ValueError(f"master_init[{i}] has shape {list(init.shape)}, its parameter {list(p.shape)}")
+                flat = init.detach().reshape(-1)[piece.span.start:piece.span.end]
+                sec.buf.master_piece(j).copy_(flat.to(torch.float32))
+
+    def _inner_groups(self, groups: List[dict]) -> List[dict]:
+        """The user's param groups with each parameter replaced by this rank's master piece (grad bound once)."""
+        where = {}
+        for sec in self._sections:
+            for j, i in enumerate(sec.indices):
+                where[i] = (sec, j)
+        out, k = [], 0
+        for g in groups:
+            pieces = []
+            for _ in g["params"]:
+                sec, j = where[k]
+                piece = sec.buf.master_piece(j)
+                if piece is not None:
+                    piece.grad = sec.buf.grad_shard_piece(j)
+                    pieces.append(piece)
+                k += 1
+            # torch.optim refuses empty groups; a rank may own nothing of a small group.
+            out.append(dict(g, params=pieces or [torch.zeros(0, device=self.params[0].device)]))
+        return out
+
+    def _bind_dense_params(self) -> None:
+        for sec in self._sections:
+            if sec.packed:
+                continue
+            for j, i in enumerate(sec.indices):
+                p = self.params[i]
+                p.data = sec.buf.param_view(j).view(p.shape)
+
+    # ----------------------------------------------------------------------------------------------- step
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        """Reduce grads, step the inner optimizer on the master shard, re-quantize and gather the params."""
+        if closure is not None:
+            raise ValueError("Zero1Optimizer.step does not take a closure; run forward/backward before step()")
+        for sec in self._sections:
+            self._reduce_grads(sec)
+        self.optimizer.step()
+        self._publish_params()
+
+    def _reduce_grads(self, sec: _Section) -> None:
+        buf = sec.buf
+        for j, i in enumerate(sec.indices):
+            g = self.params[i].grad
+            if g is None:
+                buf.grad_view(j).zero_()
+            else:
+                buf.grad_view(j).copy_(g.reshape(-1))
+        for b in range(len(buf.layout.buckets)):
+            self._reduce(buf.bucket_grad_shard(b), buf.bucket_grad(b), self.group, self.stats)
+        if self.config.average_grads and self.world_size > 1:
+            buf.grad_shard.div_(self.world_size)
+
+    def _publish_params(self) -> None:
+        """Masters -> model params on every rank: NVFP4 cast + packed gather, dense copy + gather."""
+        fp4 = self._fp4_section()
+        if fp4:
+            run_cast(self._plan, self.nvfp4_params, self._shards, self._starts, group=self.group, stats=self.stats)
+        for sec in self._sections:
+            for b in range(len(sec.buf.layout.buckets)):
+                if not sec.packed:
+                    sec.buf.shard_param_view(b).copy_(sec.buf.bucket_master(b))
+                all_gather_inplace(sec.buf.bucket_param(b), self.group, self.stats)
+        if fp4 and self.config.columnwise:
+            post_all_gather_processing(self.nvfp4_params)
+
+    # ---------------------------------------------------------------------------------------- reporting
+    def gathered_bytes_per_step(self) -> Dict[str, int]:
+        """Bytes each step's all-gathers produce per rank ("param_gather") vs a bf16 gather of the same
+        elements ("bf16_gather"), both including bucket padding."""
+        got = sum(sec.buf.param.numel() * sec.buf.param.element_size() for sec in self._sections)
+        bf16 = sum(sec.buf.layout.total * 2 for sec in self._sections)
+        return {"param_gather": got, "bf16_gather": bf16}
+
+    def state_dict(self) -> dict:
+        """This rank's state: the inner optimizer's state and its fp32 master shards (per buffer)."""
+        return {"optimizer": self.optimizer.state_dict(), "masters": [s.buf.master.clone() for s in self._sections]}
+
+    def load_state_dict(self, state: dict) -> None:
+        masters = state["masters"]
+        if len(masters) != len(self._sections) or any(
+                m.shape != s.buf.master.shape for m, s in zip(masters, self._sections)):
+            raise ValueError("state_dict was saved with another parameter list, world size or bucket layout")
+        for m, s in zip(masters, self._sections):
+            s.buf.master.copy_(m)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._publish_params()
