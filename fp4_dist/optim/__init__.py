@@ -9,6 +9,7 @@ from .cast import (
     run_cast,
 )
 from .collectives import CommStats
+from .zero1 import Zero1Config, Zero1Optimizer
 
 __all__ = [
     "cast_master_weights_to_nvfp4",
@@ -18,4 +19,6 @@ __all__ = [
     "make_cast_plan",
     "run_cast",
     "CommStats",
+    "Zero1Optimizer",
+    "Zero1Config",
 ]

@@ -74,6 +74,16 @@ def all_reduce_max_(buf: torch.Tensor, group=None, stats: Optional[CommStats] = 
     dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
 
 
+def all_reduce_sum_(buf: torch.Tensor, group=None, stats: Optional[CommStats] = None) -> None:
+    """In-place elementwise SUM of ``buf`` over the ranks of ``group`` (logging, metrics)."""
+    _, size = rank_and_size(group)
+    if size == 1:
+        return
+    if stats is not None:
+        stats.record("all_reduce", _nbytes(buf))
+    dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+
+
 def reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, group=None,
                        stats: Optional[CommStats] = None) -> None:
     """``out`` (numel N) <- sum over ranks of ``inp[rank*N:(rank+1)*N]``; summation order is the backend's."""
@@ -121,6 +131,20 @@ def all_gather_inplace(buf: torch.Tensor, group=None, stats: Optional[CommStats]
     if stats is not None:
         stats.record("all_gather", _nbytes(buf))
     _all_gather_single(buf, buf[rank * n:(rank + 1) * n], group=group)
+
+
+def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group=None, stats: Optional[CommStats] = None) -> None:
+    """``out`` (numel size x N) <- every rank's ``inp`` (numel N) in rank order."""
+    _, size = rank_and_size(group)
+    if out.numel() != inp.numel() * size or out.dtype != inp.dtype:
+        raise ValueError(f"all-gather of {inp.numel()} {inp.dtype} into {out.numel()} {out.dtype} over {size} "
+                         "ranks: output must be size x input, same dtype")
+    if size == 1:
+        out.copy_(inp)
+        return
+    if stats is not None:
+        stats.record("all_gather", _nbytes(out))
+    _all_gather_single(out, inp, group=group)
 
 
 def _check_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> None:

@@ -27,7 +27,14 @@ import torch
 from ..buffers import ShardBuffer, build_layout
 from ..tensor import is_nvfp4_tensor
 from .cast import plan_for, post_all_gather_processing, run_cast
-from .collectives import CommStats, all_gather_inplace, rank_and_size, reduce_scatter_ordered, reduce_scatter_sum
+from .collectives import (
+    CommStats,
+    all_gather_inplace,
+    all_gather_into,
+    rank_and_size,
+    reduce_scatter_ordered,
+    reduce_scatter_sum,
+)
 
 GRAD_REDUCTIONS = {"reduce_scatter": reduce_scatter_sum, "ordered": reduce_scatter_ordered}
 
@@ -220,11 +227,33 @@ class Zero1Optimizer:
 
     # ---------------------------------------------------------------------------------------- reporting
     def gathered_bytes_per_step(self) -> Dict[str, int]:
-        """Bytes each step's all-gathers produce per rank ("param_gather") vs a bf16 gather of the same
-        elements ("bf16_gather"), both including bucket padding."""
-        got = sum(sec.buf.param.numel() * sec.buf.param.element_size() for sec in self._sections)
+        """Bytes each step's param all-gathers produce on every rank, bucket padding included.
+
+        Returns:
+            {"nvfp4": packed NVFP4 bytes, "dense": dense-param bytes (their own dtype),
+             "bf16_equivalent": the same elements gathered as bf16, Megatron's default}.
+        """
+        nbytes = {True: 0, False: 0}
+        for sec in self._sections:
+            nbytes[sec.packed] += sec.buf.param.numel() * sec.buf.param.element_size()
         bf16 = sum(sec.buf.layout.total * 2 for sec in self._sections)
-        return {"param_gather": got, "bf16_gather": bf16}
+        return {"nvfp4": nbytes[True], "dense": nbytes[False], "bf16_equivalent": bf16}
+
+    def full_masters(self) -> List[torch.Tensor]:
+        """Every parameter's full fp32 master value (shape of the parameter), assembled from all ranks.
+
+        Collective (one all-gather per bucket): call it on every rank, e.g. for checkpoints or parity checks.
+        """
+        out: List[Optional[torch.Tensor]] = [None] * len(self.params)
+        for sec in self._sections:
+            layout = sec.buf.layout
+            full = torch.empty(layout.total, dtype=torch.float32, device=sec.buf.master.device)
+            for b, bucket in enumerate(layout.buckets):
+                all_gather_into(full[bucket.span.start:bucket.span.end], sec.buf.bucket_master(b), self.group)
+            for j, i in enumerate(sec.indices):
+                span = layout.weights[j].span
+                out[i] = full[span.start:span.end].view(self.params[i].shape)
+        return out
 
     def state_dict(self) -> dict:
         """This rank's state: the inner optimizer's state and its fp32 master shards (per buffer)."""

@@ -1,0 +1,123 @@
+"""fp4_dist/optim/zero1.py in one process (the multi-rank parity runs in tests/distributed/suite_train.py)."""
+
+import pytest
+import torch
+from torch import nn
+
+import fp4_dist
+from fp4_dist.optim import Zero1Config, Zero1Optimizer
+
+
+def mlp(seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(48, 80), nn.GELU(), nn.Linear(80, 40, bias=False))
+    init = [p.detach().clone() for p in model.parameters()]
+    model.to(torch.bfloat16)
+    fp4_dist.convert_linear_weights(model)
+    return model, init
+
+
+def adam(groups):
+    return torch.optim.Adam(groups, lr=1e-2, foreach=False)
+
+
+def data(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, 48, generator=g).to(torch.bfloat16)
+
+
+def loss_of(model, x):
+    return model(x).float().pow(2).mean()
+
+
+def test_one_process_training_equals_quantizing_full_masters_each_step():
+    model, init = mlp()
+    opt = Zero1Optimizer(model.parameters(), adam, master_init=init, config=Zero1Config(bucket_numel=1000))
+    ref_model, _ = mlp()
+    masters = [t.clone() for t in init]
+    ref_opt = adam([{"params": masters}])
+    for step in range(8):
+        for (name, p), m in zip(list(ref_model.named_parameters()), masters):
+            mod = ref_model.get_submodule(name.rsplit(".", 1)[0])
+            if fp4_dist.is_nvfp4_tensor(p):
+                setattr(mod, "weight", nn.Parameter(fp4_dist.quantize(m.to(torch.bfloat16))))
+            else:
+                p.data = m.to(torch.bfloat16)
+        ref_params = list(ref_model.parameters())
+        ref_loss = loss_of(ref_model, data(step))
+        for m, g in zip(masters, torch.autograd.grad(ref_loss, ref_params)):
+            m.grad = g.float()
+        ref_opt.step()
+        loss = loss_of(model, data(step))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert torch.equal(loss, ref_loss), f"step {step}: {loss.item()} != {ref_loss.item()}"
+
+
+def test_params_alias_the_gather_buffers():
+    model, init = mlp()
+    opt = Zero1Optimizer(model.parameters(), adam, master_init=init)
+    fp4_sec = next(s for s in opt._sections if s.packed)
+    dense_sec = next(s for s in opt._sections if not s.packed)
+    lo, hi = fp4_sec.buf.param.data_ptr(), fp4_sec.buf.param.data_ptr() + fp4_sec.buf.param.numel()
+    assert all(lo <= w.rowwise_data.data_ptr() < hi for w in opt.nvfp4_params)
+    bias = model[0].bias
+    assert bias.data_ptr() == dense_sec.buf.param_view(0).data_ptr()
+
+
+def test_full_masters_return_the_initial_values_before_any_step():
+    model, init = mlp()
+    opt = Zero1Optimizer(model.parameters(), adam, master_init=init)
+    for got, want in zip(opt.full_masters(), init):
+        assert torch.equal(got, want)
+
+
+def test_state_dict_round_trip_restores_masters_and_weights():
+    model, init = mlp()
+    opt = Zero1Optimizer(model.parameters(), adam, master_init=init)
+    loss_of(model, data(0)).backward()
+    opt.step()
+    state = {k: v for k, v in opt.state_dict().items()}
+    state = {"optimizer": state["optimizer"], "masters": [m.clone() for m in state["masters"]]}
+    saved = [w.rowwise_data.clone() for w in opt.nvfp4_params]
+    for step in range(1, 3):
+        loss_of(model, data(step)).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.load_state_dict(state)
+    for w, s in zip(opt.nvfp4_params, saved):
+        assert torch.equal(w.rowwise_data, s)
+
+
+def test_param_group_options_reach_the_inner_optimizer():
+    model, init = mlp()
+    groups = [{"params": [model[0].weight, model[2].weight], "weight_decay": 0.1},
+              {"params": [model[0].bias], "weight_decay": 0.0}]
+    opt = Zero1Optimizer(groups, adam, master_init=[init[0], init[2], init[1]])
+    assert [g["weight_decay"] for g in opt.optimizer.param_groups] == [0.1, 0.0]
+
+
+def test_non_finite_masters_raise_naming_the_weight_and_keep_the_old_weights():
+    model, init = mlp()
+    opt = Zero1Optimizer(model.parameters(), lambda g: torch.optim.SGD(g, lr=1.0), master_init=init)
+    before = [(w.rowwise_data.clone(), w.rowwise_scale_inv.clone(), w.amax.clone()) for w in opt.nvfp4_params]
+    loss_of(model, data(0)).backward()
+    model[2].weight.grad[3, 5] = float("inf")
+    with pytest.raises(ValueError, match=r"model_weights\[1\] \(40x80\).*not finite"):
+        opt.step()
+    for w, (d, s, a) in zip(opt.nvfp4_params, before):
+        assert torch.equal(w.rowwise_data, d) and torch.equal(w.rowwise_scale_inv, s) and torch.equal(w.amax, a)
+
+
+@pytest.mark.parametrize("bad", [dict(grad_reduction="mean"), dict(align=3)])
+def test_config_rejects_unknown_options(bad):
+    with pytest.raises(ValueError):
+        Zero1Config(**bad)
+
+
+def test_closure_is_refused():
+    model, init = mlp()
+    opt = Zero1Optimizer(model.parameters(), adam, master_init=init)
+    with pytest.raises(ValueError, match="closure"):
+        opt.step(lambda: 0.0)
