@@ -33,8 +33,8 @@ SCALET_FIELDS = ("src", "dst", "k", "tiles_m", "tiles_k", "src_cols", "dst_cols"
 
 # Flag bits and unit sizes of common.cuh.
 FLAG_BF16_SRC, FLAG_VEC_SRC, FLAG_VEC_DST, FLAG_VEC16_DST = 1, 2, 4, 8
-CHUNK_COLS, ZERO_CHUNK, SCALE_CHUNK, SCALET_WORDS = 256, 1024, 1024, 1024
-NIBBLE_TILE_M, NIBBLE_TILE_K = 64, 256
+CHUNK_COLS, ZERO_CHUNK, SCALE_CHUNK, SCALET_WORDS = 256, 1024, 1024, 256
+NIBBLE_TILE_M, NIBBLE_TILE_K = 32, 256
 
 Shape = tuple[int, int]
 
@@ -129,8 +129,24 @@ def _same_device(t: torch.Tensor, index: int, label: str) -> None:
         raise ValueError(f"{label} is on {t.device}, the other tensors on cuda:{index}; put them on one device")
 
 
-def _tensor_key(tensors) -> tuple:
-    return tuple((0, 0, None) if t is None else (t.data_ptr(), t.numel(), t.dtype) for t in tensors)
+def _tensor_key(tensors, with_dtype: bool = False) -> tuple:
+    """Address and byte size of each tensor (0 for None); with the shapes and starts that is all a plan's table
+    depends on. Plain list comprehensions over two cheap attributes: this runs on every call, for every weight."""
+    ptrs = tuple([0 if t is None else t.data_ptr() for t in tensors])
+    sizes = tuple([0 if t is None else t.nbytes for t in tensors])
+    if not with_dtype:
+        return ptrs, sizes
+    return ptrs, sizes, tuple([None if t is None else t.dtype for t in tensors])
+
+
+def _shape_tuple(shapes) -> tuple:
+    """`shapes` as a hashable tuple of (M, K) tuples, without rebuilding it when it already is one."""
+    t = tuple(shapes)
+    try:
+        hash(t)
+        return t
+    except TypeError:
+        return tuple(tuple(s) for s in shapes)
 
 
 def _check_out(t: torch.Tensor, index: int, numel: int, label: str) -> None:
@@ -193,8 +209,8 @@ def _build_amax_plan(index, shards, starts, shapes) -> Plan:
 def partial_amax(shards, starts, shapes, *, round_to=torch.bfloat16, out: Optional[torch.Tensor] = None):
     """CUDA `fp4_dist.kernels.partial_amax`: one launch writes every tensor and tile amax of all weights."""
     index = _device_index([*shards, out], "partial_amax")
-    shapes = [tuple(s) for s in shapes]
-    key = (index, _tensor_key(shards), tuple(starts), tuple(shapes))
+    shapes = _shape_tuple(shapes)
+    key = (index, _tensor_key(shards, with_dtype=True), tuple(starts), tuple(shapes))
     plan = _AMAX.get(key, lambda: _build_amax_plan(index, shards, starts, shapes))
     if out is None:
         out = torch.empty(plan.n + plan.tiles, dtype=torch.float32, device=torch.device("cuda", index))
@@ -235,8 +251,8 @@ def partial_cast(shards, starts, shapes, enc, fragments, *, round_to=torch.bfloa
     if not any(s is not None and s.numel() for s in shards):
         return
     index = _device_index(shards, "partial_cast")
-    shapes = [tuple(s) for s in shapes]
-    key = (index, _tensor_key(shards), tuple(starts), tuple(shapes), _tensor_key(fragments))
+    shapes = _shape_tuple(shapes)
+    key = (index, _tensor_key(shards, with_dtype=True), tuple(starts), tuple(shapes), _tensor_key(fragments))
     plan = _CAST.get(key, lambda: _build_cast_plan(index, shards, starts, shapes, fragments))
     _check_out(enc, index, plan.tiles, "partial_cast enc")
     if plan.units == 0:
@@ -272,7 +288,7 @@ def _build_scale_plan(index, shapes, scale_invs, amax_outs) -> Plan:
 def fused_scale(amaxes, shapes, scale_invs, amax_outs, *, numerics="te") -> torch.Tensor:
     """CUDA `fp4_dist.kernels.fused_scale`: one launch for every weight's scales, amax and encode multipliers."""
     index = _device_index([amaxes], "fused_scale")
-    shapes = [tuple(s) for s in shapes]
+    shapes = _shape_tuple(shapes)
     if len(scale_invs) != len(shapes) or len(amax_outs) != len(shapes):
         raise ValueError(f"got {len(shapes)} shapes, {len(scale_invs)} scale_invs and {len(amax_outs)} amax_outs")
     key = (index, tuple(shapes), _tensor_key(scale_invs), _tensor_key(amax_outs))
@@ -326,8 +342,7 @@ def nibble_transpose(rowwise_datas, columnwise_datas) -> None:
     if not rowwise_datas:
         return
     index = _device_index(rowwise_datas, "nibble_transpose")
-    key = (index, _tensor_key(rowwise_datas), _tensor_key(columnwise_datas),
-           tuple(tuple(t.shape) for t in rowwise_datas))  # fmt: skip
+    key = (index, _tensor_key(rowwise_datas), _tensor_key(columnwise_datas), tuple([t.size(0) for t in rowwise_datas]))
     plan = _NIBBLE.get(key, lambda: _build_nibble_plan(index, rowwise_datas, columnwise_datas))
     plan.on_current_stream()
     _launch.launch_nibble_transpose(index, plan.table, plan.unit_begin, plan.n, plan.units)
@@ -342,7 +357,7 @@ def _build_scalet_plan(index, srcs, dsts, shapes) -> Plan:
         dst_rows, dst_cols = columnwise_scale_shape(m, k)
         flags = FLAG_VEC_DST if dst.data_ptr() % 4 == 0 else 0
         rows.append([src.data_ptr(), dst.data_ptr(), k, tm, tk, src.shape[1], dst_cols, dst_rows, flags, 0])
-        units.append(ceil_div(dst_rows * dst_cols // 4, SCALET_WORDS))
+        units.append((dst_rows // TILE) * ceil_div(dst_cols // 4, SCALET_WORDS))
     return Plan(index, rows, len(SCALET_FIELDS), units, tiles=0)
 
 
@@ -353,7 +368,7 @@ def scale_transpose(rowwise_scale_invs, columnwise_scale_invs, shapes) -> None:
     if not shapes:
         return
     index = _device_index(rowwise_scale_invs, "scale_transpose")
-    shapes = [tuple(s) for s in shapes]
+    shapes = _shape_tuple(shapes)
     key = (index, _tensor_key(rowwise_scale_invs), _tensor_key(columnwise_scale_invs), tuple(shapes))
     plan = _SCALET.get(key, lambda: _build_scalet_plan(index, rowwise_scale_invs, columnwise_scale_invs, shapes))
     plan.on_current_stream()

@@ -34,6 +34,13 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(1)  # same CPU kernels (and blocking) in the distributed and the baseline model
     info = init_distributed(args.backend)
+    if info.device.type == "cuda":
+        # The training parity compares two models in one process: keep every GPU op deterministic (flash and
+        # memory-efficient attention backward accumulate with atomics; cuBLAS needs CUBLAS_WORKSPACE_CONFIG).
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.use_deterministic_algorithms(True, warn_only=True)
     ctx = Context(info.rank, info.world_size, info.device, info.launcher)
     report = {"world_size": info.world_size, "backend": info.backend, "launcher": info.launcher,
               "device": str(info.device), "suites": {}}

@@ -138,7 +138,7 @@ __device__ __forceinline__ void flush_tensor(int t, u32 tmax, i64 units_done, i6
 }
 
 template <class R>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kMinBlocksAmax)
 partial_amax_kernel(const ShardDesc* __restrict__ descs, const i64* __restrict__ unit_begin, int n,
                     float* __restrict__ out, u32* __restrict__ scratch) {
     __shared__ u32 red[2][kThreads / 32][16];  // double-buffered: one __syncthreads per unit

@@ -101,7 +101,7 @@ __device__ __forceinline__ void cast_unit(const ShardDesc& d, i64 uu, const floa
 }
 
 template <class R>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kMinBlocksCast)
 partial_cast_kernel(const ShardDesc* __restrict__ descs, const i64* __restrict__ unit_begin, int n,
                     const float* __restrict__ enc) {
     const i64 total = unit_begin[n];

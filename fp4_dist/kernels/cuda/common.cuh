@@ -17,6 +17,10 @@ typedef unsigned char u8;
 
 constexpr int kTile = 16;
 constexpr int kThreads = 256;  // every kernel of this package runs 256-thread blocks
+// Resident blocks per SM asked of the streaming kernels: 4-6 x 256 threads x 64 bytes of loads in flight per
+// thread keep 64-100 KB in flight per SM, enough to cover DRAM latency on Hopper. (amax at 5 spills.)
+constexpr int kMinBlocksAmax = 4;
+constexpr int kMinBlocksCast = 6;
 constexpr float kFltMax = 3.402823466e+38f;
 constexpr u32 kInfBits = 0x7f800000u;
 
@@ -158,14 +162,15 @@ struct TransposeDesc {
     i64 dst;
     i64 m;
     i64 k;
-    i64 n_mt;         // ceil(M / 64)
+    i64 n_mt;         // ceil(M / 32)
     i64 flags;        // kFlagVecSrc: src 4-byte aligned; kFlagVecDst: dst rows 4-byte aligned;
                       // kFlagVec16Dst: dst rows 16-byte aligned
 };
 
 constexpr i64 kFlagVec16Dst = 8;
 
-// scale_transpose: rowwise [rows_pad, cols_pad] -> columnwise [k_pad, mt_pad].
+// scale_transpose: rowwise [rows_pad, cols_pad] -> columnwise [k_pad, mt_pad]; a unit is one tile column j
+// (16 columnwise rows) x 1024 tile rows.
 struct ScaleTDesc {
     i64 src;
     i64 dst;
@@ -179,6 +184,5 @@ struct ScaleTDesc {
     i64 pad_;
 };
 
-constexpr int kScaleTWords = 1024;  // 4-byte output words per scale_transpose unit
 
 }  // namespace fp4d

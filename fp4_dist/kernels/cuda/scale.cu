@@ -49,8 +49,9 @@ fused_scale_kernel(const ScaleDesc* __restrict__ descs, const i64* __restrict__ 
         const float s_dec = 1.0f / s_enc;
         if (uu == 0 && threadIdx.x == 0) *reinterpret_cast<float*>(d.amax_out) = amax;
 
+        const i64 width = min(static_cast<i64>(kScaleChunk), d.cols_pad - c0);
         __syncthreads();  // the previous unit's readers of tile_scale are done
-        for (int c = threadIdx.x; c < kScaleChunk; c += kThreads) {
+        for (int c = threadIdx.x; c < width; c += kThreads) {
             const i64 col = c0 + c;
             u32 s = 0;
             if (band < d.tiles_m && col < d.tiles_k) {
@@ -64,7 +65,6 @@ fused_scale_kernel(const ScaleDesc* __restrict__ descs, const i64* __restrict__ 
         __syncthreads();
 
         // 16 rows x width bytes, written as 4-byte words (cols_pad and c0 are multiples of 4).
-        const i64 width = min(static_cast<i64>(kScaleChunk), d.cols_pad - c0);
         const int words = static_cast<int>(width >> 2);
         u8* base = reinterpret_cast<u8*>(d.scale_inv);
         for (int i = threadIdx.x; i < words * kTile; i += kThreads) {

@@ -40,13 +40,12 @@ __device__ __forceinline__ u32 load_word(const u8* p, bool aligned) {
            (static_cast<u32>(p[3]) << 24);
 }
 
-// One columnwise row's part of a unit, when it cannot be two 16-byte stores (ragged M or misaligned rows):
-// `valid` (< 32 or unaligned) bytes as words or bytes. Out of line: it is the rare path.
-__device__ __noinline__ void store_row_slow(u8* row, u32 w0, u32 w1, u32 w2, u32 w3, u32 w4, u32 w5, u32 w6,
-                                            u32 w7, int valid, bool aligned) {
-    const u32 w[8] = {w0, w1, w2, w3, w4, w5, w6, w7};
+// One columnwise row's part of a unit, when it cannot be one 16-byte store (ragged M or misaligned rows):
+// `valid` (< 16, or unaligned) bytes as words or bytes. Out of line: it is the rare path.
+__device__ __noinline__ void store_row_slow(u8* row, u32 w0, u32 w1, u32 w2, u32 w3, int valid, bool aligned) {
+    const u32 w[4] = {w0, w1, w2, w3};
 #pragma unroll
-    for (int g = 0; g < 8; ++g) {
+    for (int g = 0; g < 4; ++g) {
         const int count = min(4, valid - 4 * g);
         if (count <= 0) return;
         if (count == 4 && aligned) {
@@ -57,9 +56,9 @@ __device__ __noinline__ void store_row_slow(u8* row, u32 w0, u32 w1, u32 w2, u32
     }
 }
 
-// One warp, one unit: 64 rows (m) x 256 columns (k). Lane l reads word column l of 64 rows (coalesced 128-byte
-// row segments) and writes its 8 columnwise rows k = 8l .. 8l + 7, 32 bytes each (two 16-byte stores when the
-// rows allow it: one full 32-byte sector per row).
+// One warp, one unit: 32 rows (m) x 256 columns (k). Lane l reads word column l of 32 rows (coalesced 128-byte
+// row segments; all 32 loads issued before the first use) and writes its 8 columnwise rows k = 8l .. 8l + 7,
+// 16 bytes each. The warp of the next unit writes the other half of those 32-byte sectors.
 __device__ __forceinline__ void nibble_unit(const TransposeDesc& d, i64 uu, int lane) {
     const i64 mt = uu % d.n_mt, kt = uu / d.n_mt;
     const i64 kw = kt * 32 + lane;  // word column: k = 8 kw .. 8 kw + 7
@@ -67,30 +66,31 @@ __device__ __forceinline__ void nibble_unit(const TransposeDesc& d, i64 uu, int 
     const i64 src_row = d.k / 2, dst_row = d.m / 2;
     const u8* src = reinterpret_cast<const u8*>(d.src) + 4 * kw;
     const bool src_aligned = d.flags & kFlagVecSrc;
-    u32 o[8][8];  // o[j][g]: columnwise row 8 kw + j, m-group g of this unit
+    u32 r[4][8];  // r[g][i]: row mt * 32 + 8 g + i; after the transpose r[g][j]: column 8 kw + j, m-group g
 #pragma unroll
-    for (int g = 0; g < 8; ++g) {
-        u32 r[8];
+    for (int g = 0; g < 4; ++g) {
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            const i64 m = mt * 64 + 8 * g + i;
-            r[i] = m < d.m ? load_word(src + m * src_row, src_aligned) : 0u;
+            const i64 m = mt * 32 + 8 * g + i;
+            r[g][i] = m < d.m ? load_word(src + m * src_row, src_aligned) : 0u;
         }
-        transpose8x8_nibbles(r);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) o[j][g] = r[j];
     }
-    const i64 valid = min(static_cast<i64>(32), dst_row - mt * 32);  // bytes of this unit in each out row
-    u8* dst = reinterpret_cast<u8*>(d.dst) + mt * 32;
+#pragma unroll
+    for (int g = 0; g < 4; ++g) transpose8x8_nibbles(r[g]);
+    const i64 valid = min(static_cast<i64>(16), dst_row - mt * 16);  // bytes of this unit in each out row
+    u8* dst = reinterpret_cast<u8*>(d.dst) + mt * 16;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
         u8* row = dst + (8 * kw + j) * dst_row;
-        if (valid == 32 && (d.flags & kFlagVec16Dst)) {
-            reinterpret_cast<uint4*>(row)[0] = make_uint4(o[j][0], o[j][1], o[j][2], o[j][3]);
-            reinterpret_cast<uint4*>(row)[1] = make_uint4(o[j][4], o[j][5], o[j][6], o[j][7]);
+        if (valid == 16 && (d.flags & kFlagVec16Dst)) {
+            uint4 v;
+            v.x = r[0][j];
+            v.y = r[1][j];
+            v.z = r[2][j];
+            v.w = r[3][j];
+            *reinterpret_cast<uint4*>(row) = v;
         } else {
-            store_row_slow(row, o[j][0], o[j][1], o[j][2], o[j][3], o[j][4], o[j][5], o[j][6], o[j][7],
-                           static_cast<int>(valid), d.flags & kFlagVecDst);
+            store_row_slow(row, r[0][j], r[1][j], r[2][j], r[3][j], static_cast<int>(valid), d.flags & kFlagVecDst);
         }
     }
 }
@@ -109,8 +109,10 @@ nibble_transpose_kernel(const TransposeDesc* __restrict__ descs, const i64* __re
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Scale transpose: each thread writes 4-byte words of the columnwise scale array (4 consecutive tile rows
-// mt of one k), gathering the tile scales from row 16 * mt of the rowwise array (small, L2-resident).
+// Scale transpose. The 16 columnwise rows k = 16 j .. 16 j + 15 are identical (all hold column j of the tile
+// scales), so a unit is one tile column j and 1024 tile rows: each thread gathers 4 tile scales (rows 16 mt of
+// the rowwise array, small and L2-resident) once and stores the word in all 16 rows, coalesced along the row.
+// Tile columns j >= tiles_k are the zero rows k >= K of the padded array.
 __global__ void __launch_bounds__(kThreads)
 scale_transpose_kernel(const ScaleTDesc* __restrict__ descs, const i64* __restrict__ unit_begin, int n) {
     const i64 total = unit_begin[n];
@@ -119,28 +121,28 @@ scale_transpose_kernel(const ScaleTDesc* __restrict__ descs, const i64* __restri
         t = find_tensor(unit_begin, n, u, t);
         const ScaleTDesc d = descs[t];
         const i64 uu = u - unit_begin[t];
+        const i64 row_words = d.dst_cols / 4;
+        const i64 chunks = (row_words + kThreads - 1) / kThreads;
+        const i64 j = uu / chunks;
+        const i64 cw = (uu % chunks) * kThreads + threadIdx.x;
+        if (cw >= row_words) continue;
         const u8* src = reinterpret_cast<const u8*>(d.src);
-        u8* dst = reinterpret_cast<u8*>(d.dst);
-        const u32 row_words = static_cast<u32>(d.dst_cols / 4);
-        const i64 n_words = d.dst_rows * row_words;
+        u32 v = 0;
+        if (j < d.tiles_k) {
 #pragma unroll
-        for (int j = 0; j < kScaleTWords / kThreads; ++j) {
-            const i64 w = uu * kScaleTWords + j * kThreads + threadIdx.x;
-            if (w >= n_words) break;
-            const u32 k = static_cast<u32>(w / row_words), cw = static_cast<u32>(w % row_words);
-            u32 v = 0;
-            if (k < d.k) {
-#pragma unroll
-                for (int b = 0; b < 4; ++b) {
-                    const i64 mt = 4 * static_cast<i64>(cw) + b;
-                    if (mt < d.tiles_m) v |= static_cast<u32>(src[mt * kTile * d.src_cols + k / kTile]) << (8 * b);
-                }
+            for (int b = 0; b < 4; ++b) {
+                const i64 mt = 4 * cw + b;
+                if (mt < d.tiles_m) v |= static_cast<u32>(src[mt * kTile * d.src_cols + j]) << (8 * b);
             }
-            u8* p = dst + w * 4;
-            if (d.flags & kFlagVecDst) {
+        }
+        u8* dst = reinterpret_cast<u8*>(d.dst) + (j * kTile) * d.dst_cols + 4 * cw;
+        const bool aligned = d.flags & kFlagVecDst;
+#pragma unroll 4
+        for (int r = 0; r < kTile; ++r) {
+            u8* p = dst + r * d.dst_cols;
+            if (aligned) {
                 *reinterpret_cast<u32*>(p) = v;
             } else {
-#pragma unroll
                 for (int b = 0; b < 4; ++b) p[b] = static_cast<u8>(v >> (8 * b));
             }
         }
