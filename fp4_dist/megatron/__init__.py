@@ -1,0 +1,47 @@
+"""fp4_dist as the NVFP4 backend of Megatron-Core's ``--fp4-param-gather`` path (no TransformerEngine).
+
+Usage::
+
+    import fp4_dist.megatron
+    fp4_dist.megatron.enable()        # patch megatron-core's NVFP4 hook points (see adapter.HOOKS)
+    model = fp4_dist.megatron.model.build_gpt_model(config, ...)   # NVFP4 linear weights at init
+    ... Megatron DDP(use_distributed_optimizer=True, fp4_param_gather=True) + get_megatron_optimizer ...
+    fp4_dist.megatron.disable()       # restore megatron-core exactly
+
+Importing this package does not import megatron; `enable()` does. On a machine without CUDA, `enable()`
+also installs the small CPU/gloo compatibility layer (`cpu_compat`), so the same Megatron code runs on CPU
+ranks. Training entry point: ``python -m fp4_dist.megatron.pretrain_gpt`` (docs/megatron.md).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+__all__ = ["enable", "disable", "is_enabled"]
+
+
+def enable(*, cpu: Optional[bool] = None, allow_untested_version: bool = False) -> None:
+    """Install the hook table into megatron-core (idempotent).
+
+    Args:
+        cpu: also install the CPU/gloo compatibility rows; default: when CUDA is unavailable.
+        allow_untested_version: accept a megatron-core release outside the tested range.
+    Raises:
+        RuntimeError for an unsupported megatron-core version or a missing hook target (nothing patched).
+    """
+    from . import adapter
+
+    adapter.install(cpu=cpu, allow_untested_version=allow_untested_version)
+
+
+def disable() -> None:
+    """Undo `enable` (idempotent): every patched name gets its original object back."""
+    from . import adapter
+
+    adapter.uninstall()
+
+
+def is_enabled() -> bool:
+    from . import adapter
+
+    return adapter.is_installed()

@@ -1,0 +1,389 @@
+"""fp4_dist as the NVFP4 backend of Megatron-Core's ``--fp4-param-gather`` path: the one hook table.
+
+Megatron-Core 0.19.2 already runs NVFP4 param all-gathers through its DDP buffers and DistributedOptimizer
+(notes: /work/shared/notes/megatron-core.md sections 1-3), but it reaches TransformerEngine (Blackwell-only)
+for the tensor type, the storage remap, the shard cast and the post-all-gather processing, and it recomputes
+the packed byte layout with its own padding, so ranks can all-gather bytes they never wrote (dp 3, 6, ...).
+
+This module is the only importer of ``megatron.core`` in fp4_dist. Every patch is one row of `HOOKS`
+(target, replacement, reason, tested version). A name bound by ``from x import name`` lives in every
+importing module's globals, so a row lists every module that binds it and all of them are patched.
+`install` / `uninstall` are exact inverses (the original objects are put back).
+
+Layout rule installed here (the fix):
+
+    element layout (grads, masters, optimizer shards)   Megatron's own: params 64-aligned, buckets padded
+                                                        to lcm(2*dp, 128) so every rank shard is even
+    packed layout (uint8 NVFP4 param buffer)            derived: byte offset = element offset / 2
+
+so rank r's byte shard of a bucket is exactly half its element shard and holds exactly the nibbles it cast.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from .. import tensor as _tensor
+from . import cpu_compat
+
+TESTED_VERSIONS = ("0.19.2",)
+"""megatron-core releases this table was checked against (by reading and by the CPU test suite)."""
+SUPPORTED_RANGE = ((0, 19, 2), (0, 20, 0))
+"""[low, high) range accepted by `check_megatron_version`: the NVFP4 code paths are byte-identical in
+0.19.2 and main (0.20.0.dev) per the notes, but 0.20 moves line numbers and has not been run here."""
+
+_PGB = "megatron.core.distributed.param_and_grad_buffer"
+_DO = "megatron.core.optimizer.distrib_optimizer"
+_FP4 = "megatron.core.fp4_utils"
+_FP8 = "megatron.core.fp8_utils"
+
+
+@dataclass(frozen=True)
+class Hook:
+    """One patch: ``modules[i].<name>`` becomes ``make(original)`` for every module listed.
+
+    ``name`` may be ``Class.attr`` to patch a class attribute. ``cpu_only`` rows are installed only when the
+    run has no CUDA device (they work around gloo, see `cpu_compat`).
+    """
+
+    modules: tuple[str, ...]
+    name: str
+    make: Callable[[Any], Any]
+    reason: str
+    tested: tuple[str, ...] = TESTED_VERSIONS
+    cpu_only: bool = False
+
+
+# ------------------------------------------------------------------------------------------ replacements
+def _make_is_nvfp4tensor(original):
+    def is_nvfp4tensor(tensor) -> bool:
+        return _tensor.is_nvfp4_tensor(tensor) or original(tensor)
+
+    return is_nvfp4tensor
+
+
+def _make_modify_storage(original):
+    def modify_nvfp4_rowwise_storage(param, new_rowwise_data) -> None:
+        if not _tensor.is_nvfp4_tensor(param):
+            return original(param, new_rowwise_data)
+        param.set_rowwise_storage(new_rowwise_data)
+
+    return modify_nvfp4_rowwise_storage
+
+
+def _make_shard_cast(original):
+    def quantize_nvfp4_param_shard(
+        model_params, main_params, start_offsets, data_parallel_group, fsdp_shard_model_params=None
+    ) -> None:
+        ours = [_tensor.is_nvfp4_tensor(p) for p in model_params]
+        if ours and not all(ours):
+            raise TypeError(
+                "fp4_dist.megatron: the NVFP4 param list mixes fp4_dist NVFP4Tensor weights with other NVFP4 "
+                "types; build every NVFP4 weight with fp4_dist (fp4_dist.megatron.model) or none"
+            )
+        if not any(ours):
+            return original(model_params, main_params, start_offsets, data_parallel_group, fsdp_shard_model_params)
+        from ..optim import cast_master_weights_to_nvfp4
+
+        cast_master_weights_to_nvfp4(
+            model_params,
+            main_params,
+            start_offsets,
+            data_parallel_group,
+            fsdp_shard_model_weights=fsdp_shard_model_params,
+            manual_post_all_gather_processing=True,
+        )
+
+    return quantize_nvfp4_param_shard
+
+
+def _make_post_all_gather(original):
+    def post_all_gather_processing(model_params) -> None:
+        ours = [p for p in model_params if _tensor.is_nvfp4_tensor(p)]
+        others = [p for p in model_params if not _tensor.is_nvfp4_tensor(p)]
+        if ours:
+            from ..optim import post_all_gather_processing as ours_post
+
+            ours_post(ours)
+        if others:
+            original(others)
+
+    return post_all_gather_processing
+
+
+def _make_pad_bucket_end(original):
+    def pad_bucket_end(bucket_end_index: int, data_parallel_world_size: int, pad_for_high_nccl_busbw: bool) -> int:
+        # Upstream pads to lcm(dp, 128[, 2**16]); its shard (end/dp) is odd when dp is a multiple of 128
+        # (or 2**16), which would split a packed byte between two ranks. lcm(2*dp, ...) keeps every shard
+        # even and equals upstream's divisor for every other dp.
+        base = [2 * data_parallel_world_size, 128] + ([2**16] if pad_for_high_nccl_busbw else [])
+        divisor = math.lcm(*base)
+        return -(-bucket_end_index // divisor) * divisor
+
+    return pad_bucket_end
+
+
+def _make_packed_layout(original):
+    def _compute_nvfp4_packed_layout(self, params_with_names) -> None:
+        ours = [p for p, _ in params_with_names if _tensor.is_nvfp4_tensor(p)]
+        if not ours:
+            return original(self, params_with_names)
+        self.nvfp4_packed_param_index_map, self.nvfp4_packed_bucket_indices, unpadded = derive_packed_layout(
+            self.param_index_map, self.bucket_indices, dict((p, n) for p, n in params_with_names),
+            self.data_parallel_world_size,
+        )
+        self.nvfp4_packed_numel_unpadded = unpadded
+
+    return _compute_nvfp4_packed_layout
+
+
+def derive_packed_layout(param_index_map, bucket_indices, names, dp_size: int):
+    """Packed (byte) layout of a uint8 NVFP4 buffer = its element layout / 2.
+
+    Args:
+        param_index_map: {param: (start, end, bucket_id)} in elements (Megatron's layout).
+        bucket_indices: [(start, end)] per bucket, in elements.
+        names: {param: name} for error messages.
+        dp_size: data-parallel size; every bucket's rank shard must be an even element count.
+    Returns:
+        (packed_param_index_map, packed_bucket_indices, packed_numel_unpadded).
+    Raises:
+        TypeError if a non-fp4_dist param shares the buffer (1 byte/element would break the halving);
+        ValueError naming the param or bucket if any boundary is odd.
+    """
+    packed_map = {}
+    for param, (start, end, bucket_id) in param_index_map.items():
+        name = names.get(param, "<unnamed>")
+        if not _tensor.is_nvfp4_tensor(param):
+            raise TypeError(
+                f"fp4_dist.megatron: param {name} ({type(param).__name__}, {param.dtype}) shares the uint8 NVFP4 "
+                "buffer with fp4_dist NVFP4 weights; its bytes are not 2 elements per byte, so the packed layout "
+                "cannot be element layout / 2. Do not combine --fp8-param-gather weights with --fp4-param-gather"
+            )
+        if start % 2 or end % 2:
+            raise ValueError(
+                f"fp4_dist.megatron: param {name} spans elements [{start}, {end}); an odd boundary splits a packed "
+                "byte. NVFP4 weights need an even element count (K % 16 == 0 guarantees it)"
+            )
+        packed_map[param] = (start // 2, end // 2, bucket_id)
+    packed_buckets = []
+    for b, (start, end) in enumerate(bucket_indices):
+        if start % (2 * dp_size) or end % (2 * dp_size):
+            raise ValueError(
+                f"fp4_dist.megatron: bucket {b} spans elements [{start}, {end}), not a multiple of 2*dp = "
+                f"{2 * dp_size}, so a rank shard would split a packed byte (adapter's pad_bucket_end not installed?)"
+            )
+        packed_buckets.append((start // 2, end // 2))
+    unpadded = sum(math.ceil((max((e for s, e, bid in param_index_map.values() if bid == b), default=start) - start) / 2)
+                   for b, (start, _) in enumerate(bucket_indices))
+    return packed_map, packed_buckets, unpadded
+
+
+def _make_set_states(original):
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        # With the torch.optim fallback (no TE / apex), Adam's state holds a "step" tensor that the dp_zero
+        # checkpoint does not carry (load_state_dict restores it); upstream then raises KeyError('step').
+        # Keys the checkpoint lacks keep their current value.
+        current = self._get_main_param_and_optimizer_states(model_param)
+        missing = {k: v for k, v in current.items() if k not in tensors}
+        return original(self, model_param, {**tensors, **missing} if missing else tensors)
+
+    return _set_main_param_and_optimizer_states
+
+
+def _make_load_state_dict(original):
+    def load_state_dict(self, state_dict):
+        original(self, state_dict)
+        # With the torch.optim fallback, upstream hands every param's state the *same* "step" tensor
+        # (DO 1024-1031); torch's Adam increments steps in place, so one step would advance it once per
+        # param and resumed runs diverge. Each state gets its own copy.
+        for state in self.optimizer.state.values():
+            step = state.get("step")
+            if isinstance(step, torch.Tensor):
+                state["step"] = step.clone()
+
+    return load_state_dict
+
+
+_GLOO = cpu_compat.GlooCoalescing()
+
+HOOKS: tuple[Hook, ...] = (
+    Hook((_FP4, _PGB, _DO), "is_nvfp4tensor", _make_is_nvfp4tensor,
+         "recognise fp4_dist.NVFP4Tensor: uint8 buffer key (pgb _param_uses_quantized_storage), packed layout, "
+         "no bf16 shard view / no bf16 copy in DistOpt (DO 405-412, 2852-2876), NVFP4 cast-target list (DO 2677)"),
+    Hook((_FP4, _PGB), "modify_nvfp4_rowwise_storage", _make_modify_storage,
+         "alias the weight's packed rowwise bytes to its slice of the DDP uint8 param buffer (pgb 1262-1269)"),
+    Hook((_FP4, _DO), "quantize_nvfp4_param_shard", _make_shard_cast,
+         "shard cast of the fp32 masters into the owned nibbles + all scales/amax via "
+         "fp4_dist.optim.cast_master_weights_to_nvfp4 instead of TE (DO 2843-2847)"),
+    Hook((_FP8, _PGB), "post_all_gather_processing", _make_post_all_gather,
+         "columnwise copies after the byte all-gather, per bucket group in _post_param_sync (pgb 332-337); "
+         "non-fp4_dist params still go to the original"),
+    Hook((_PGB,), "_ParamAndGradBuffer._compute_nvfp4_packed_layout", _make_packed_layout,
+         "packed byte layout derived as element layout / 2 (upstream re-pads in byte space: stale bytes at "
+         "dp 3 with 64x64, dp 2 with 40x48; pgb 1431-1516)"),
+    Hook((_DO,), "pad_bucket_end", _make_pad_bucket_end,
+         "bucket ends padded to lcm(2*dp, 128) so every rank's element shard is even (same as upstream unless "
+         "dp is a multiple of 128; DO 542-550)"),
+    Hook((_DO,), "DistributedOptimizer._set_main_param_and_optimizer_states", _make_set_states,
+         "loading Megatron's own dp_zero optimizer checkpoint (load_parameter_state) with the torch.optim "
+         "fallback raises KeyError('step') (DO 1219-1226); keys the file lacks keep their restored value"),
+    Hook((_DO,), "DistributedOptimizer.load_state_dict", _make_load_state_dict,
+         "with the torch.optim fallback every param's Adam state gets one shared 'step' tensor on load (DO "
+         "1024-1031), advanced once per param by the next step: resumed runs diverge; give each its own copy"),
+    Hook((_PGB,), "_coalescing_manager", lambda original: _GLOO.manager,
+         "gloo returns wrong bytes for coalesced all-gathers of mixed dtypes (uint8 + bf16 bucket groups); "
+         "issue each collective alone, still async when Megatron asks", cpu_only=True),
+    Hook((_PGB,), "dist_all_gather_func", _GLOO.wrap,
+         "hand all-gather work handles to the gloo coalescing stand-in", cpu_only=True),
+    Hook((_PGB,), "dist_reduce_scatter_func", _GLOO.wrap,
+         "hand reduce-scatter work handles to the gloo coalescing stand-in", cpu_only=True),
+)
+
+
+UPSTREAM_LAYOUT = ("_ParamAndGradBuffer._compute_nvfp4_packed_layout", "pad_bucket_end")
+"""Rows that make the packed layout element layout / 2; excluding them leaves megatron-core's own layout."""
+
+
+# ------------------------------------------------------------------------------------------ version check
+def _parse_version(version: str) -> tuple[int, int, int]:
+    from packaging.version import Version  # a megatron-core dependency
+
+    release = Version(version).release
+    return tuple((list(release) + [0, 0, 0])[:3])  # type: ignore[return-value]
+
+
+def check_megatron_version(version: str) -> None:
+    """Raise RuntimeError unless ``version`` lies in `SUPPORTED_RANGE` (the hook table names line-level facts)."""
+    low, high = SUPPORTED_RANGE
+    v = _parse_version(version)
+    if not (low <= v < high):
+        raise RuntimeError(
+            f"fp4_dist.megatron supports megatron-core >= {'.'.join(map(str, low))}, < {'.'.join(map(str, high))} "
+            f"(tested: {', '.join(TESTED_VERSIONS)}); found {version}. Its hooks patch named internals of "
+            "DistributedOptimizer and _ParamAndGradBuffer that other releases may lay out differently. Install "
+            f"megatron-core=={TESTED_VERSIONS[-1]}, or pass allow_untested_version=True (--fp4-allow-untested-megatron) "
+            "to try anyway"
+        )
+
+
+def installed_megatron_version() -> str:
+    try:
+        from megatron.core import package_info
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise RuntimeError(
+            "fp4_dist.megatron needs megatron-core (pip install 'fp4_dist[megatron]'); import failed: " + str(e)
+        ) from e
+    return package_info.__version__
+
+
+# ------------------------------------------------------------------------------------------ install
+_lock = threading.Lock()
+_installed: Optional[list[tuple[Any, str, Any]]] = None
+"""(owner object, attribute, original) for every patched binding, in install order."""
+
+
+def _resolve(module_name: str, name: str) -> tuple[Any, str]:
+    owner: Any = importlib.import_module(module_name)
+    *path, attr = name.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    if not hasattr(owner, attr):
+        raise RuntimeError(
+            f"fp4_dist.megatron: hook target {module_name}.{name} does not exist in this megatron-core; "
+            "the hook table was written for " + ", ".join(TESTED_VERSIONS)
+        )
+    return owner, attr
+
+
+def is_installed() -> bool:
+    return _installed is not None
+
+
+def install(*, cpu: Optional[bool] = None, allow_untested_version: bool = False,
+            exclude: Sequence[str] = ()) -> None:
+    """Patch every row of `HOOKS` into megatron-core (idempotent).
+
+    Args:
+        cpu: install the CPU/gloo rows and `cpu_compat` (default: when CUDA is not available).
+        allow_untested_version: skip the version range check (a missing target still raises).
+        exclude: names of rows to leave unpatched, e.g. `UPSTREAM_LAYOUT` to reproduce megatron-core's own
+            packed layout (and its stale bytes) with everything else in place.
+    Raises:
+        RuntimeError for a megatron-core version outside `SUPPORTED_RANGE` or a missing hook target; nothing
+        is patched then.
+    """
+    global _installed
+    with _lock:
+        if _installed is not None:
+            return
+        version = installed_megatron_version()
+        if not allow_untested_version:
+            check_megatron_version(version)
+        cpu = (not torch.cuda.is_available()) if cpu is None else cpu
+        unknown = set(exclude) - {h.name for h in HOOKS}
+        if unknown:
+            raise ValueError(f"exclude names rows that are not in the hook table: {sorted(unknown)}")
+        rows = [h for h in HOOKS if (cpu or not h.cpu_only) and h.name not in exclude]
+        targets = [(h, _resolve(m, h.name)) for h in rows for m in h.modules]  # all resolved before any patch
+        if cpu:
+            cpu_compat.enable()
+        done = []
+        originals: dict[tuple[str, str], Any] = {}
+        for hook, (owner, attr) in targets:
+            original = _raw_attr(owner, attr)
+            key = (hook.name, id(hook))
+            # One replacement object per row, built from the first binding's original, so identity checks
+            # (`a is b`) across modules keep holding.
+            if key not in originals:
+                originals[key] = _wrap_like(original, hook.make(_unwrap(original)))
+            setattr(owner, attr, originals[key])
+            done.append((owner, attr, original))
+        _installed = done
+
+
+def uninstall() -> None:
+    """Put back every original binding and disable `cpu_compat` (idempotent)."""
+    global _installed
+    with _lock:
+        if _installed is None:
+            return
+        for owner, attr, original in reversed(_installed):
+            setattr(owner, attr, original)
+        _installed = None
+        cpu_compat.disable()
+
+
+def _raw_attr(owner, attr):
+    # Class attributes: keep staticmethod/classmethod wrappers so uninstall restores them exactly.
+    if isinstance(owner, type) and attr in owner.__dict__:
+        return owner.__dict__[attr]
+    return getattr(owner, attr)
+
+
+def _unwrap(original):
+    return original.__func__ if isinstance(original, (staticmethod, classmethod)) else original
+
+
+def _wrap_like(original, replacement):
+    if isinstance(original, staticmethod):
+        return staticmethod(replacement)
+    if isinstance(original, classmethod):
+        return classmethod(replacement)
+    return replacement
+
+
+def describe() -> str:
+    """The hook table as text (for --help style output and the docs)."""
+    lines = []
+    for h in HOOKS:
+        where = ", ".join(m.rsplit(".", 1)[-1] for m in h.modules)
+        flag = " [CPU only]" if h.cpu_only else ""
+        lines.append(f"{h.name} in {where}{flag} (tested {', '.join(h.tested)}): {h.reason}")
+    return "\n".join(lines)

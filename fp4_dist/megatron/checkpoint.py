@@ -1,0 +1,158 @@
+"""Checkpoints of an NVFP4 Megatron model and its DistributedOptimizer; resume continues bit for bit.
+
+Folder layout (names follow Megatron's ``--ckpt-format torch`` so the files are familiar)::
+
+    <save>/latest_checkpointed_iteration.txt
+    <save>/iter_0000010/common.pt           rank 0: iteration, run config, optimizer.state_dict() (param groups,
+                                            step), LR scheduler state
+    <save>/iter_0000010/distrib_optim.pt    Megatron's own DistributedOptimizer parameter state (fp32 masters
+                                            and Adam moments, DP-rank-0 "dp_zero" format, written through
+                                            ``optimizer.save_parameter_state``; element space, so independent
+                                            of the packed NVFP4 layout)
+    <save>/iter_0000010/model.pt            rank 0: the gathered model weights; NVFP4 weights as their packed
+                                            fields (rowwise_data, rowwise_scale_inv, amax), others as tensors
+    <save>/iter_0000010/rng_rank{r}.pt      each rank: Python, NumPy and torch RNG states
+
+The fp32 masters are the source of truth. Loading restores them and then re-casts every NVFP4 weight from
+them and all-gathers (the same path as an optimizer step), so the bytes equal those of the run that saved;
+`load_checkpoint` checks that against ``model.pt`` and raises if not.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..tensor import is_nvfp4_tensor
+from ..testing import bytes_mismatch
+
+LATEST = "latest_checkpointed_iteration.txt"
+
+
+def iteration_dir(root: str, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def latest_iteration(root: str) -> Optional[int]:
+    path = Path(root) / LATEST
+    return int(path.read_text().strip()) if path.is_file() else None
+
+
+def model_state(model: torch.nn.Module) -> dict[str, Any]:
+    """Weights of ``model`` by parameter name; NVFP4 weights as a dict of their packed fields (CPU copies)."""
+    state = {}
+    for name, p in model.named_parameters():
+        if is_nvfp4_tensor(p):
+            state[name] = {
+                "shape": tuple(p.shape), "dtype": str(p.dtype), "numerics": p.numerics,
+                "rowwise_data": p.rowwise_data.detach().cpu().clone(),
+                "rowwise_scale_inv": p.rowwise_scale_inv.detach().cpu().clone(),
+                "amax": p.amax.detach().cpu().clone(),
+            }
+        else:
+            state[name] = p.detach().cpu().clone()
+    return state
+
+
+def compare_model_state(model: torch.nn.Module, saved: dict[str, Any]) -> list[str]:
+    """Differences between ``model``'s weights and a `model_state` dict ('' list when identical)."""
+    now = model_state(model)
+    problems = sorted(set(now) ^ set(saved))
+    problems = [f"{n}: present in only one of model / checkpoint" for n in problems]
+    for name in sorted(set(now) & set(saved)):
+        a, b = now[name], saved[name]
+        pairs = ([(f"{name}.{f}", a[f], b[f]) for f in ("rowwise_data", "rowwise_scale_inv", "amax")]
+                 if isinstance(a, dict) else [(name, a, b)])
+        problems += [m for label, x, y in pairs if (m := bytes_mismatch(x, y, label))]
+    return problems
+
+
+def _rng_state() -> dict[str, Any]:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+             "tracker": get_cuda_rng_tracker().get_states()}  # dropout inside tensor-parallel regions
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, run_config: dict) -> Path:
+    """Write a checkpoint of ``iteration`` (a collective: call on every rank with params already gathered).
+
+    ``model`` is the DDP-wrapped model; with ``--overlap-param-gather`` the caller finishes the in-flight
+    all-gather first (``model.disable_forward_pre_hook(param_sync=True)``) so the saved weights are current.
+    """
+    rank = dist.get_rank()
+    folder = iteration_dir(root, iteration)
+    if rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    optimizer.save_parameter_state(str(folder / "distrib_optim.pt"))
+    if rank == 0:
+        common = {"iteration": iteration, "config": run_config, "optimizer": optimizer.state_dict(),
+                  "scheduler": scheduler.state_dict()}
+        torch.save(common, folder / "common.pt")
+        torch.save(model_state(model.module), folder / "model.pt")
+    torch.save(_rng_state(), folder / f"rng_rank{rank}.pt")
+    dist.barrier()
+    if rank == 0:
+        tmp = Path(root) / (LATEST + ".tmp")
+        tmp.write_text(str(iteration))
+        os.replace(tmp, Path(root) / LATEST)  # atomic: a crash mid-save leaves the previous checkpoint current
+    dist.barrier()
+    return folder
+
+
+def load_checkpoint(root: str, model, optimizer, scheduler, run_config: dict) -> int:
+    """Restore the latest checkpoint under ``root`` (collective); returns its iteration.
+
+    Raises:
+        FileNotFoundError if there is none; ValueError if the model configuration differs from the one saved
+        or the re-cast weights do not reproduce the saved ones.
+    """
+    iteration = latest_iteration(root)
+    if iteration is None:
+        raise FileNotFoundError(f"--load {root}: no {LATEST} there; nothing to resume")
+    folder = iteration_dir(root, iteration)
+    common = torch.load(folder / "common.pt", weights_only=False)
+    changed = {k: (common["config"].get(k), v) for k, v in run_config.items() if common["config"].get(k) != v}
+    if changed:
+        raise ValueError(f"--load {folder}: checkpoint was written with a different configuration "
+                         f"(saved, now): {changed}")
+    optimizer.load_state_dict(common["optimizer"])
+    optimizer.load_parameter_state(str(folder / "distrib_optim.pt"))
+    scheduler.load_state_dict(common["scheduler"])
+    _set_rng_state(torch.load(folder / f"rng_rank{dist.get_rank()}.pt", weights_only=False))
+    recast_model_params(model, optimizer)
+    problems = compare_model_state(model.module, torch.load(folder / "model.pt", weights_only=False))
+    if problems:
+        raise ValueError(f"--load {folder}: weights re-cast from the loaded masters differ from the saved model: "
+                         + "; ".join(problems[:5]))
+    return iteration
+
+
+def recast_model_params(model, optimizer) -> None:
+    """fp32 masters -> model weights (NVFP4 shard cast or bf16 copy) -> all-gather, as after a step."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        # The DistributedOptimizer's own main->model copy (the step's path); private in megatron-core 0.19.2.
+        opt._copy_main_params_to_model_params()
+    with torch.no_grad():
+        model.start_param_sync(force_sync=True)

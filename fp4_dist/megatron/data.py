@@ -1,0 +1,91 @@
+"""Byte-level training batches from the text corpus embedded in the package (``fp4_dist/data/*.txt``).
+
+Tokens are raw bytes (vocabulary 256), so no tokenizer is needed. Batch contents depend only on
+``(seed, iteration)``, not on how many steps ran before: a run resumed from a checkpoint at iteration N
+sees exactly the batches an uninterrupted run sees at N+1, N+2, ...
+
+Each global batch is ``global_batch_size`` windows of ``seq_length + 1`` bytes at pseudo-random offsets;
+data-parallel rank r takes the contiguous block r of it and cuts it into micro-batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+VOCAB_SIZE = 256
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+
+
+def corpus_files(path: Optional[str] = None) -> list[Path]:
+    """The corpus: ``path`` (a file or a folder of *.txt) or the embedded ``fp4_dist/data``; sorted names."""
+    root = Path(path) if path else DATA_DIR
+    files = [root] if root.is_file() else sorted(root.glob("*.txt")) if root.is_dir() else []
+    if not files:
+        raise FileNotFoundError(
+            f"no text corpus at {root} (expected *.txt files); pass --fp4-corpus PATH to a text file or folder"
+        )
+    return files
+
+
+def load_tokens(path: Optional[str] = None) -> torch.Tensor:
+    """All corpus bytes as one int64 tensor (files concatenated in name order)."""
+    data = b"".join(f.read_bytes() for f in corpus_files(path))
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Shapes of the batches one rank consumes per step."""
+
+    seq_length: int
+    micro_batch_size: int
+    global_batch_size: int
+    dp_rank: int
+    dp_size: int
+    seed: int
+
+    def __post_init__(self):
+        per_step = self.micro_batch_size * self.dp_size
+        if self.global_batch_size % per_step:
+            raise ValueError(
+                f"--global-batch-size {self.global_batch_size} must be a multiple of --micro-batch-size x "
+                f"data-parallel size = {self.micro_batch_size} x {self.dp_size}"
+            )
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.dp_size)
+
+
+def window_offsets(num_tokens: int, plan: BatchPlan, iteration: int) -> torch.Tensor:
+    """Start offsets of the ``global_batch_size`` windows of step ``iteration`` (same on every rank)."""
+    span = num_tokens - plan.seq_length - 1
+    if span <= 0:
+        raise ValueError(f"corpus of {num_tokens} bytes is shorter than --seq-length {plan.seq_length} + 1")
+    g = torch.Generator().manual_seed(plan.seed * 1_000_003 + iteration)
+    return torch.randint(0, span, (plan.global_batch_size,), generator=g)
+
+
+def microbatches(tokens: torch.Tensor, plan: BatchPlan, iteration: int, device) -> Iterator[dict]:
+    """This rank's micro-batches of step ``iteration``: dicts of tokens, labels, position_ids [b, s]."""
+    offsets = window_offsets(tokens.numel(), plan, iteration)
+    per_rank = plan.global_batch_size // plan.dp_size
+    mine = offsets[plan.dp_rank * per_rank:(plan.dp_rank + 1) * per_rank]
+    steps = torch.arange(plan.seq_length + 1)
+    positions = torch.arange(plan.seq_length).unsqueeze(0).expand(plan.micro_batch_size, -1)
+    for m in range(plan.num_microbatches):
+        starts = mine[m * plan.micro_batch_size:(m + 1) * plan.micro_batch_size]
+        windows = tokens[starts.unsqueeze(1) + steps]
+        yield {
+            "tokens": windows[:, :-1].contiguous().to(device),
+            "labels": windows[:, 1:].contiguous().to(device),
+            "position_ids": positions.to(device),
+        }
+
+
+def decode(ids: Sequence[int]) -> str:
+    return bytes(int(i) for i in ids).decode("utf-8", errors="replace")

@@ -1,0 +1,201 @@
+"""Megatron-Core GPTModel (local transformer implementation) with NVFP4 linear weights from init.
+
+TransformerEngine creates NVFP4 parameters inside ``fp8_model_init`` while the layers are built; without TE,
+Megatron builds plain bf16 weights. Here the same effect is reached right after construction, before DDP
+wraps the model (i.e. still at model init): the four linear weights of every transformer layer
+(``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``, as in Megatron's NVFP4 recipe) become
+``nn.Parameter(fp4_dist.NVFP4Tensor)`` carrying the Megatron parameter attributes of the weight they
+replace. Embeddings, norms, biases and the output layer stay bf16; with ``config.first_last_layers_bf16``
+the first ``num_layers_at_start_in_bf16`` and last ``num_layers_at_end_in_bf16`` layers stay bf16 too.
+
+The bf16 init value is kept on the parameter (``get_high_precision_init_val`` /
+``clear_high_precision_init_val``, the names Megatron's DistributedOptimizer probes at DO 428-441), so the
+fp32 master starts from the bf16 init exactly as in a bf16 run, not from its lossy NVFP4 dequantization.
+
+``weights="fake-nvfp4"`` builds the comparison model: bf16 weights whose forward uses
+``quantize(w).dequantize()`` (straight-through gradient), i.e. what an NVFP4 param-gather run computes.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from ..format import TILE
+from ..quantize import quantize
+
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import Float16Module
+
+__all__ = ["WEIGHT_MODES", "NVFP4_LINEARS", "build_gpt_model", "nvfp4_weight_names", "convert_to_nvfp4",
+           "apply_fake_quant", "nvfp4_parameters"]
+
+WEIGHT_MODES = ("bf16", "nvfp4", "fake-nvfp4")
+NVFP4_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+
+
+def build_gpt_model(
+    config: TransformerConfig,
+    *,
+    vocab_size: int,
+    max_sequence_length: int,
+    weights: str = "bf16",
+    numerics: str = "te",
+    position_embedding_type: str = "learned_absolute",
+    share_embeddings_and_output_weights: bool = True,
+    device: Optional[torch.device] = None,
+) -> nn.Module:
+    """GPTModel with the local layer spec, wrapped in Megatron's Float16Module when ``config.bf16``.
+
+    Args:
+        weights: "bf16" (plain), "nvfp4" (NVFP4Tensor linear weights) or "fake-nvfp4" (bf16 weights,
+            NVFP4 fake-quantized in the forward).
+        device: where the model lives; it is moved there before the NVFP4 conversion (moving an NVFP4
+            parameter afterwards would rebuild it without Megatron's parameter attributes).
+    Raises:
+        ValueError naming every linear weight whose K (in_features) is not a multiple of 16, before any
+        weight is converted.
+    """
+    if weights not in WEIGHT_MODES:
+        raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights!r}")
+    spec = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm)
+    model: nn.Module = GPTModel(
+        config,
+        spec,
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        position_embedding_type=position_embedding_type,
+        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+    )
+    if config.bf16 or config.fp16:
+        # Before the conversion: Float16Module casts every parameter, and NVFP4 weights already have
+        # their model dtype.
+        model = Float16Module(config, model)
+    if device is not None:
+        model = model.to(device)
+    if weights == "nvfp4":
+        convert_to_nvfp4(model, config, numerics=numerics)
+    elif weights == "fake-nvfp4":
+        apply_fake_quant(model, config, numerics=numerics)
+    return model
+
+
+def _gpt(model: nn.Module) -> GPTModel:
+    while not isinstance(model, GPTModel):
+        if not hasattr(model, "module"):
+            raise TypeError(f"expected a GPTModel (possibly wrapped in .module), got {type(model).__name__}")
+        model = model.module
+    return model
+
+
+def _bf16_layer(layer_number: int, config: TransformerConfig) -> bool:
+    if not config.first_last_layers_bf16:
+        return False
+    return (layer_number <= config.num_layers_at_start_in_bf16
+            or layer_number > config.num_layers - config.num_layers_at_end_in_bf16)
+
+
+def nvfp4_weight_names(model: nn.Module, config: TransformerConfig) -> list[str]:
+    """Names (relative to the GPTModel) of the linear weights that become NVFP4, in layer order."""
+    gpt = _gpt(model)
+    names = []
+    for i, layer in enumerate(gpt.decoder.layers):
+        if _bf16_layer(layer.layer_number, config):
+            continue
+        names += [f"decoder.layers.{i}.{linear}.weight" for linear in NVFP4_LINEARS]
+    return names
+
+
+def _linear_modules(model: nn.Module, config: TransformerConfig) -> list[tuple[str, nn.Module]]:
+    gpt = _gpt(model)
+    modules = dict(gpt.named_modules())
+    found = []
+    for name in nvfp4_weight_names(model, config):
+        module = modules.get(name.rsplit(".", 1)[0])
+        if module is None or getattr(module, "weight", None) is None:
+            raise ValueError(f"{name}: no such linear weight in this GPTModel (layer spec changed?)")
+        found.append((name, module))
+    return found
+
+
+def _check_k(named: Iterable[tuple[str, nn.Module]]) -> None:
+    bad = [f"{name} [{w.shape[0]} x {w.shape[1]}]" for name, m in named for w in [m.weight] if w.shape[1] % TILE]
+    if bad:
+        raise ValueError(
+            "--fp4-param-gather: NVFP4 weights need K (in_features, the last dim) % 16 == 0; these do not: "
+            + ", ".join(bad)
+            + ". Choose --hidden-size / --ffn-hidden-size / --kv-channels that are multiples of 16, or keep "
+            "those layers in bf16 (--first-last-layers-bf16) or drop --fp4-param-gather"
+        )
+
+
+def _get_init(self) -> torch.Tensor:
+    return self._fp4_dist_init_value
+
+
+def _clear_init(self) -> None:
+    for attr in ("_fp4_dist_init_value", "get_high_precision_init_val", "clear_high_precision_init_val"):
+        self.__dict__.pop(attr, None)
+
+
+def convert_to_nvfp4(model: nn.Module, config: TransformerConfig, *, numerics: str = "te") -> list[str]:
+    """Replace the NVFP4-eligible linear weights by ``nn.Parameter(NVFP4Tensor)`` in place; returns names."""
+    named = _linear_modules(model, config)
+    _check_k(named)
+    for name, module in named:
+        old = module.weight
+        init = old.detach().to(config.params_dtype)
+        new = nn.Parameter(quantize(init, numerics=numerics, dtype=config.params_dtype, name=name),
+                           requires_grad=old.requires_grad)
+        for attr, value in vars(old).items():  # Megatron's TP / DDP attributes (tensor_model_parallel, ...)
+            if attr != "_is_param":
+                setattr(new, attr, value)
+        new._fp4_dist_init_value = init
+        new.get_high_precision_init_val = types.MethodType(_get_init, new)
+        new.clear_high_precision_init_val = types.MethodType(_clear_init, new)
+        module.weight = new
+    return [name for name, _ in named]
+
+
+class _FakeQuant(torch.autograd.Function):
+    """y = dequantize(quantize(w)) in w's dtype; dL/dw = dL/dy (what an NVFP4 parameter's autograd gives)."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, numerics: str) -> torch.Tensor:
+        return quantize(weight.detach(), numerics=numerics, dtype=weight.dtype).dequantize(weight.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _FakeQuantParametrization(nn.Module):
+    def __init__(self, numerics: str) -> None:
+        super().__init__()
+        self.numerics = numerics
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return _FakeQuant.apply(weight, self.numerics)
+
+
+def apply_fake_quant(model: nn.Module, config: TransformerConfig, *, numerics: str = "te") -> list[str]:
+    """Make the NVFP4-eligible linear weights fake-quantized in the forward (bf16 storage kept)."""
+    named = _linear_modules(model, config)
+    _check_k(named)
+    for _, module in named:
+        parametrize.register_parametrization(module, "weight", _FakeQuantParametrization(numerics),
+                                             unsafe=True)
+    return [name for name, _ in named]
+
+
+def nvfp4_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of every NVFP4 parameter of ``model``, in ``named_parameters`` order."""
+    from ..tensor import is_nvfp4_tensor
+
+    return [(n, p) for n, p in model.named_parameters() if is_nvfp4_tensor(p)]

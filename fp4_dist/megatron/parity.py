@@ -1,0 +1,87 @@
+"""Check, on every rank, that the all-gathered NVFP4 weights equal ``quantize(full fp32 master)``.
+
+The DistributedOptimizer holds each weight's fp32 master as disjoint shards (``param.main_param`` on the
+rank that owns elements ``[start, end)``). Each rank writes its shard into a zero [M*K] tensor and a SUM
+all-reduce over the data-parallel group rebuilds the full master exactly (x + 0 is exact). Quantizing that
+in one piece is the reference the gathered bytes must match bit for bit: ``rowwise_data``, the whole
+``rowwise_scale_inv`` (padding included), ``amax``, and the columnwise copy when it exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..quantize import quantize
+from ..tensor import is_nvfp4_tensor
+from ..testing import bytes_mismatch
+
+
+@dataclass
+class ParityReport:
+    """Result of one check on this rank."""
+
+    weights: int = 0
+    bytes_checked: int = 0
+    mismatches: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+
+def _distributed_optimizers(optimizer) -> list:
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [o for o in inner if hasattr(o, "_get_model_param_range_map")]
+
+
+def full_master(param, optimizers, group) -> torch.Tensor:
+    """fp32 [M, K] master of ``param`` assembled from every rank's shard (a collective: call on all ranks)."""
+    full = torch.zeros(param.numel(), dtype=torch.float32, device=param.rowwise_data.device
+                       if is_nvfp4_tensor(param) else param.device)
+    shard = getattr(param, "main_param", None)
+    if shard is not None:
+        for opt in optimizers:
+            try:
+                span = opt._get_model_param_range_map(param)["param"]
+            except KeyError:
+                continue
+            full[span.start:span.end] = shard
+            break
+    dist.all_reduce(full, group=group)
+    return full.view(param.shape)
+
+
+def check_nvfp4_weights(model: torch.nn.Module, optimizer, group=None) -> ParityReport:
+    """Compare every NVFP4 parameter of ``model`` with ``quantize`` of its full master (collective)."""
+    report = ParityReport()
+    optimizers = _distributed_optimizers(optimizer)
+    for name, p in model.named_parameters():
+        if not is_nvfp4_tensor(p):
+            continue
+        ref = quantize(full_master(p, optimizers, group), numerics=p.numerics, dtype=p.dtype, name=name)
+        pairs = [("rowwise_data", p.rowwise_data, ref.rowwise_data),
+                 ("rowwise_scale_inv", p.rowwise_scale_inv, ref.rowwise_scale_inv),
+                 ("amax", p.amax, ref.amax)]
+        if p.columnwise_data is not None:
+            ref.make_columnwise()
+            pairs += [("columnwise_data", p.columnwise_data, ref.columnwise_data),
+                      ("columnwise_scale_inv", p.columnwise_scale_inv, ref.columnwise_scale_inv)]
+        for field_name, got, want in pairs:
+            msg = bytes_mismatch(got, want, f"{name}.{field_name}")
+            report.bytes_checked += want.numel() * want.element_size()
+            if msg:
+                report.mismatches.append(msg)
+        report.weights += 1
+    return report
+
+
+def all_ranks_ok(report: ParityReport, group=None) -> bool:
+    """True when the check passed on every rank of ``group`` (a collective)."""
+    flag = torch.tensor([0.0 if report.ok else 1.0])
+    if dist.get_backend(group) == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item() == 0.0)

@@ -1,0 +1,417 @@
+"""Train a small GPT with megatron-core on the embedded corpus, with NVFP4 param all-gather from fp4_dist.
+
+    torchrun --nproc-per-node 2 -m fp4_dist.megatron.pretrain_gpt \\
+        --num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 256 \\
+        --max-position-embeddings 256 --micro-batch-size 8 --global-batch-size 16 --train-iters 200 \\
+        --lr 1e-3 --bf16 --use-distributed-optimizer --fp4-param-gather
+
+Arguments are Megatron's own (``megatron.training.arguments``: model shape, batch, optimizer, LR schedule,
+``--use-distributed-optimizer``, ``--overlap-grad-reduce``, ``--overlap-param-gather``,
+``--fp4-param-gather``, ``--first-last-layers-bf16``, ``--save``/``--load``/``--save-interval``, ...) plus a
+few ``--fp4-*`` ones (``--help`` lists them). Platform defaults are filled in unless given: the local
+transformer implementation, a byte-level vocabulary (256), no apex-only fusions, and on CPU ranks gloo and
+CPU initialization. One rank per GPU with NCCL when CUDA is present, CPU ranks with gloo otherwise; a plain
+``python -m`` run is one rank.
+
+``--fp4-param-gather`` needs ``--use-distributed-optimizer``; it makes the linear weights of every
+transformer layer NVFP4 parameters and routes Megatron's NVFP4 path through fp4_dist (no TransformerEngine
+and no ``--fp4-format``). ``--fp4-fake-quant`` instead keeps bf16 weights and fake-quantizes them in the
+forward: the reference an NVFP4 run must match bit for bit.
+
+`main(argv)` returns the run's `RunResult` and may be called several times in one process (the test suite
+and bench/megatron_compare.py do), each call building a fresh model and optimizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import logging
+import os
+import random
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from . import adapter
+from .data import VOCAB_SIZE, BatchPlan, load_tokens, microbatches
+
+UNSUPPORTED_BACKEND_FLAGS = ("--fp4-format", "--fp4-recipe")
+
+
+def _megatron_training():
+    """Import megatron.training's argument parser and helpers.
+
+    megatron/training/models/hybrid.py uses ``typing.override`` (Python 3.12+); megatron-core itself runs on
+    3.11, so on 3.11 the same decorator is provided from typing_extensions before the import.
+    """
+    import typing
+
+    if sys.version_info < (3, 12) and not hasattr(typing, "override"):
+        import typing_extensions
+
+        typing.override = typing_extensions.override
+    from megatron.training import arguments, argument_utils, global_vars, training
+
+    return arguments, argument_utils, global_vars, training
+
+
+# --------------------------------------------------------------------------------------------- arguments
+def add_fp4_dist_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group("fp4_dist")
+    group.add_argument("--fp4-numerics", default="te", choices=("te", "te-2.14"),
+                       help="NVFP4 block-scale formula (TransformerEngine main, or its v2.14 variant)")
+    group.add_argument("--fp4-fake-quant", action="store_true",
+                       help="bf16 weights and bf16 param gather, NVFP4 fake-quantized in the forward (the "
+                            "reference an --fp4-param-gather run matches bit for bit)")
+    group.add_argument("--fp4-check-every", type=int, default=0, metavar="N",
+                       help="every N steps, check on every rank that the gathered NVFP4 weights equal "
+                            "quantize(full fp32 master); stop with an error on a mismatch (0: off)")
+    group.add_argument("--fp4-upstream-layout", action="store_true",
+                       help="diagnostic: keep megatron-core's own packed NVFP4 layout (reproduces its stale "
+                            "bytes at some data-parallel sizes; use with --fp4-check-every)")
+    group.add_argument("--fp4-allow-untested-megatron", action="store_true",
+                       help="run with a megatron-core version outside the tested range")
+    group.add_argument("--fp4-corpus", default=None, metavar="PATH",
+                       help="text file or folder of *.txt (default: the corpus embedded in fp4_dist/data)")
+    group.add_argument("--fp4-log-json", default=None, metavar="PATH",
+                       help="rank 0 writes the per-step records and the run summary here")
+    group.add_argument("--fp4-print-args", action="store_true", help="print Megatron's full argument table")
+    return parser
+
+
+def _platform_defaults(argv: Sequence[str]) -> list[str]:
+    """Flags this entry point needs unless the user set them (it has no TE, no apex and a byte vocabulary)."""
+    given = {a.split("=")[0] for a in argv if a.startswith("--")}
+    defaults = [("--transformer-impl", ["local"]), ("--tokenizer-type", ["NullTokenizer"]),
+                ("--vocab-size", [str(VOCAB_SIZE)]), ("--no-gradient-accumulation-fusion", []),
+                ("--no-masked-softmax-fusion", []), ("--no-persist-layer-norm", [])]
+    if not torch.cuda.is_available():
+        defaults += [("--use-cpu-initialization", []), ("--distributed-backend", ["gloo"])]
+    out = []
+    for flag, values in defaults:
+        if flag not in given:
+            out += [flag, *values]
+    return out
+
+
+def check_fp4_args(args: argparse.Namespace) -> None:
+    """The fp4_dist rules, checked before anything is built (ValueError names the rule and the remedy)."""
+    if args.fp4_param_gather and not args.use_distributed_optimizer:
+        raise ValueError(
+            "--fp4-param-gather needs --use-distributed-optimizer: NVFP4 weights are cast shard by shard from the "
+            "distributed optimizer's fp32 masters and all-gathered as packed bytes; add --use-distributed-optimizer"
+        )
+    if args.fp4_param_gather and args.fp4_fake_quant:
+        raise ValueError("--fp4-fake-quant is the bf16 reference for an --fp4-param-gather run; use one of them")
+    if args.fp8_param_gather and args.fp4_param_gather:
+        raise ValueError("--fp8-param-gather and --fp4-param-gather cannot be combined (one uint8 param buffer)")
+    if args.fp4 is not None or args.fp4_recipe not in (None, "nvfp4"):
+        raise ValueError("--fp4-format/--fp4-recipe select TransformerEngine's NVFP4; fp4_dist replaces it: use "
+                         "--fp4-param-gather alone")
+    if args.tensor_model_parallel_size != 1 or args.pipeline_model_parallel_size != 1:
+        raise ValueError("fp4_dist.megatron.pretrain_gpt runs data parallel only (tensor/pipeline model parallel "
+                         f"size 1; got {args.tensor_model_parallel_size}/{args.pipeline_model_parallel_size})")
+    if args.vocab_size != VOCAB_SIZE:
+        raise ValueError(f"the embedded data is byte-level: --vocab-size must be {VOCAB_SIZE}")
+    if not args.bf16:
+        raise ValueError("fp4_dist.megatron.pretrain_gpt trains in bf16: add --bf16")
+    if args.train_iters is None:
+        raise ValueError("--train-iters is required (sample-based training is not supported here)")
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Megatron's parser + the fp4_dist group; Megatron's validate_args; the fp4_dist rules."""
+    arguments, _, _, _ = _megatron_training()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m fp4_dist.megatron.pretrain_gpt", allow_abbrev=False,
+                                     description=__doc__.split("\n\n")[0])
+    parser = add_fp4_dist_args(arguments.add_megatron_arguments(parser))
+    args = parser.parse_args(argv + _platform_defaults(argv))
+    # Importing megatron.training.training sets the root logger to INFO (its line 36); Megatron's own
+    # --logging-level decides here, WARNING by default.
+    logging.getLogger().setLevel(args.logging_level if args.logging_level is not None else logging.WARNING)
+    args._is_global_batch_size_explicitly_specified = args.global_batch_size is not None
+    args.rank = int(os.getenv("RANK", "0"))
+    args.world_size = int(os.getenv("WORLD_SIZE", "1"))
+    if not args.fp4_allow_untested_megatron:
+        adapter.check_megatron_version(adapter.installed_megatron_version())
+    check_fp4_args(args)
+    # Megatron's validate_args ties --fp4-param-gather to --fp4-format (TransformerEngine >= 2.7); here the
+    # flag selects fp4_dist's backend instead, so it is hidden from that check and restored after.
+    fp4_param_gather, args.fp4_param_gather = args.fp4_param_gather, False
+    table = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(table):
+            arguments.validate_args(args)
+    except AssertionError as e:  # Megatron's checks are mostly bare asserts: name the failing condition
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        raise ValueError(f"Megatron's validate_args rejected the arguments: {e or where.line} "
+                         f"({os.path.basename(where.filename)}:{where.lineno})") from e
+    if args.fp4_print_args and args.rank == 0:
+        print(table.getvalue(), end="")
+    args.fp4_param_gather = fp4_param_gather
+    return args
+
+
+# --------------------------------------------------------------------------------------------- setup
+def initialize(args: argparse.Namespace) -> torch.device:
+    """torch.distributed (NCCL on GPUs, gloo on CPU), model-parallel groups, seeds. Idempotent."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.getenv("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        backend = args.distributed_backend if cuda else "gloo"
+        if "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend)
+        else:  # plain `python -m`: a job of one rank
+            from ..launch import _free_port
+
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    model_parallel_cuda_manual_seed(args.seed)
+    return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+
+
+def weight_mode(args: argparse.Namespace) -> str:
+    return "nvfp4" if args.fp4_param_gather else "fake-nvfp4" if args.fp4_fake_quant else "bf16"
+
+
+def build(args: argparse.Namespace, device: torch.device):
+    """(DDP model, optimizer, LR scheduler, TransformerConfig) from Megatron's arguments."""
+    from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    from .model import build_gpt_model
+
+    _, argument_utils, global_vars, training = _megatron_training()
+    global_vars.set_args(args)  # Megatron's scheduler/config helpers read the global args
+    fp4_param_gather, args.fp4_param_gather = args.fp4_param_gather, False
+    config = argument_utils.core_transformer_config_from_args(args)  # fp4_param would demand TE's fp4 recipe
+    args.fp4_param_gather = fp4_param_gather
+    model = build_gpt_model(
+        config, vocab_size=VOCAB_SIZE, max_sequence_length=args.max_position_embeddings, weights=weight_mode(args),
+        numerics=args.fp4_numerics, position_embedding_type=args.position_embedding_type,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights, device=device,
+    )
+    ddp_config = training.get_megatron_ddp_config(args)  # fp4_param_gather flows in by field name
+    model = DistributedDataParallel(config, ddp_config, model)
+    opt_config, overrides = training.get_megatron_optimizer_config(args)
+    optimizer = get_megatron_optimizer(opt_config, [model], overrides)
+    scheduler = training.get_optimizer_param_scheduler(optimizer)
+    config.no_sync_func = model.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    return model, optimizer, scheduler, config
+
+
+def param_buffer_bytes(model) -> dict[str, int]:
+    """Bytes of the DDP param buffers by dtype (the all-gather payload of one step) and of the grad buffers."""
+    out: dict[str, int] = {}
+    for buf in model.buffers + model.expert_parallel_buffers:
+        if buf.param_data is not None:
+            key = f"param_{str(buf.param_dtype).replace('torch.', '')}"
+            out[key] = out.get(key, 0) + buf.param_data.numel() * buf.param_data.element_size()
+        out["grad"] = out.get("grad", 0) + buf.grad_data.numel() * buf.grad_data.element_size()
+    return out
+
+
+# --------------------------------------------------------------------------------------------- training
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+
+    def loss_func(output: torch.Tensor):
+        # (sum, tokens, report): Megatron divides by tokens and microbatches; the report is summed for logs.
+        total = output.float().sum()
+        tokens = torch.tensor(output.numel(), dtype=torch.int, device=output.device)
+        return total, tokens, {"lm loss": torch.stack([total.detach(), tokens.float()])}
+
+    return per_token, loss_func
+
+
+@dataclass
+class StepRecord:
+    iteration: int
+    loss: float
+    grad_norm: float
+    lr: float
+    step_ms: float
+    parity: Optional[str] = None  # "ok" / "FAIL: ..." when --fp4-check-every ran this step
+
+
+@dataclass
+class RunResult:
+    """What one `main` call did (rank-local, identical on every rank except step times)."""
+
+    mode: str
+    world_size: int
+    start_iteration: int
+    records: list[StepRecord] = field(default_factory=list)
+    buffer_bytes: dict[str, int] = field(default_factory=dict)
+    nvfp4_weights: int = 0
+    checkpoints: list[str] = field(default_factory=list)
+
+    @property
+    def losses(self) -> list[float]:
+        return [r.loss for r in self.records]
+
+
+def train_step(args, iteration, tokens, plan, model, optimizer, scheduler, device) -> tuple[float, float]:
+    """One optimizer step over the global batch of ``iteration``; returns (mean token loss, grad norm)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    reports = get_forward_backward_func()(
+        forward_step_func=_forward_step, data_iterator=microbatches(tokens, plan, iteration, device),
+        model=[model], num_microbatches=plan.num_microbatches, seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size, forward_only=False,
+    )
+    ok, grad_norm, _ = optimizer.step()
+    if not ok:
+        raise RuntimeError(f"iteration {iteration}: optimizer step skipped (non-finite gradients)")
+    scheduler.step(increment=args.global_batch_size)
+    total = torch.stack([r["lm loss"] for r in reports]).sum(0)
+    dist.all_reduce(total)
+    return float(total[0] / total[1]), float(grad_norm or 0.0)
+
+
+def _run_config(args) -> dict:
+    """The settings a checkpoint must agree with to resume bit for bit."""
+    keys = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+            "kv_channels", "seq_length", "global_batch_size", "micro_batch_size", "seed", "fp4_param_gather",
+            "fp4_fake_quant", "fp4_numerics", "first_last_layers_bf16", "use_distributed_optimizer")
+    return {k: getattr(args, k) for k in keys}
+
+
+def _check_parity(model, optimizer) -> str:
+    from .parity import all_ranks_ok, check_nvfp4_weights
+
+    report = check_nvfp4_weights(model.module, optimizer)
+    if all_ranks_ok(report):
+        return f"ok ({report.weights} weights, {report.bytes_checked} bytes per rank)"
+    mine = "; ".join(report.mismatches[:3]) or "this rank matched; see the others"
+    return f"FAIL on rank {dist.get_rank()}: {mine}"
+
+
+def _log(args, result: RunResult, rec: StepRecord) -> None:
+    if dist.get_rank() != 0:
+        return
+    done = rec.iteration - result.start_iteration
+    total = args.train_iters - result.start_iteration
+    bar = "#" * int(20 * done / max(total, 1))
+    line = (f"[{bar:<20}] iter {rec.iteration:>5}/{args.train_iters} | loss {rec.loss:.4f} | "
+            f"grad norm {rec.grad_norm:.3f} | lr {rec.lr:.2e} | {rec.step_ms:7.1f} ms/step")
+    if rec.parity:
+        line += f" | NVFP4 gather == quantize(master): {rec.parity}"
+    print(line, flush=True)
+
+
+def train(args, model, optimizer, scheduler, device, start_iteration: int) -> RunResult:
+    from .checkpoint import save_checkpoint
+    from .model import nvfp4_parameters
+
+    tokens = load_tokens(args.fp4_corpus)
+    plan = BatchPlan(args.seq_length, args.micro_batch_size, args.global_batch_size,
+                     dist.get_rank(), dist.get_world_size(), args.seed)
+    result = RunResult(weight_mode(args), dist.get_world_size(), start_iteration,
+                       buffer_bytes=param_buffer_bytes(model), nvfp4_weights=len(nvfp4_parameters(model.module)))
+    overlap = model.ddp_config.overlap_param_gather
+    for iteration in range(start_iteration + 1, args.train_iters + 1):
+        t0 = time.perf_counter()
+        loss, grad_norm = train_step(args, iteration, tokens, plan, model, optimizer, scheduler, device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        rec = StepRecord(iteration, loss, grad_norm, optimizer.param_groups[0]["lr"],
+                         1e3 * (time.perf_counter() - t0))
+        check = args.fp4_check_every and iteration % args.fp4_check_every == 0 and result.nvfp4_weights
+        exiting = bool(args.exit_interval) and iteration % args.exit_interval == 0  # Megatron's --exit-interval
+        saving = bool(args.save) and (exiting or iteration == args.train_iters
+                                      or bool(args.save_interval) and iteration % args.save_interval == 0)
+        if check or saving:
+            if overlap:  # finish the in-flight all-gather so the weights are this step's
+                model.disable_forward_pre_hook(param_sync=True)
+            if check:
+                rec.parity = _check_parity(model, optimizer)
+            if saving:
+                path = save_checkpoint(args.save, iteration, model, optimizer, scheduler, _run_config(args))
+                result.checkpoints.append(str(path))
+            if overlap:
+                model.enable_forward_pre_hook()
+        result.records.append(rec)
+        if iteration % args.log_interval == 0 or iteration == args.train_iters or exiting or (rec.parity or "").startswith("F"):
+            _log(args, result, rec)
+        if rec.parity and not rec.parity.startswith("ok"):
+            raise RuntimeError(f"iteration {iteration}: gathered NVFP4 weights differ from quantize(master): "
+                               + rec.parity)
+        if exiting:
+            break
+    return result
+
+
+def _summary(args, result: RunResult) -> str:
+    losses = result.losses
+    mib = {k: f"{v / 2**20:.3f} MiB" for k, v in result.buffer_bytes.items()}
+    times = sorted(r.step_ms for r in result.records[1:]) or [r.step_ms for r in result.records]
+    median = times[len(times) // 2] if times else float("nan")
+    return (f"done: {result.mode} weights ({result.nvfp4_weights} NVFP4), {result.world_size} ranks, "
+            f"iterations {result.start_iteration + 1}..{args.train_iters}, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+            f"median step {median:.1f} ms, DDP buffers {mib}" if losses else "done: nothing to train")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> RunResult:
+    """Parse, set up, (resume,) train; returns the run's records. Start-up errors raise before training."""
+    args = parse_args(argv)
+    exclude = adapter.UPSTREAM_LAYOUT if args.fp4_upstream_layout else ()
+    if adapter.is_installed():
+        adapter.uninstall()  # a previous call in this process may have used other rows
+    adapter.install(allow_untested_version=args.fp4_allow_untested_megatron, exclude=exclude)
+    device = initialize(args)
+    model, optimizer, scheduler, _ = build(args, device)
+    start = 0
+    if args.load:
+        from .checkpoint import load_checkpoint
+
+        start = load_checkpoint(args.load, model, optimizer, scheduler, _run_config(args))
+        if dist.get_rank() == 0:
+            print(f"resumed from {args.load} at iteration {start}", flush=True)
+    result = train(args, model, optimizer, scheduler, device, start)
+    if dist.get_rank() == 0:
+        print(_summary(args, result), flush=True)
+        if args.fp4_log_json:
+            with open(args.fp4_log_json, "w") as f:
+                json.dump(asdict(result), f, indent=1)
+    return result
+
+
+def _cli() -> int:
+    try:
+        main()
+    except (ValueError, RuntimeError, FileNotFoundError) as e:
+        if int(os.getenv("RANK", "0")) == 0:
+            print(f"pretrain_gpt: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_cli())
