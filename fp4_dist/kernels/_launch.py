@@ -191,8 +191,7 @@ def launch_partial_cast(index, round_to, table, unit_begin, n, units, enc) -> No
 
 def launch_nibble_transpose(index, table, unit_begin, n, units) -> None:
     _check_ptrs("nibble_transpose", table=table, unit_begin=unit_begin)
-    # Units are per warp here: 8 of them per block.
-    _launch(index, ("nibble_transpose", ""), -(-units // (THREADS // 32)), (table, unit_begin, np.int32(n)))
+    _launch(index, ("nibble_transpose", ""), units, (table, unit_begin, np.int32(n)))
 
 
 def launch_scale_transpose(index, table, unit_begin, n, units) -> None:

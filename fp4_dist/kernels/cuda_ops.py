@@ -32,9 +32,9 @@ TRANSPOSE_FIELDS = ("src", "dst", "m", "k", "n_mt", "flags")
 SCALET_FIELDS = ("src", "dst", "k", "tiles_m", "tiles_k", "src_cols", "dst_cols", "dst_rows", "flags", "pad_")
 
 # Flag bits and unit sizes of common.cuh.
-FLAG_BF16_SRC, FLAG_VEC_SRC, FLAG_VEC_DST, FLAG_VEC16_DST = 1, 2, 4, 8
+FLAG_BF16_SRC, FLAG_VEC_SRC, FLAG_VEC_DST, FLAG_VEC16_DST, FLAG_VEC16_SRC = 1, 2, 4, 8, 16
 CHUNK_COLS, ZERO_CHUNK, SCALE_CHUNK, SCALET_WORDS = 256, 1024, 1024, 256
-NIBBLE_TILE_M, NIBBLE_TILE_K = 32, 256
+NIBBLE_TILE_M, NIBBLE_TILE_K = 64, 512
 
 Shape = tuple[int, int]
 
@@ -327,6 +327,7 @@ def _build_nibble_plan(index, srcs, dsts) -> Plan:
         _check_u8(dst, columnwise_data_shape(m, k), index, f"columnwise_data {i}")
         s, d, row_bytes = src.data_ptr(), dst.data_ptr(), m // 2
         flags = FLAG_VEC_SRC if s % 4 == 0 else 0
+        flags |= FLAG_VEC16_SRC if s % 16 == 0 and (k // 2) % 16 == 0 else 0
         flags |= FLAG_VEC_DST if d % 4 == 0 and row_bytes % 4 == 0 else 0
         flags |= FLAG_VEC16_DST if d % 16 == 0 and row_bytes % 16 == 0 else 0
         n_mt = ceil_div(m, NIBBLE_TILE_M)

@@ -85,12 +85,19 @@ __device__ __forceinline__ float e4m3_to_float(u32 code) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// E2M1 code of y: round-to-nearest-even on |y| by the thresholds of the spec table (section 2.8), saturating
-// (inf gives 7), sign bit 0x8 when y < 0 (so -0.0 gives 0 and NaN gives 0, as the reference does).
-// Done in software: sm_90 has no cvt to e2m1.
+// E2M1 code of y: round-to-nearest-even on |y| to the grid 0, .5, 1, 1.5, 2, 3, 4, 6 (the thresholds of the
+// spec table, section 2.8), saturating (inf gives 7), sign bit 0x8 when y < 0 (so -0.0 and NaN give 0, as the
+// reference does). Done in software: sm_90 has no cvt to e2m1.
+// The grid step is 0.5 below 2, 1 in [2, 4) and 2 above, so |y| + 2^22 (resp. 2^23, 2^24), a float whose ulp
+// is that step, is |y| rounded half-to-even onto the grid by the fp32 add itself; the low bits of the sum are
+// the grid index. (Checked against the threshold table on every tie, its neighbours and ~10^7 more values.)
 __device__ __forceinline__ u32 e2m1_code(float y) {
-    float a = fabsf(y);
-    u32 c = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
+    const float a = fabsf(y);
+    const bool lo = a < 2.0f, mid = a < 4.0f;
+    const float magic = lo ? 4194304.0f : (mid ? 8388608.0f : 16777216.0f);
+    const u32 base = lo ? 0x4A800000u : (mid ? 0x4B000000u - 2u : 0x4B800000u - 4u);  // minus the code offset
+    u32 c = min(__float_as_uint(a + magic) - base, 7u);
+    c = (a == a) ? c : 0u;
     return c | (y < 0.0f ? 8u : 0u);
 }
 
@@ -162,12 +169,13 @@ struct TransposeDesc {
     i64 dst;
     i64 m;
     i64 k;
-    i64 n_mt;         // ceil(M / 32)
-    i64 flags;        // kFlagVecSrc: src 4-byte aligned; kFlagVecDst: dst rows 4-byte aligned;
-                      // kFlagVec16Dst: dst rows 16-byte aligned
+    i64 n_mt;         // ceil(M / 64); a unit is 64 rows x 512 columns
+    i64 flags;        // kFlagVecSrc: src 4-byte aligned; kFlagVec16Src: src rows 16-byte aligned;
+                      // kFlagVecDst: dst rows 4-byte aligned; kFlagVec16Dst: dst rows 16-byte aligned
 };
 
 constexpr i64 kFlagVec16Dst = 8;
+constexpr i64 kFlagVec16Src = 16;
 
 // scale_transpose: rowwise [rows_pad, cols_pad] -> columnwise [k_pad, mt_pad]; a unit is one tile column j
 // (16 columnwise rows) x 1024 tile rows.

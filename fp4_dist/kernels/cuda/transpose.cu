@@ -40,71 +40,119 @@ __device__ __forceinline__ u32 load_word(const u8* p, bool aligned) {
            (static_cast<u32>(p[3]) << 24);
 }
 
-// One columnwise row's part of a unit, when it cannot be one 16-byte store (ragged M or misaligned rows):
-// `valid` (< 16, or unaligned) bytes as words or bytes. Out of line: it is the rare path.
-__device__ __noinline__ void store_row_slow(u8* row, u32 w0, u32 w1, u32 w2, u32 w3, int valid, bool aligned) {
+// Up to 16 bytes of one columnwise row (ragged M or misaligned rows): `valid` bytes as words or bytes.
+__device__ __noinline__ void store_part(u8* p, u32 w0, u32 w1, u32 w2, u32 w3, int valid, bool aligned) {
     const u32 w[4] = {w0, w1, w2, w3};
 #pragma unroll
     for (int g = 0; g < 4; ++g) {
         const int count = min(4, valid - 4 * g);
         if (count <= 0) return;
         if (count == 4 && aligned) {
-            *reinterpret_cast<u32*>(row + 4 * g) = w[g];
+            *reinterpret_cast<u32*>(p + 4 * g) = w[g];
         } else {
-            for (int b = 0; b < count; ++b) row[4 * g + b] = static_cast<u8>(w[g] >> (8 * b));
+            for (int b = 0; b < count; ++b) p[4 * g + b] = static_cast<u8>(w[g] >> (8 * b));
         }
     }
 }
 
-// One warp, one unit: 32 rows (m) x 256 columns (k). Lane l reads word column l of 32 rows (coalesced 128-byte
-// row segments; all 32 loads issued before the first use) and writes its 8 columnwise rows k = 8l .. 8l + 7,
-// 16 bytes each. The warp of the next unit writes the other half of those 32-byte sectors.
-__device__ __forceinline__ void nibble_unit(const TransposeDesc& d, i64 uu, int lane) {
-    const i64 mt = uu % d.n_mt, kt = uu / d.n_mt;
-    const i64 kw = kt * 32 + lane;  // word column: k = 8 kw .. 8 kw + 7
-    if (kw >= d.k / 8) return;
-    const i64 src_row = d.k / 2, dst_row = d.m / 2;
-    const u8* src = reinterpret_cast<const u8*>(d.src) + 4 * kw;
-    const bool src_aligned = d.flags & kFlagVecSrc;
-    u32 r[4][8];  // r[g][i]: row mt * 32 + 8 g + i; after the transpose r[g][j]: column 8 kw + j, m-group g
+// One block, one unit: 64 rows (m) x 512 columns (k) of one weight, staged through shared memory so that
+// global memory sees only long coalesced segments: the block reads 64 row segments of 256 bytes (16-byte loads,
+// four per thread, all in flight before the first use) and writes 512 columnwise row segments of 32 bytes (one
+// full sector each, as two 16-byte stores). In between, each thread transposes two 8 x 8 nibble blocks in
+// registers. Padded strides (65 and 9 words) keep the shared-memory accesses (nearly) free of bank conflicts.
+constexpr int kNtRows = 64, kNtWords = 64;          // unit: 64 m x 64 input words (512 k)
+constexpr int kNtInStride = kNtWords + 1;            // words per staged input row
+constexpr int kNtOutRows = 8 * kNtWords, kNtOutStride = kNtRows / 8 + 1;  // 512 columnwise rows of 8 words
+
+__device__ __forceinline__ void nibble_load(const TransposeDesc& d, i64 mt, i64 kt, u32* in) {
+    const i64 row_bytes = d.k / 2;
+    const bool vec16 = (d.flags & kFlagVec16Src) != 0;
+    const bool aligned = (d.flags & kFlagVecSrc) != 0;
+    uint4 v[4];
 #pragma unroll
-    for (int g = 0; g < 4; ++g) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const i64 m = mt * 32 + 8 * g + i;
-            r[g][i] = m < d.m ? load_word(src + m * src_row, src_aligned) : 0u;
+    for (int it = 0; it < 4; ++it) {  // 64 rows x 16 vectors of 16 bytes
+        const int item = it * kThreads + threadIdx.x, r = item >> 4, q = item & 15;
+        const i64 m = mt * kNtRows + r, byte = kt * (kNtWords * 4) + 16 * q;
+        const u8* p = reinterpret_cast<const u8*>(d.src) + m * row_bytes + byte;
+        v[it].x = v[it].y = v[it].z = v[it].w = 0u;
+        if (m < d.m && byte < row_bytes) {
+            if (vec16) {
+                v[it] = *reinterpret_cast<const uint4*>(p);
+            } else {  // rows hold whole words (K % 16 == 0), but maybe not whole 16-byte vectors
+                v[it].x = load_word(p, aligned);
+                v[it].y = load_word(p + 4, aligned);
+                if (byte + 8 < row_bytes) {
+                    v[it].z = load_word(p + 8, aligned);
+                    v[it].w = load_word(p + 12, aligned);
+                }
+            }
         }
     }
 #pragma unroll
-    for (int g = 0; g < 4; ++g) transpose8x8_nibbles(r[g]);
-    const i64 valid = min(static_cast<i64>(16), dst_row - mt * 16);  // bytes of this unit in each out row
-    u8* dst = reinterpret_cast<u8*>(d.dst) + mt * 16;
+    for (int it = 0; it < 4; ++it) {
+        const int item = it * kThreads + threadIdx.x, r = item >> 4, q = item & 15;
+        u32* row = in + r * kNtInStride + 4 * q;
+        row[0] = v[it].x;
+        row[1] = v[it].y;
+        row[2] = v[it].z;
+        row[3] = v[it].w;
+    }
+}
+
+__device__ __forceinline__ void nibble_store(const TransposeDesc& d, i64 mt, i64 kt, const u32* out) {
+    const i64 dst_row = d.m / 2;
+    const int valid = static_cast<int>(min(static_cast<i64>(32), dst_row - mt * 32));  // bytes per out row
+    const bool vec16 = valid == 32 && (d.flags & kFlagVec16Dst);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        u8* row = dst + (8 * kw + j) * dst_row;
-        if (valid == 16 && (d.flags & kFlagVec16Dst)) {
+    for (int it = 0; it < 4; ++it) {  // 512 rows x 2 halves of 16 bytes
+        const int item = it * kThreads + threadIdx.x, rr = item >> 1, half = item & 1;
+        const i64 k = kt * kNtOutRows + rr;
+        if (k >= d.k) continue;
+        const u32* w = out + rr * kNtOutStride + 4 * half;
+        u8* p = reinterpret_cast<u8*>(d.dst) + k * dst_row + mt * 32 + 16 * half;
+        if (vec16) {
             uint4 v;
-            v.x = r[0][j];
-            v.y = r[1][j];
-            v.z = r[2][j];
-            v.w = r[3][j];
-            *reinterpret_cast<uint4*>(row) = v;
+            v.x = w[0];
+            v.y = w[1];
+            v.z = w[2];
+            v.w = w[3];
+            *reinterpret_cast<uint4*>(p) = v;
         } else {
-            store_row_slow(row, r[0][j], r[1][j], r[2][j], r[3][j], static_cast<int>(valid), d.flags & kFlagVecDst);
+            store_part(p, w[0], w[1], w[2], w[3], valid - 16 * half, (d.flags & kFlagVecDst) != 0);
         }
     }
 }
 
 __global__ void __launch_bounds__(kThreads)
 nibble_transpose_kernel(const TransposeDesc* __restrict__ descs, const i64* __restrict__ unit_begin, int n) {
+    __shared__ u32 in[kNtRows * kNtInStride];
+    __shared__ u32 out[kNtOutRows * kNtOutStride];
     const int lane = threadIdx.x & 31;
-    const i64 warps = static_cast<i64>(gridDim.x) * (kThreads / 32);
     const i64 total = unit_begin[n];
     int t = 0;
-    for (i64 u = blockIdx.x * static_cast<i64>(kThreads / 32) + (threadIdx.x >> 5); u < total; u += warps) {
+    for (i64 u = blockIdx.x; u < total; u += gridDim.x) {
         t = find_tensor(unit_begin, n, u, t);
         const TransposeDesc d = descs[t];
-        nibble_unit(d, u - unit_begin[t], lane);
+        const i64 uu = u - unit_begin[t];
+        const i64 mt = uu % d.n_mt, kt = uu / d.n_mt;
+        __syncthreads();  // the previous unit's readers of `out` are done
+        nibble_load(d, mt, kt, in);
+        __syncthreads();
+#pragma unroll
+        for (int it = 0; it < 2; ++it) {
+            // (g, c) = (m-group, input word column); lanes spread over 8 g x 4 c, so that the reads of `in`
+            // hit 16 banks twice and the writes of `out` 32 distinct banks.
+            const int warp_item = (threadIdx.x >> 5) * 2 + it;  // 16 warp items x 4 columns = 64 columns
+            const int g = lane & 7, c = warp_item * 4 + (lane >> 3);
+            u32 r[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) r[i] = in[(8 * g + i) * kNtInStride + c];
+            transpose8x8_nibbles(r);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) out[(8 * c + j) * kNtOutStride + g] = r[j];
+        }
+        __syncthreads();
+        nibble_store(d, mt, kt, out);
     }
 }
 
