@@ -9,6 +9,7 @@ in one piece is the reference the gathered bytes must match bit for bit: ``rowwi
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -39,8 +40,8 @@ def _distributed_optimizers(optimizer) -> list:
 
 def full_master(param, optimizers, group) -> torch.Tensor:
     """fp32 [M, K] master of ``param`` assembled from every rank's shard (a collective: call on all ranks)."""
-    full = torch.zeros(param.numel(), dtype=torch.float32, device=param.rowwise_data.device
-                       if is_nvfp4_tensor(param) else param.device)
+    device = param.rowwise_data.device if is_nvfp4_tensor(param) else param.device
+    full = torch.zeros(param.numel(), dtype=torch.float32, device=device)
     shard = getattr(param, "main_param", None)
     if shard is not None:
         for opt in optimizers:
@@ -52,6 +53,26 @@ def full_master(param, optimizers, group) -> torch.Tensor:
             break
     dist.all_reduce(full, group=group)
     return full.view(param.shape)
+
+
+def canonical_name(name: str) -> str:
+    """Parameter name with wrappers removed, so NVFP4, bf16 and fake-quant models name weights alike."""
+    return name.replace(".parametrizations.weight.original", ".weight")
+
+
+def master_digest(model: torch.nn.Module, optimizer, group=None) -> str:
+    """sha256 over every parameter's full fp32 master, in canonical-name order (a collective).
+
+    Equal digests mean bit-identical masters; used to compare an NVFP4 run with its fake-quant reference and
+    two runs with each other.
+    """
+    optimizers = _distributed_optimizers(optimizer)
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters(), key=lambda np_: canonical_name(np_[0])):
+        full = full_master(p, optimizers, group)
+        h.update(canonical_name(name).encode())
+        h.update(full.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def check_nvfp4_weights(model: torch.nn.Module, optimizer, group=None) -> ParityReport:
@@ -85,3 +106,33 @@ def all_ranks_ok(report: ParityReport, group=None) -> bool:
         flag = flag.cuda()
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item() == 0.0)
+
+
+def stale_packed_bytes(buffer) -> int:
+    """Bytes of NVFP4 weights that the all-gather takes from a rank that did not cast them (so stale).
+
+    ``buffer`` is a Megatron ``_ParamAndGradBuffer`` (or anything with its ``param_index_map``,
+    ``bucket_indices``, ``nvfp4_packed_param_index_map``, ``nvfp4_packed_bucket_indices`` and
+    ``data_parallel_world_size``). Rank r casts, for each weight overlapping its element shard, the bytes
+    ``packed_start + [(lo - start) >> 1, (hi - start + 1) >> 1)``; the gather takes byte b of a bucket from
+    rank ``b // (bucket_bytes / dp)``. Correct layouts give 0 (pure integer bookkeeping, no collective).
+    """
+    dp = buffer.data_parallel_world_size
+    stale = 0
+    for b, (start, end) in enumerate(buffer.bucket_indices):
+        pstart, pend = buffer.nvfp4_packed_bucket_indices[b]
+        nbytes, shard = pend - pstart, (end - start) // dp
+        writer = torch.full((nbytes,), -1, dtype=torch.int64)
+        used = torch.zeros(nbytes, dtype=torch.bool)
+        for param, (s, e, bucket) in buffer.param_index_map.items():
+            if bucket != b:
+                continue
+            ps = buffer.nvfp4_packed_param_index_map[param][0] - pstart
+            used[ps:ps + (e - s + 1) // 2] = True
+            for r in range(dp):
+                lo, hi = max(s, start + r * shard), min(e, start + (r + 1) * shard)
+                if lo < hi:
+                    writer[ps + ((lo - s) >> 1):ps + ((hi - s + 1) >> 1)] = r
+        owner = torch.arange(nbytes) // (nbytes // dp)
+        stale += int(((writer != owner) & used).sum())
+    return stale

@@ -35,7 +35,7 @@ import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -84,6 +84,8 @@ def add_fp4_dist_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help="text file or folder of *.txt (default: the corpus embedded in fp4_dist/data)")
     group.add_argument("--fp4-log-json", default=None, metavar="PATH",
                        help="rank 0 writes the per-step records and the run summary here")
+    group.add_argument("--fp4-master-digest", action="store_true",
+                       help="at the end, hash every full fp32 master (compares runs bit for bit)")
     group.add_argument("--fp4-print-args", action="store_true", help="print Megatron's full argument table")
     return parser
 
@@ -154,7 +156,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             arguments.validate_args(args)
     except AssertionError as e:  # Megatron's checks are mostly bare asserts: name the failing condition
         where = traceback.extract_tb(e.__traceback__)[-1]
-        raise ValueError(f"Megatron's validate_args rejected the arguments: {e or where.line} "
+        raise ValueError(f"Megatron's validate_args rejected the arguments: {str(e) or where.line} "
                          f"({os.path.basename(where.filename)}:{where.lineno})") from e
     if args.fp4_print_args and args.rank == 0:
         print(table.getvalue(), end="")
@@ -266,6 +268,7 @@ class RunResult:
     buffer_bytes: dict[str, int] = field(default_factory=dict)
     nvfp4_weights: int = 0
     checkpoints: list[str] = field(default_factory=list)
+    master_digest: Optional[str] = None
 
     @property
     def losses(self) -> list[float]:
@@ -362,6 +365,10 @@ def train(args, model, optimizer, scheduler, device, start_iteration: int) -> Ru
                                + rec.parity)
         if exiting:
             break
+    if args.fp4_master_digest:
+        from .parity import master_digest
+
+        result.master_digest = master_digest(model.module, optimizer)
     return result
 
 
@@ -375,8 +382,21 @@ def _summary(args, result: RunResult) -> str:
             f"median step {median:.1f} ms, DDP buffers {mib}" if losses else "done: nothing to train")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> RunResult:
-    """Parse, set up, (resume,) train; returns the run's records. Start-up errors raise before training."""
+@dataclass
+class Session:
+    """Everything `setup` builds; `train` runs on it."""
+
+    args: argparse.Namespace
+    device: torch.device
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    start_iteration: int = 0
+
+
+def setup(argv: Optional[Sequence[str]] = None) -> Session:
+    """Parse, install the hook table, initialise, build, and load ``--load`` if given. Start-up errors raise
+    here, before any training step."""
     args = parse_args(argv)
     exclude = adapter.UPSTREAM_LAYOUT if args.fp4_upstream_layout else ()
     if adapter.is_installed():
@@ -384,18 +404,24 @@ def main(argv: Optional[Sequence[str]] = None) -> RunResult:
     adapter.install(allow_untested_version=args.fp4_allow_untested_megatron, exclude=exclude)
     device = initialize(args)
     model, optimizer, scheduler, _ = build(args, device)
-    start = 0
+    session = Session(args, device, model, optimizer, scheduler)
     if args.load:
         from .checkpoint import load_checkpoint
 
-        start = load_checkpoint(args.load, model, optimizer, scheduler, _run_config(args))
+        session.start_iteration = load_checkpoint(args.load, model, optimizer, scheduler, _run_config(args))
         if dist.get_rank() == 0:
-            print(f"resumed from {args.load} at iteration {start}", flush=True)
-    result = train(args, model, optimizer, scheduler, device, start)
+            print(f"resumed from {args.load} at iteration {session.start_iteration}", flush=True)
+    return session
+
+
+def main(argv: Optional[Sequence[str]] = None) -> RunResult:
+    """Set up, (resume,) train, summarise; returns the run's records."""
+    s = setup(argv)
+    result = train(s.args, s.model, s.optimizer, s.scheduler, s.device, s.start_iteration)
     if dist.get_rank() == 0:
-        print(_summary(args, result), flush=True)
-        if args.fp4_log_json:
-            with open(args.fp4_log_json, "w") as f:
+        print(_summary(s.args, result), flush=True)
+        if s.args.fp4_log_json:
+            with open(s.args.fp4_log_json, "w") as f:
                 json.dump(asdict(result), f, indent=1)
     return result
 

@@ -1,0 +1,121 @@
+"""Megatron-Core --fp4-param-gather vs bf16 param gather: one torchrun job, four runs, one table.
+
+    torchrun --nproc-per-node 2 bench/megatron_compare.py [--steps 200] [--tiny] [-- extra Megatron args]
+
+Runs the same GPT (same seed, data, LR schedule, no gradient clipping) four times in this process:
+
+    fp4       --fp4-param-gather (NVFP4 weights, 4-bit all-gather), gathered bytes checked every --check-every
+    fp4 #2    the same again                        -> determinism: losses and masters bit-identical
+    fake      bf16 weights + bf16 gather, NVFP4 fake-quantized forward (per-step quantize)
+                                                     -> fp4 must equal it bit for bit (losses and masters)
+    bf16      plain bf16 weights and gather         -> fp4 loss within 1e-2 of it at every step
+
+Gradient clipping is off (--clip-grad 0): the global grad norm sums shards in a buffer-layout-dependent
+order, which would let fp32 rounding differ between runs whose buffers are laid out differently.
+Prints a short table on rank 0 and writes it (with every loss) to --json when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fp4_dist.megatron import pretrain_gpt  # noqa: E402
+
+GPU_MODEL = ("--num-layers 4 --hidden-size 256 --num-attention-heads 4 --ffn-hidden-size 1024 "
+             "--seq-length 256 --max-position-embeddings 256 --micro-batch-size 8 --global-batch-size 16")
+TINY_MODEL = ("--num-layers 2 --hidden-size 48 --num-attention-heads 4 --group-query-attention "
+              "--num-query-groups 1 --kv-channels 12 --ffn-hidden-size 64 --seq-length 32 "
+              "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8")
+COMMON = ("--bf16 --use-distributed-optimizer --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine "
+          "--lr-warmup-iters 10 --clip-grad 0 --seed 1234 --deterministic-mode --fp4-master-digest")
+
+
+def parse() -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
+    p.add_argument("--check-every", type=int, default=20, help="parity check of the gathered NVFP4 bytes")
+    p.add_argument("--log-interval", type=int, default=50)
+    p.add_argument("--json", default=None, help="write the table and all losses here (rank 0)")
+    args, extra = p.parse_known_args()
+    return args, [a for a in extra if a != "--"]
+
+
+def run(name: str, argv: list[str], what: str) -> pretrain_gpt.RunResult:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"\n=== {name}: {what}", flush=True)
+    return pretrain_gpt.main(argv)
+
+
+def median_ms(result: pretrain_gpt.RunResult) -> float:
+    times = [r.step_ms for r in result.records[5:]] or [r.step_ms for r in result.records]
+    return statistics.median(times)
+
+
+def table(runs: dict[str, pretrain_gpt.RunResult]) -> tuple[list[tuple[str, str, str]], bool]:
+    fp4, fp4b, fake, bf16 = runs["fp4"], runs["fp4 #2"], runs["fake"], runs["bf16"]
+    diff = [abs(a - b) for a, b in zip(fp4.losses, bf16.losses)]
+    worst = max(range(len(diff)), key=diff.__getitem__)
+    unequal_fake = sum(a != b for a, b in zip(fp4.losses, fake.losses))
+    unequal_rerun = sum(a != b for a, b in zip(fp4.losses, fp4b.losses))
+    checks = [r.parity for r in fp4.records + fp4b.records if r.parity]
+    rows = [
+        ("fp4 vs bf16 loss, max |diff| over steps", f"{diff[worst]:.2e} at step {worst + 1} (limit 1e-2)",
+         "PASS" if diff[worst] <= 1e-2 else "FAIL"),
+        ("fp4 vs fake-quant: steps with unequal loss", f"{unequal_fake}/{len(fp4.losses)}",
+         "PASS" if unequal_fake == 0 else "FAIL"),
+        ("fp4 vs fake-quant: fp32 masters", "identical" if fp4.master_digest == fake.master_digest else "differ",
+         "PASS" if fp4.master_digest == fake.master_digest else "FAIL"),
+        ("fp4 run twice: unequal losses / masters",
+         f"{unequal_rerun} / {'identical' if fp4.master_digest == fp4b.master_digest else 'differ'}",
+         "PASS" if unequal_rerun == 0 and fp4.master_digest == fp4b.master_digest else "FAIL"),
+        ("gathered NVFP4 == quantize(full master)", f"{sum(c.startswith('ok') for c in checks)}/{len(checks)} checks",
+         "PASS" if checks and all(c.startswith("ok") for c in checks) else "FAIL"),
+    ]
+    ok = all(r[2] == "PASS" for r in rows)
+    for name, res in runs.items():
+        mib = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in sorted(res.buffer_bytes.items()))
+        rows.append((f"{name}: median step / DDP buffers", f"{median_ms(res):.1f} ms / {mib}", ""))
+    gather_fp4 = fp4.buffer_bytes.get("param_uint8", 0) + fp4.buffer_bytes.get("param_bfloat16", 0)
+    gather_bf16 = bf16.buffer_bytes.get("param_bfloat16", 0)
+    rows.append(("param all-gather bytes per step, fp4 / bf16",
+                 f"{gather_fp4 / 2**20:.3f} / {gather_bf16 / 2**20:.3f} MiB ({gather_bf16 / max(gather_fp4, 1):.2f}x less)",
+                 ""))
+    return rows, ok
+
+
+def main() -> int:
+    args, extra = parse()
+    model = (TINY_MODEL if args.tiny else GPU_MODEL).split()
+    base = model + COMMON.split() + ["--train-iters", str(args.steps), "--log-interval", str(args.log_interval)]
+    base += extra
+    fp4 = ["--fp4-param-gather", "--fp4-check-every", str(args.check_every)]
+    runs = {
+        "fp4": run("fp4", base + fp4, "NVFP4 weights, 4-bit param all-gather"),
+        "fp4 #2": run("fp4 #2", base + fp4, "the same again (determinism)"),
+        "fake": run("fake", base + ["--fp4-fake-quant"], "bf16 weights and gather, NVFP4 fake-quant forward"),
+        "bf16": run("bf16", base, "bf16 weights and gather"),
+    }
+    rows, ok = table(runs)
+    if dist.get_rank() == 0:
+        width = max(len(r[0]) for r in rows)
+        print(f"\n{'check':<{width}} | result | verdict\n{'-' * (width + 30)}")
+        for name, value, verdict in rows:
+            print(f"{name:<{width}} | {value} | {verdict}")
+        print(f"\nOVERALL: {'PASS' if ok else 'FAIL'} ({runs['fp4'].world_size} ranks, {args.steps} steps)", flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(
+                {"rows": rows, "ok": ok, "losses": {k: v.losses for k, v in runs.items()}}, indent=1))
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""The hook table: every binding patched, exactly restored, version range enforced before any patch."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from fp4_dist.megatron import adapter, cpu_compat  # noqa: E402
+
+pytestmark = pytest.mark.megatron
+
+
+def _bindings() -> dict:
+    """Every (module, name) the table targets -> the object bound there right now (class attrs raw)."""
+    out = {}
+    for hook in adapter.HOOKS:
+        for module_name in hook.modules:
+            owner, attr = adapter._resolve(module_name, hook.name)
+            out[(module_name, hook.name)] = adapter._raw_attr(owner, attr)
+    return out
+
+
+@pytest.fixture
+def clean():
+    adapter.uninstall()
+    yield
+    adapter.uninstall()
+
+
+def test_install_replaces_every_binding_of_every_row_with_one_object_per_row(clean):
+    before = _bindings()
+    adapter.install(cpu=True)
+    after = _bindings()
+    for hook in adapter.HOOKS:
+        objs = {id(after[(m, hook.name)]) for m in hook.modules}
+        assert len(objs) == 1, f"{hook.name}: modules bind different replacements"
+        for m in hook.modules:
+            assert after[(m, hook.name)] is not before[(m, hook.name)], f"{m}.{hook.name} not patched"
+
+
+def test_uninstall_restores_the_original_objects_exactly(clean):
+    before = _bindings()
+    cuda_api = {n: getattr(torch.cuda, n) for n in ("current_device", "current_stream", "manual_seed")}
+    adapter.install(cpu=True)
+    assert cpu_compat.is_enabled()
+    adapter.uninstall()
+    after = _bindings()
+    assert all(after[k] is before[k] for k in before), [k for k in before if after[k] is not before[k]]
+    assert all(getattr(torch.cuda, n) is f for n, f in cuda_api.items())
+    assert not cpu_compat.is_enabled() and not adapter.is_installed()
+
+
+def test_install_twice_is_a_no_op_and_gpu_mode_leaves_gloo_rows_out(clean):
+    before = _bindings()
+    adapter.install(cpu=False)
+    first = _bindings()
+    adapter.install(cpu=False)
+    assert _bindings() == first
+    for hook in adapter.HOOKS:
+        for m in hook.modules:
+            patched = first[(m, hook.name)] is not before[(m, hook.name)]
+            assert patched == (not hook.cpu_only), f"{m}.{hook.name}"
+    assert not cpu_compat.is_enabled()
+
+
+def test_exclude_keeps_upstream_layout_and_unknown_rows_are_refused(clean):
+    pgb = importlib.import_module(adapter._PGB)
+    original = pgb._ParamAndGradBuffer.__dict__["_compute_nvfp4_packed_layout"]
+    adapter.install(cpu=False, exclude=adapter.UPSTREAM_LAYOUT)
+    assert pgb._ParamAndGradBuffer.__dict__["_compute_nvfp4_packed_layout"] is original
+    adapter.uninstall()
+    with pytest.raises(ValueError, match="not in the hook table"):
+        adapter.install(cpu=False, exclude=("no_such_row",))
+    assert not adapter.is_installed()
+
+
+@pytest.mark.parametrize("version", ["0.19.2", "0.19.7", "0.19.10"])
+def test_versions_in_the_tested_range_are_accepted(version):
+    adapter.check_megatron_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.16.1", "0.19.1", "0.20.0", "0.20.0rc1", "1.0.0"])
+def test_versions_outside_the_tested_range_raise_naming_the_range_and_the_remedy(version):
+    with pytest.raises(RuntimeError) as e:
+        adapter.check_megatron_version(version)
+    msg = str(e.value)
+    assert version in msg and "0.19.2" in msg and "allow_untested_version" in msg
+
+
+def test_untested_installed_version_raises_at_install_before_any_patch(clean, monkeypatch):
+    before = _bindings()
+    monkeypatch.setattr(adapter, "installed_megatron_version", lambda: "0.20.1")
+    with pytest.raises(RuntimeError, match="found 0.20.1"):
+        adapter.install(cpu=True)
+    assert _bindings() == before and not adapter.is_installed() and not cpu_compat.is_enabled()
+    adapter.install(cpu=False, allow_untested_version=True)  # the explicit override still works
+    assert adapter.is_installed()
+
+
+def test_every_row_states_a_reason_and_a_tested_version():
+    for hook in adapter.HOOKS:
+        assert len(hook.reason) > 30 and hook.tested, hook.name
+    assert "packed layout" in adapter.describe()

@@ -1,0 +1,58 @@
+"""Start-up errors of `python -m fp4_dist.megatron.pretrain_gpt`: clear, and before anything is built."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from fp4_dist.megatron import pretrain_gpt  # noqa: E402
+
+pytestmark = pytest.mark.megatron
+
+REPO = Path(__file__).resolve().parents[3]
+TINY = ("--num-layers 1 --hidden-size 48 --num-attention-heads 4 --group-query-attention --num-query-groups 1 "
+        "--kv-channels 12 --ffn-hidden-size 64 --seq-length 16 --max-position-embeddings 16 "
+        "--micro-batch-size 2 --global-batch-size 4 --train-iters 2 --lr 1e-3 --bf16").split()
+
+
+def test_fp4_param_gather_without_the_distributed_optimizer_is_refused_with_the_remedy():
+    with pytest.raises(ValueError, match="--fp4-param-gather needs --use-distributed-optimizer"):
+        pretrain_gpt.parse_args(TINY + ["--fp4-param-gather"])
+
+
+@pytest.mark.parametrize("extra, rule", [
+    (["--fp4-format", "e2m1"], "fp4_dist replaces it"),
+    (["--fp4-fake-quant"], "use one of them"),
+    (["--fp8-param-gather"], "cannot be combined"),
+], ids=["te-fp4-format", "fake-quant-too", "fp8-too"])
+def test_conflicting_fp4_flags_are_refused(extra, rule):
+    with pytest.raises(ValueError, match=rule):
+        pretrain_gpt.parse_args(TINY + ["--use-distributed-optimizer", "--fp4-param-gather", *extra])
+
+
+def test_megatron_bare_asserts_become_errors_naming_the_condition():
+    with pytest.raises(ValueError, match="save_interval"):
+        pretrain_gpt.parse_args(TINY + ["--use-distributed-optimizer", "--save", "/tmp/x"])
+
+
+def test_a_weight_with_k_not_multiple_of_16_stops_the_run_at_start_up_naming_it(tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("a small corpus for the start-up check. " * 50)
+    argv = [a if a != "48" else "40" for a in TINY]  # hidden 40: qkv, fc1 have K = 40
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env.pop("MASTER_ADDR", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fp4_dist.megatron.pretrain_gpt", *argv, "--use-distributed-optimizer",
+         "--fp4-param-gather", "--kv-channels", "16", "--fp4-corpus", str(corpus)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "K (in_features, the last dim) % 16 == 0" in proc.stderr
+    assert "decoder.layers.0.self_attention.linear_qkv.weight [96 x 40]" in proc.stderr
+    assert "decoder.layers.0.mlp.linear_fc1.weight [64 x 40]" in proc.stderr
+    assert "iter" not in proc.stdout  # no training step ran
