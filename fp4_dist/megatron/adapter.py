@@ -174,14 +174,17 @@ def derive_packed_layout(param_index_map, bucket_indices, names, dp_size: int):
         packed_map[param] = (start // 2, end // 2, bucket_id)
     packed_buckets = []
     for b, (start, end) in enumerate(bucket_indices):
-        if start % (2 * dp_size) or end % (2 * dp_size):
+        if start % 2 or (end - start) % (2 * dp_size):
             raise ValueError(
-                f"fp4_dist.megatron: bucket {b} spans elements [{start}, {end}), not a multiple of 2*dp = "
-                f"{2 * dp_size}, so a rank shard would split a packed byte (adapter's pad_bucket_end not installed?)"
+                f"fp4_dist.megatron: bucket {b} spans elements [{start}, {end}); its {dp_size} rank shards are not "
+                "even element counts, so a shard boundary would split a packed byte (is the adapter's "
+                "pad_bucket_end row installed?)"
             )
         packed_buckets.append((start // 2, end // 2))
-    unpadded = sum(math.ceil((max((e for s, e, bid in param_index_map.values() if bid == b), default=start) - start) / 2)
-                   for b, (start, _) in enumerate(bucket_indices))
+    last_end = {b: start for b, (start, _) in enumerate(bucket_indices)}
+    for _, end, b in param_index_map.values():
+        last_end[b] = max(last_end[b], end)
+    unpadded = sum((last_end[b] - start) // 2 for b, (start, _) in enumerate(bucket_indices))
     return packed_map, packed_buckets, unpadded
 
 

@@ -34,6 +34,7 @@ import random
 import sys
 import time
 import traceback
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -126,8 +127,23 @@ def check_fp4_args(args: argparse.Namespace) -> None:
         raise ValueError(f"the embedded data is byte-level: --vocab-size must be {VOCAB_SIZE}")
     if not args.bf16:
         raise ValueError("fp4_dist.megatron.pretrain_gpt trains in bf16: add --bf16")
+    if (args.save or args.load) and not args.use_distributed_optimizer:
+        raise ValueError("--save/--load here store the DistributedOptimizer's parameter state: add "
+                         "--use-distributed-optimizer")
     if args.train_iters is None:
         raise ValueError("--train-iters is required (sample-based training is not supported here)")
+
+
+def _escape_stray_percent(parser: argparse.ArgumentParser) -> None:
+    """megatron-core 0.19.2 has a help string ending in "10%)." that makes ``--help`` crash in argparse's
+    %-formatting; escape any help that does not format."""
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if action.help and "%" in action.help:
+            try:
+                formatter._expand_help(action)
+            except (ValueError, TypeError, KeyError):
+                action.help = action.help.replace("%", "%%")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -137,6 +153,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m fp4_dist.megatron.pretrain_gpt", allow_abbrev=False,
                                      description=__doc__.split("\n\n")[0])
     parser = add_fp4_dist_args(arguments.add_megatron_arguments(parser))
+    _escape_stray_percent(parser)
     args = parser.parse_args(argv + _platform_defaults(argv))
     # Importing megatron.training.training sets the root logger to INFO (its line 36); Megatron's own
     # --logging-level decides here, WARNING by default.
@@ -183,6 +200,10 @@ def initialize(args: argparse.Namespace) -> torch.device:
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
+    from megatron.core import rerun_state_machine
+
+    if rerun_state_machine._GLOBAL_RERUN_STATE_MACHINE is None:  # Megatron's default (disabled), said explicitly
+        rerun_state_machine.initialize_rerun_state_machine()
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -212,7 +233,14 @@ def build(args: argparse.Namespace, device: torch.device):
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights, device=device,
     )
     ddp_config = training.get_megatron_ddp_config(args)  # fp4_param_gather flows in by field name
-    model = DistributedDataParallel(config, ddp_config, model)
+    layout = None
+    if ddp_config.use_distributed_optimizer:  # what Megatron's own get_model does (DDP warns otherwise)
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        params = [p for p in model.parameters() if p.requires_grad]
+        layout = DistributedOptimizer.compute_full_param_layout(
+            params, ddp_config.bucket_size, dist.get_world_size(), ddp_config)
+    model = DistributedDataParallel(config, ddp_config, model, full_param_layout=layout)
     opt_config, overrides = training.get_megatron_optimizer_config(args)
     optimizer = get_megatron_optimizer(opt_config, [model], overrides)
     scheduler = training.get_optimizer_param_scheduler(optimizer)
@@ -427,6 +455,10 @@ def main(argv: Optional[Sequence[str]] = None) -> RunResult:
 
 
 def _cli() -> int:
+    # Import-time notices of megatron-core without TransformerEngine/apex, and torch's deprecation notes on
+    # the collectives Megatron calls: not actionable for a user of this command.
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    warnings.filterwarnings("ignore", category=FutureWarning, message=r".*torch\.distributed\.")
     try:
         main()
     except (ValueError, RuntimeError, FileNotFoundError) as e:
