@@ -1,6 +1,7 @@
 """ZeRO support: the partial cast of fp32 master shards into NVFP4 weights, collectives, and Zero1Optimizer."""
 
 from .cast import (
+    BoundCast,
     CastPlan,
     cast_master_weights_to_nvfp4,
     make_cast_plan,
@@ -16,6 +17,7 @@ __all__ = [
     "quantize_master_weights",
     "post_all_gather_processing",
     "CastPlan",
+    "BoundCast",
     "make_cast_plan",
     "run_cast",
     "CommStats",

@@ -11,14 +11,15 @@ One call, for any number of weights (spec section 4)::
 
 Weights are grouped by (model dtype, numerics) because the stages take one of each; all groups share the
 one all-reduce. Per-step metadata (`CastPlan`: groups and buffer offsets) is built once per list of shapes
-and cached; `run_cast` takes a prebuilt plan so optimizers skip the per-call checks of the public entry.
+and cached; `BoundCast` binds it to tensors once, so optimizers skip the per-call checks and list building.
 
 Why the error flags: a rank whose inputs are invalid must not skip the collective (the others would hang),
 so it contributes zeros plus a flag in its own slot, and every rank raises before writing a byte.
 
-The `AmaxExchange` is the one place that decides what the all-reduce carries. Today it carries every tile;
+`_exchange_amaxes` is the one place that decides what the all-reduce carries. Today it carries every tile;
 shrinking it to the tiles cut by rank boundaries (`fp4_dist.buffers.layout.cut_tiles`) is a change of that
-object only (plus a gather of the owners' tile scales), not of this flow.
+function (plus a gather of the owners' tile scales), not of this flow. `BoundCast` holds everything a step
+needs (argument lists, amax buffer) so an optimizer builds it once.
 """
 
 from __future__ import annotations
@@ -194,34 +195,82 @@ def _weight_device(model_weights) -> torch.device:
     return model_weights[0].rowwise_data.device if len(model_weights) else torch.device("cpu")
 
 
-def run_cast(plan: CastPlan, model_weights, shards, starts, *, group=None, fragments=None,
-             stats: Optional[CommStats] = None, local_error: Optional[Exception] = None) -> None:
-    """The cast with a prebuilt plan: shards/starts already valid (or ``local_error`` set, shards None).
+@dataclass(frozen=True)
+class _BoundGroup:
+    """Stage arguments of one `CastGroup`, as lists the stage API takes."""
+
+    group: CastGroup
+    shards: list
+    starts: list
+    scale_invs: list
+    amax_outs: list
+    fragments: list
+
+
+class BoundCast:
+    """A `CastPlan` bound to one set of tensors: stage argument lists and the amax buffer, built once.
+
+    An optimizer whose weights, master shards and fragments stay the same tensors from step to step (as in
+    `Zero1Optimizer`) builds this once; each step is then `run()` with no per-weight Python work besides the
+    stage calls themselves.
 
     Args:
-        fragments: per weight an FSDP byte fragment or None (then ``rowwise_data`` bytes are written).
-        local_error: a validation error of this rank; it still joins the collective, then raises it.
+        shards, starts: per weight the validated flat master shard (None: owns nothing) and its first element.
+        fragments: per weight an FSDP byte fragment, or None to write into ``rowwise_data``.
+        world_size: size of the group `run` will be called with (one error-flag slot per rank).
     """
-    rank, size = rank_and_size(group)
-    buf = torch.zeros(plan.amax_numel + size, dtype=torch.float32, device=_weight_device(model_weights))
-    if local_error is None:
+
+    def __init__(self, plan: CastPlan, model_weights, shards, starts, fragments=None, *, world_size: int = 1):
+        fragments = fragments or [None] * len(model_weights)
+        self.plan, self.weights = plan, list(model_weights)
+        self.groups = []
         for g in plan.groups:
-            kernels.partial_amax([shards[i] for i in g.indices], [starts[i] for i in g.indices], g.shapes,
-                                 round_to=g.round_to, out=buf[g.offset:g.offset + g.layout.total])
-    else:
-        buf[plan.amax_numel + rank] = 1.0
+            ws = [model_weights[i] for i in g.indices]
+            self.groups.append(_BoundGroup(
+                g, [shards[i] for i in g.indices], [starts[i] for i in g.indices],
+                [w.rowwise_scale_inv for w in ws], [w.amax for w in ws],
+                [_fragment(model_weights[i], shards[i], starts[i], fragments[i]) for i in g.indices]))
+        self.buf = torch.zeros(plan.amax_numel + world_size, dtype=torch.float32,
+                               device=_weight_device(model_weights))
+
+    def run(self, group=None, stats: Optional[CommStats] = None, local_error: Optional[Exception] = None) -> None:
+        """amax -> one MAX all-reduce -> check (one scalar read) -> scales -> cast. Raises before any write."""
+        rank, size = rank_and_size(group)
+        buf, plan = self.buf, self.plan
+        assert buf.numel() == plan.amax_numel + size, "BoundCast built for another world size"
+        if local_error is None:
+            buf[plan.amax_numel:].zero_()  # partial_amax writes every other entry
+            for a in self.groups:
+                g = a.group
+                kernels.partial_amax(a.shards, a.starts, g.shapes, round_to=g.round_to,
+                                     out=buf[g.offset:g.offset + g.layout.total])
+        else:
+            buf.zero_()
+            buf[plan.amax_numel + rank] = 1.0
+        _exchange_amaxes(buf, group, stats)
+        _raise_if_bad(plan, buf, self.weights, local_error)
+        for a in self.groups:
+            g = a.group
+            enc = kernels.fused_scale(buf[g.offset:g.offset + g.layout.total], g.shapes, a.scale_invs,
+                                      a.amax_outs, numerics=g.numerics)
+            kernels.partial_cast(a.shards, a.starts, g.shapes, enc, a.fragments, round_to=g.round_to)
+
+
+def _exchange_amaxes(buf: torch.Tensor, group, stats) -> None:
+    """The one place that decides what crosses ranks: today the whole buffer (tensor amaxes, every tile amax,
+    error flags). Exchanging only the tiles cut by rank boundaries (`fp4_dist.buffers.layout.cut_tiles`)
+    would change this function (plus a gather of the owners' tile scales), not the flow around it."""
     all_reduce_max_(buf, group, stats)
-    _raise_if_bad(plan, buf, model_weights, local_error)
-    fragments = fragments or [None] * len(model_weights)
-    for g in plan.groups:
-        weights = [model_weights[i] for i in g.indices]
-        enc = kernels.fused_scale(buf[g.offset:g.offset + g.layout.total], g.shapes,
-                                  [w.rowwise_scale_inv for w in weights], [w.amax for w in weights],
-                                  numerics=g.numerics)
-        g_shards = [shards[i] for i in g.indices]
-        g_starts = [starts[i] for i in g.indices]
-        frags = [_fragment(model_weights[i], shards[i], starts[i], fragments[i]) for i in g.indices]
-        kernels.partial_cast(g_shards, g_starts, g.shapes, enc, frags, round_to=g.round_to)
+
+
+def run_cast(plan: CastPlan, model_weights, shards, starts, *, group=None, fragments=None,
+             stats: Optional[CommStats] = None, local_error: Optional[Exception] = None) -> None:
+    """The cast with a prebuilt plan: shards/starts already valid (or ``local_error`` set, shards None)."""
+    n = len(model_weights)
+    if local_error is not None:
+        shards, starts = [None] * n, [0] * n
+    bound = BoundCast(plan, model_weights, shards, starts, fragments, world_size=rank_and_size(group)[1])
+    bound.run(group, stats, local_error)
 
 
 def _fragment(w: NVFP4Tensor, shard, start: int, fsdp_fragment):

@@ -26,7 +26,7 @@ import torch
 
 from ..buffers import ShardBuffer, build_layout
 from ..tensor import is_nvfp4_tensor
-from .cast import plan_for, post_all_gather_processing, run_cast
+from .cast import BoundCast, plan_for, post_all_gather_processing
 from .collectives import (
     CommStats,
     all_gather_inplace,
@@ -113,11 +113,11 @@ class Zero1Optimizer:
         fp4 = self._fp4_section()
         self.nvfp4_params = [self.params[i] for i in fp4.indices] if fp4 else []
         if fp4:
-            self._plan = plan_for(self.nvfp4_params)
-            self._shards = fp4.buf.master_pieces()
-            self._starts = [s or 0 for s in fp4.buf.start_offsets()]
             for j, w in enumerate(self.nvfp4_params):
                 w.set_rowwise_storage(fp4.buf.param_view(j))
+            # Built once: the plan, the stage argument lists (views into the buffers) and the amax buffer.
+            self._cast = BoundCast(plan_for(self.nvfp4_params), self.nvfp4_params, fp4.buf.master_pieces(),
+                                   [s or 0 for s in fp4.buf.start_offsets()], world_size=self.world_size)
         self._bind_dense_params()
         self._publish_params()
 
@@ -201,12 +201,16 @@ class Zero1Optimizer:
 
     def _reduce_grads(self, sec: _Section) -> None:
         buf = sec.buf
+        dst, src = [], []
         for j, i in enumerate(sec.indices):
             g = self.params[i].grad
             if g is None:
                 buf.grad_view(j).zero_()
             else:
-                buf.grad_view(j).copy_(g.reshape(-1))
+                dst.append(buf.grad_view(j))
+                src.append(g.reshape(-1))
+        if dst:
+            torch._foreach_copy_(dst, src)  # one fused launch on CUDA for all grads (dtype cast included)
         for b in range(len(buf.layout.buckets)):
             self._reduce(buf.bucket_grad_shard(b), buf.bucket_grad(b), self.group, self.stats)
         if self.config.average_grads and self.world_size > 1:
@@ -216,7 +220,7 @@ class Zero1Optimizer:
         """Masters -> model params on every rank: NVFP4 cast + packed gather, dense copy + gather."""
         fp4 = self._fp4_section()
         if fp4:
-            run_cast(self._plan, self.nvfp4_params, self._shards, self._starts, group=self.group, stats=self.stats)
+            self._cast.run(self.group, self.stats)
         for sec in self._sections:
             for b in range(len(sec.buf.layout.buckets)):
                 if not sec.packed:

@@ -54,8 +54,9 @@ def torchrun_report(world_size: int) -> dict:
 
 
 def _mpirun():
-    exe = shutil.which("mpirun") or str(Path(sys.executable).parent / "mpirun")
-    return exe if Path(exe).exists() else None
+    # Prefer the mpirun installed next to this Python (the MPI that mpi4py was built against).
+    local = Path(sys.executable).parent / "mpirun"
+    return str(local) if local.exists() else shutil.which("mpirun")
 
 
 @functools.lru_cache(maxsize=None)
@@ -106,7 +107,8 @@ def test_every_world_size_gathers_the_same_bytes():
 def test_all_launches_exit_cleanly():
     for ws in WORLD_SIZES:
         report = torchrun_report(ws)
-        assert report["returncode"] == 0 and not report["failures"], report["log"]
+        assert report["returncode"] == 0 and not report["failures"], (
+            f"world size {ws}: exit {report['returncode']}, failures {report.get('failures')}\n{report['log']}")
 
 
 @pytest.mark.skipif(_mpirun() is None, reason="mpirun not installed")
