@@ -4,11 +4,14 @@
 
 Runs the same GPT (same seed, data, LR schedule, no gradient clipping) four times in this process:
 
-    fp4       --fp4-param-gather (NVFP4 weights, 4-bit all-gather), gathered bytes checked every --check-every
-    fp4 #2    the same again                        -> determinism: losses and masters bit-identical
-    fake      bf16 weights + bf16 gather, NVFP4 fake-quantized forward (per-step quantize)
-                                                     -> fp4 must equal it bit for bit (losses and masters)
-    bf16      plain bf16 weights and gather         -> fp4 loss within 1e-2 of it at every step
+    fp4       --fp4-param-gather: NVFP4 weights, 4-bit all-gather; gathered bytes checked every --check-every
+    fp4 #2    the same again                            -> determinism: losses and masters bit-identical
+    bf16-gather  --fp4-fake-quant: bf16 weights and bf16 param gather, the weights NVFP4-quantized in the forward
+              every step. This is Megatron's "--fp4-param-gather off" run (NVFP4 compute, bf16 gather; its
+              test_fp4_param.py asks for loss within 1e-2) and the per-step fake-quantization reference at once
+                                                        -> fp4 loss within 1e-2 at every step, and in fact
+                                                           bit-identical losses and fp32 masters
+    bf16      plain bf16 model (no quantization at all) -> information only: what NVFP4 does to the loss
 
 Gradient clipping is off (--clip-grad 0): the global grad norm sums shards in a buffer-layout-dependent
 order, which would let fp32 rounding differ between runs whose buffers are laid out differently.
@@ -33,8 +36,8 @@ GPU_MODEL = ("--num-layers 4 --hidden-size 256 --num-attention-heads 4 --ffn-hid
 TINY_MODEL = ("--num-layers 2 --hidden-size 48 --num-attention-heads 4 --group-query-attention "
               "--num-query-groups 1 --kv-channels 12 --ffn-hidden-size 64 --seq-length 32 "
               "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8")
-COMMON = ("--bf16 --use-distributed-optimizer --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine "
-          "--lr-warmup-iters 10 --clip-grad 0 --seed 1234 --deterministic-mode --fp4-master-digest")
+COMMON = ("--bf16 --use-distributed-optimizer --lr 6e-4 --min-lr 6e-5 --lr-decay-style cosine "
+          "--clip-grad 0 --seed 1234 --deterministic-mode --fp4-master-digest")
 
 
 def parse() -> tuple[argparse.Namespace, list[str]]:
@@ -60,48 +63,59 @@ def median_ms(result: pretrain_gpt.RunResult) -> float:
 
 
 def table(runs: dict[str, pretrain_gpt.RunResult]) -> tuple[list[tuple[str, str, str]], bool]:
-    fp4, fp4b, fake, bf16 = runs["fp4"], runs["fp4 #2"], runs["fake"], runs["bf16"]
-    diff = [abs(a - b) for a, b in zip(fp4.losses, bf16.losses)]
-    worst = max(range(len(diff)), key=diff.__getitem__)
-    unequal_fake = sum(a != b for a, b in zip(fp4.losses, fake.losses))
+    fp4, fp4b, gather, bf16 = runs["fp4"], runs["fp4 #2"], runs["bf16-gather"], runs["bf16"]
+
+    def max_diff(a, b):
+        diff = [abs(x - y) for x, y in zip(a.losses, b.losses)]
+        worst = max(range(len(diff)), key=diff.__getitem__)
+        return diff[worst], worst + 1
+
+    d_gather, at_gather = max_diff(fp4, gather)
+    d_bf16, at_bf16 = max_diff(fp4, bf16)
+    unequal = sum(a != b for a, b in zip(fp4.losses, gather.losses))
     unequal_rerun = sum(a != b for a, b in zip(fp4.losses, fp4b.losses))
     checks = [r.parity for r in fp4.records + fp4b.records if r.parity]
     rows = [
-        ("fp4 vs bf16 loss, max |diff| over steps", f"{diff[worst]:.2e} at step {worst + 1} (limit 1e-2)",
-         "PASS" if diff[worst] <= 1e-2 else "FAIL"),
-        ("fp4 vs fake-quant: steps with unequal loss", f"{unequal_fake}/{len(fp4.losses)}",
-         "PASS" if unequal_fake == 0 else "FAIL"),
-        ("fp4 vs fake-quant: fp32 masters", "identical" if fp4.master_digest == fake.master_digest else "differ",
-         "PASS" if fp4.master_digest == fake.master_digest else "FAIL"),
+        ("fp4 vs bf16 param gather: max |loss diff|", f"{d_gather:.2e} at step {at_gather} (limit 1e-2)",
+         "PASS" if d_gather <= 1e-2 else "FAIL"),
+        ("fp4 vs fake-quant (bf16 gather): unequal losses", f"{unequal}/{len(fp4.losses)} steps",
+         "PASS" if unequal == 0 else "FAIL"),
+        ("fp4 vs fake-quant (bf16 gather): fp32 masters",
+         "identical" if fp4.master_digest == gather.master_digest else "differ",
+         "PASS" if fp4.master_digest == gather.master_digest else "FAIL"),
         ("fp4 run twice: unequal losses / masters",
          f"{unequal_rerun} / {'identical' if fp4.master_digest == fp4b.master_digest else 'differ'}",
          "PASS" if unequal_rerun == 0 and fp4.master_digest == fp4b.master_digest else "FAIL"),
         ("gathered NVFP4 == quantize(full master)", f"{sum(c.startswith('ok') for c in checks)}/{len(checks)} checks",
          "PASS" if checks and all(c.startswith("ok") for c in checks) else "FAIL"),
+        ("(info) fp4 vs unquantized bf16 model: max |loss diff|", f"{d_bf16:.2e} at step {at_bf16}; final "
+         f"{fp4.losses[-1]:.4f} vs {bf16.losses[-1]:.4f}", ""),
     ]
-    ok = all(r[2] == "PASS" for r in rows)
+    ok = all(r[2] != "FAIL" for r in rows)
     for name, res in runs.items():
         mib = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in sorted(res.buffer_bytes.items()))
         rows.append((f"{name}: median step / DDP buffers", f"{median_ms(res):.1f} ms / {mib}", ""))
     gather_fp4 = fp4.buffer_bytes.get("param_uint8", 0) + fp4.buffer_bytes.get("param_bfloat16", 0)
-    gather_bf16 = bf16.buffer_bytes.get("param_bfloat16", 0)
-    rows.append(("param all-gather bytes per step, fp4 / bf16",
-                 f"{gather_fp4 / 2**20:.3f} / {gather_bf16 / 2**20:.3f} MiB ({gather_bf16 / max(gather_fp4, 1):.2f}x less)",
-                 ""))
+    gather_bf16 = gather.buffer_bytes.get("param_bfloat16", 0)
+    rows.append(("param all-gather bytes per step, fp4 / bf16 gather",
+                 f"{gather_fp4 / 2**20:.3f} / {gather_bf16 / 2**20:.3f} MiB "
+                 f"({gather_bf16 / max(gather_fp4, 1):.2f}x less)", ""))
     return rows, ok
 
 
 def main() -> int:
     args, extra = parse()
     model = (TINY_MODEL if args.tiny else GPU_MODEL).split()
-    base = model + COMMON.split() + ["--train-iters", str(args.steps), "--log-interval", str(args.log_interval)]
+    base = model + COMMON.split() + ["--train-iters", str(args.steps), "--log-interval", str(args.log_interval),
+                                     "--lr-warmup-iters", str(max(1, args.steps // 10))]
     base += extra
     fp4 = ["--fp4-param-gather", "--fp4-check-every", str(args.check_every)]
     runs = {
         "fp4": run("fp4", base + fp4, "NVFP4 weights, 4-bit param all-gather"),
         "fp4 #2": run("fp4 #2", base + fp4, "the same again (determinism)"),
-        "fake": run("fake", base + ["--fp4-fake-quant"], "bf16 weights and gather, NVFP4 fake-quant forward"),
-        "bf16": run("bf16", base, "bf16 weights and gather"),
+        "bf16-gather": run("bf16-gather", base + ["--fp4-fake-quant"],
+                           "bf16 weights and gather, NVFP4-quantized forward (fake quant)"),
+        "bf16": run("bf16", base, "plain bf16 model, no quantization (information)"),
     }
     rows, ok = table(runs)
     if dist.get_rank() == 0:

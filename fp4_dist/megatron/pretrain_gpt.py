@@ -32,6 +32,7 @@ import logging
 import os
 import random
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -92,11 +93,18 @@ def add_fp4_dist_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
 
 def _platform_defaults(argv: Sequence[str]) -> list[str]:
-    """Flags this entry point needs unless the user set them (it has no TE, no apex and a byte vocabulary)."""
+    """Flags this entry point needs unless the user set them (it has no TE, no apex and a byte vocabulary).
+
+    The bias-activation / bias-dropout / RoPE fusions are Megatron's ``jit_fuser`` (``torch.compile``): they
+    would compile at the first step (tens of seconds per process, and a Triton/C toolchain on the machine);
+    their unfused paths compute the same expressions eagerly.
+    """
     given = {a.split("=")[0] for a in argv if a.startswith("--")}
     defaults = [("--transformer-impl", ["local"]), ("--tokenizer-type", ["NullTokenizer"]),
                 ("--vocab-size", [str(VOCAB_SIZE)]), ("--no-gradient-accumulation-fusion", []),
-                ("--no-masked-softmax-fusion", []), ("--no-persist-layer-norm", [])]
+                ("--no-masked-softmax-fusion", []), ("--no-persist-layer-norm", []),
+                ("--no-bias-gelu-fusion", []), ("--no-bias-swiglu-fusion", []), ("--no-bias-dropout-fusion", []),
+                ("--no-rope-fusion", [])]
     if not torch.cuda.is_available():
         defaults += [("--use-cpu-initialization", []), ("--distributed-backend", ["gloo"])]
     out = []
@@ -194,10 +202,9 @@ def initialize(args: argparse.Namespace) -> torch.device:
         backend = args.distributed_backend if cuda else "gloo"
         if "MASTER_ADDR" in os.environ:
             dist.init_process_group(backend)
-        else:  # plain `python -m`: a job of one rank
-            from ..launch import _free_port
-
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        else:  # plain `python -m`: a job of one rank (a file store needs no port)
+            store = os.path.join(tempfile.mkdtemp(prefix="fp4_megatron_"), "store")
+            dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
     from megatron.core import rerun_state_machine
