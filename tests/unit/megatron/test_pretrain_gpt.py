@@ -56,3 +56,12 @@ def test_a_weight_with_k_not_multiple_of_16_stops_the_run_at_start_up_naming_it(
     assert "decoder.layers.0.self_attention.linear_qkv.weight [96 x 40]" in proc.stderr
     assert "decoder.layers.0.mlp.linear_fc1.weight [64 x 40]" in proc.stderr
     assert "iter" not in proc.stdout  # no training step ran
+
+
+def test_an_untested_megatron_version_stops_the_entry_point_before_anything_is_built(monkeypatch):
+    from fp4_dist.megatron import adapter
+
+    monkeypatch.setattr(adapter, "installed_megatron_version", lambda: "0.21.0")
+    with pytest.raises(RuntimeError, match="found 0.21.0.*--fp4-allow-untested-megatron"):
+        pretrain_gpt.parse_args(TINY + ["--use-distributed-optimizer", "--fp4-param-gather"])
+    assert not adapter.is_installed()
