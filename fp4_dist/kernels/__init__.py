@@ -7,8 +7,17 @@ them (spec section 4)::
     partial_amax  ->  (MAX all-reduce of the amax buffer)  ->  fused_scale  ->  partial_cast
     (byte all-gather)  ->  nibble_transpose + scale_transpose
 
+or, exchanging only the amaxes of tiles cut by rank boundaries (`fp4_dist.optim.owned_scales`)::
+
+    partial_amax  ->  (MAX all-reduce of tensor + cut-tile amaxes)  ->  owner_scales  ->  partial_cast
+    (byte all-gather + all-gather of the owners' compact scale bytes)  ->  expand_scales  ->  transposes
+
 The amax buffer of a list of weights is one fp32 vector (`AmaxLayout`): the n tensor amaxes first, then every
 weight's tiles row-major, so one collective reduces all of it.
+
+Each stage validates its arguments, then (CUDA) looks its launch plan up by the signature of its tensors; on
+a hit the checks are skipped (the signature covers all they look at). For tensors that stay the same from
+step to step, `fp4_dist.kernels.bound` binds a stage once: then a call is the launch alone.
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ __all__ = [
     "partial_cast",
     "nibble_transpose",
     "scale_transpose",
+    "owner_scales",
+    "expand_scales",
     "reference",
 ]
 
@@ -91,18 +102,29 @@ def partial_amax(
     Returns:
         fp32 [n + tiles]: every entry written; 0 where nothing is owned; NaN counts as +inf.
     """
+    if _on_cuda(shards) or (out is not None and out.is_cuda):
+        check = lambda: _check_amax_args(shards, starts, shapes, round_to)  # noqa: E731 (only on a plan miss)
+        return _cuda_ops().partial_amax(shards, starts, shapes, round_to=round_to, out=out, check=check)
+    shapes = _check_amax_args(shards, starts, shapes, round_to)
+    dev = out.device if out is not None else _first_device(shards, device)
+    buf = out if out is not None else torch.empty(amax_layout(shapes).total, dtype=torch.float32, device=dev)
+    amax_reference(shards, starts, shapes, round_to, buf)
+    return buf
+
+
+def _check_amax_args(shards, starts, shapes, round_to) -> list[Shape]:
     shapes = [check_weight_shape(s, f"weight {i}") for i, s in enumerate(shapes)]
     check_shards(shards, starts, shapes, round_to=round_to)
-    if _on_cuda(shards) or (out is not None and out.is_cuda):
-        return _cuda_ops().partial_amax(shards, starts, shapes, round_to=round_to, out=out)
+    return shapes
+
+
+def amax_reference(shards, starts, shapes, round_to, buf: torch.Tensor) -> None:
+    """CPU/reference body of `partial_amax` (arguments already checked) into `buf`."""
     layout = amax_layout(shapes)
-    dev = out.device if out is not None else _first_device(shards, device)
-    buf = out if out is not None else torch.empty(layout.total, dtype=torch.float32, device=dev)
     for i, (shard, start, (m, k)) in enumerate(zip(shards, starts, shapes)):
-        tiles, amax = reference.shard_tile_amax(shard, start, m, k, round_to, device=dev)
+        tiles, amax = reference.shard_tile_amax(shard, start, m, k, round_to, device=buf.device)
         buf[i] = amax[0]
         layout.tiles(buf, i, (m, k)).copy_(tiles)
-    return buf
 
 
 def fused_scale(
@@ -119,12 +141,24 @@ def fused_scale(
         fp32 [tiles]: e_t of every tile, packed like the tile part of the amax buffer.
     """
     check_numerics(numerics)
+    if amaxes.is_cuda:
+        check = lambda: _check_scale_args(amaxes, shapes)  # noqa: E731 (only on a plan miss)
+        return _cuda_ops().fused_scale(amaxes, shapes, scale_invs, amax_outs, numerics=numerics, check=check)
+    _check_scale_args(amaxes, shapes)
+    enc = torch.empty(amaxes.numel() - len(shapes), dtype=torch.float32, device=amaxes.device)
+    scale_reference(amaxes, shapes, scale_invs, amax_outs, numerics, enc)
+    return enc
+
+
+def _check_scale_args(amaxes, shapes) -> None:
     layout = amax_layout(shapes)
     if amaxes.numel() != layout.total:
         raise ValueError(f"amax buffer has {amaxes.numel()} entries, the layout of these weights needs {layout.total}")
-    if amaxes.is_cuda:
-        return _cuda_ops().fused_scale(amaxes, shapes, scale_invs, amax_outs, numerics=numerics)
-    enc = torch.empty(layout.total - layout.n, dtype=torch.float32, device=amaxes.device)
+
+
+def scale_reference(amaxes, shapes, scale_invs, amax_outs, numerics, enc: torch.Tensor) -> None:
+    """CPU/reference body of `fused_scale` (arguments already checked), encode multipliers into `enc`."""
+    layout = amax_layout(shapes)
     for i, (m, k) in enumerate(shapes):
         amax = amaxes[i : i + 1]
         scales = reference.tile_scales(layout.tiles(amaxes, i, (m, k)), amax, numerics)
@@ -132,7 +166,6 @@ def fused_scale(
         amax_outs[i].copy_(amax)
         off = layout.tile_offsets[i]
         enc[off : off + scales.numel()] = reference.encode_multipliers(scales, amax).reshape(-1)
-    return enc
 
 
 def partial_cast(
@@ -151,11 +184,22 @@ def partial_cast(
         fragments: uint8 flat `rowwise_data.view(-1)[start >> 1 : (end + 1) >> 1]` of each weight (None where
             the shard is None/empty). Shard starts must be even (spec section 4).
     """
+    if _on_cuda(shards):
+        check = lambda: _check_cast_args(shards, starts, shapes, fragments, round_to)  # noqa: E731 (plan miss)
+        return _cuda_ops().partial_cast(shards, starts, shapes, enc, fragments, round_to=round_to, check=check)
+    shapes = _check_cast_args(shards, starts, shapes, fragments, round_to)
+    cast_reference(shards, starts, shapes, enc, fragments, round_to)
+
+
+def _check_cast_args(shards, starts, shapes, fragments, round_to) -> list[Shape]:
     shapes = [check_weight_shape(s, f"weight {i}") for i, s in enumerate(shapes)]
     check_shards(shards, starts, shapes, round_to=round_to, even_start=True)
     check_fragments(shards, starts, fragments)
-    if _on_cuda(shards):
-        return _cuda_ops().partial_cast(shards, starts, shapes, enc, fragments, round_to=round_to)
+    return shapes
+
+
+def cast_reference(shards, starts, shapes, enc, fragments, round_to) -> None:
+    """CPU/reference body of `partial_cast` (arguments already checked)."""
     layout = amax_layout(shapes)
     for i, (shard, start, (m, k), frag) in enumerate(zip(shards, starts, shapes, fragments)):
         off = layout.tile_offsets[i]
@@ -183,8 +227,53 @@ def scale_transpose(
         dst.copy_(reference.transpose_scales(src, m, k))
 
 
+def owner_scales(
+    amaxes: torch.Tensor,
+    shapes: Sequence[Shape],
+    enc_ranges: Sequence[tuple[int, int]],
+    own_ranges: Sequence[tuple[int, int]],
+    compact: torch.Tensor,
+    enc: torch.Tensor,
+    amax_outs: Sequence[torch.Tensor],
+    *,
+    numerics: str = "te",
+) -> None:
+    """One rank's share of the scales when only cut tiles were exchanged: encode multipliers of the tiles its
+    shards touch, the scale bytes of the tiles it owns (packed), and every weight's amax.
+
+    Args:
+        amaxes: fp32 [n + tiles] (`amax_layout`): tensor amaxes reduced over ranks; tile amaxes complete on every
+            tile of `enc_ranges` (a tile cut by a rank boundary must have been MAX-reduced).
+        enc_ranges: per weight (lo, hi): flat tiles (tr * tiles_k + tc) whose e_t go to enc[tile_offset_i + t].
+        own_ranges: per weight (a, b) inside (lo, hi), or empty: tiles whose E4M3 byte goes to `compact`,
+            packed in weight order: tile t of weight i at compact[sum over j < i of (b_j - a_j) + t - a_i].
+        compact: uint8 [>= sum of (b - a)]; enc: fp32 [tiles]; amax_outs: per weight fp32 [1] <- A.
+    Same formulas (and bytes) as `fused_scale`; entries of `enc` outside `enc_ranges` are left as they were.
+    """
+    bound.bind_owner_scales(amaxes, shapes, enc_ranges, own_ranges, compact, enc, amax_outs, numerics=numerics)()
+
+
+def expand_scales(
+    gathered: torch.Tensor,
+    shapes: Sequence[Shape],
+    sources: Sequence[Sequence[tuple[int, int]]],
+    scale_invs: Sequence[torch.Tensor],
+) -> None:
+    """Each weight's row-expanded `rowwise_scale_inv` (padding zeroed) from all-gathered compact scale bytes.
+
+    Args:
+        gathered: flat uint8, every rank's compact bytes (`owner_scales`) after the all-gather.
+        sources: per weight, segments (tile_start, offset) with tile_start increasing from 0: flat tile t of the
+            weight, in the last segment with tile_start <= t, is gathered[t + offset].
+    """
+    bound.bind_expand_scales(gathered, shapes, sources, scale_invs)()
+
+
 def _first_device(shards, device):
     for s in shards:
         if s is not None:
             return s.device
     return torch.device(device) if device is not None else torch.device("cpu")
+
+
+from . import bound  # noqa: E402  (bound.py builds on the stage bodies above)

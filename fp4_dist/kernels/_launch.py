@@ -38,11 +38,21 @@ KERNELS: dict[tuple[str, str], tuple[str, str]] = {
     **{("partial_amax", r): ("amax.cu", f"fp4d::partial_amax_kernel<fp4d::{r}>") for r in _ROUND.values()},
     **{("partial_cast", r): ("cast.cu", f"fp4d::partial_cast_kernel<fp4d::{r}>") for r in _ROUND.values()},
     **{("fused_scale", v): ("scale.cu", f"fp4d::fused_scale_kernel<fp4d::{v}>") for v in _NUMERICS.values()},
-    ("nibble_transpose", ""): ("transpose.cu", "fp4d::nibble_transpose_kernel"),
+    **{("owner_scales", v): ("scale.cu", f"fp4d::owner_scale_kernel<fp4d::{v}>") for v in _NUMERICS.values()},
+    ("expand_scales", ""): ("scale.cu", "fp4d::expand_scales_kernel"),
+    ("nibble_transpose", "64x512"): ("transpose.cu", "fp4d::nibble_transpose_kernel<64, 64>"),
+    ("nibble_transpose", "128x256"): ("transpose.cu", "fp4d::nibble_transpose_kernel<128, 32>"),
     ("scale_transpose", ""): ("transpose.cu", "fp4d::scale_transpose_kernel"),
     ("e2m1_codes", ""): ("cast.cu", "fp4d::e2m1_codes_kernel"),  # test hooks
     ("e4m3_codes", ""): ("scale.cu", "fp4d::e4m3_codes_kernel"),
 }
+
+# Launch grid per stage. "resident": min(units, blocks that fit on the device at once), each block looping over
+# units (partial_amax needs it: one atomic merge of the tensor amax per block). "units": one block per unit,
+# the hardware refills SMs as blocks finish (no per-block serial chain of load -> compute -> store).
+GRID = {"partial_amax": "resident", "fused_scale": "resident", "partial_cast": "resident",
+        "owner_scales": "resident", "expand_scales": "resident", "nibble_transpose": "resident",
+        "scale_transpose": "resident", "e2m1_codes": "resident", "e4m3_codes": "resident"}  # fmt: skip
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 
@@ -155,7 +165,7 @@ def _launch(index: int, key: tuple[str, str], units: int, args: tuple) -> None:
     fn = k.functions.get(key)
     if fn is None:
         raise KeyError(f"no kernel {key} in the name table")
-    grid = min(units, k.max_blocks[key])
+    grid = min(units, k.max_blocks[key] if GRID[key[0]] == "resident" else (1 << 31) - 1)
     stream = _cupy_stream(torch.cuda.current_stream(index).cuda_stream, index)
     if cupy.cuda.runtime.getDevice() != index:
         with cupy.cuda.Device(index):
@@ -189,9 +199,21 @@ def launch_partial_cast(index, round_to, table, unit_begin, n, units, enc) -> No
     _launch(index, ("partial_cast", _ROUND[round_to]), units, (table, unit_begin, np.int32(n), enc))
 
 
-def launch_nibble_transpose(index, table, unit_begin, n, units) -> None:
+def launch_owner_scales(index, numerics, table, unit_begin, n, units, amaxes, enc, compact) -> None:
+    _check_ptrs("owner_scales", table=table, unit_begin=unit_begin, amaxes=amaxes, enc=enc, compact=compact)
+    _launch(index, ("owner_scales", _NUMERICS[numerics]), units,
+            (table, unit_begin, np.int32(n), amaxes, enc, compact))  # fmt: skip
+
+
+def launch_expand_scales(index, table, unit_begin, n, units, segments, gathered) -> None:
+    _check_ptrs("expand_scales", table=table, unit_begin=unit_begin, segments=segments, gathered=gathered)
+    _launch(index, ("expand_scales", ""), units, (table, unit_begin, np.int32(n), segments, gathered))
+
+
+def launch_nibble_transpose(index, table, unit_begin, n, units, tile: str = "64x512") -> None:
+    """`tile`: the unit shape (rows x columns of the weight) the plan was built for (cuda_plans.NIBBLE_TILES)."""
     _check_ptrs("nibble_transpose", table=table, unit_begin=unit_begin)
-    _launch(index, ("nibble_transpose", ""), units, (table, unit_begin, np.int32(n)))
+    _launch(index, ("nibble_transpose", tile), units, (table, unit_begin, np.int32(n)))
 
 
 def launch_scale_transpose(index, table, unit_begin, n, units) -> None:

@@ -62,8 +62,10 @@ __device__ __forceinline__ u32 owned_unit(const ShardDesc& d, i64 uu, float* __r
                                           u32 (*red)[16]) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const bool bf16 = d.flags & kFlagBf16Src;
-    const i64 band = d.band_lo + uu / d.n_chunks;
-    const i64 chunk = uu % d.n_chunks;
+    // 32-bit unit arithmetic (a weight has < 2^32 units): a 64-bit division is a long software sequence.
+    const u32 q = static_cast<u32>(uu) / static_cast<u32>(d.n_chunks);
+    const i64 band = d.band_lo + q;
+    const i64 chunk = static_cast<u32>(uu) - q * static_cast<u32>(d.n_chunks);
     const i64 col = chunk * kChunkCols + lane * 8;
     // Both rows' loads are issued before any use, so each thread has up to 64 bytes in flight.
     i64 e0[2];

@@ -161,7 +161,38 @@ struct ScaleDesc {
     i64 pad_;
 };
 
-constexpr int kScaleChunk = 1024;  // scale columns handled by one fused_scale unit
+constexpr int kScaleChunk = 1024;  // scale columns handled by one fused_scale / expand_scales unit
+
+// owner_scales: one weight's tiles on this rank. Tile t (flat tr * tiles_k + tc) of the weight sits at
+// amaxes[n + tile_off + t] and enc[tile_off + t].
+struct OwnerDesc {
+    i64 amax_out;     // fp32 [1]
+    i64 tile_off;
+    i64 enc_lo;       // encode multipliers of tiles [enc_lo, enc_hi) (the bands this rank's shard touches)
+    i64 enc_hi;
+    i64 own_lo;       // scale bytes of tiles [own_lo, own_hi) (the tiles whose first element it owns) go to
+    i64 own_hi;       // compact[own_base + t - own_lo]
+    i64 own_base;
+    i64 pad_;
+};
+
+constexpr int kOwnerChunk = 1024;  // tiles handled by one owner_scales unit
+
+// expand_scales: one weight's scale row bands, filled from the all-gathered compact scale bytes. Its tiles are
+// covered by seg_count segments (tile_start, offset) of the side table, from entry seg_begin, in increasing
+// tile_start (the first one 0): tile t of segment j is byte gathered[t + offset_j].
+struct ExpandDesc {
+    i64 scale_inv;    // uint8 [rows_pad, cols_pad] rowwise_scale_inv
+    i64 m;
+    i64 tiles_m;
+    i64 tiles_k;
+    i64 cols_pad;
+    i64 n_chunks;     // ceil(cols_pad / kScaleChunk)
+    i64 seg_begin;
+    i64 seg_count;
+    i64 flags;        // kFlagVecDst: scale_inv is 4-byte aligned
+    i64 pad_;
+};
 
 // nibble_transpose: [M, K/2] -> [K, M/2].
 struct TransposeDesc {

@@ -55,24 +55,37 @@ __device__ __noinline__ void store_part(u8* p, u32 w0, u32 w1, u32 w2, u32 w3, i
     }
 }
 
-// One block, one unit: 64 rows (m) x 512 columns (k) of one weight, staged through shared memory so that
-// global memory sees only long coalesced segments: the block reads 64 row segments of 256 bytes (16-byte loads,
-// four per thread, all in flight before the first use) and writes 512 columnwise row segments of 32 bytes (one
-// full sector each, as two 16-byte stores). In between, each thread transposes two 8 x 8 nibble blocks in
-// registers. Padded strides (65 and 9 words) keep the shared-memory accesses (nearly) free of bank conflicts.
-constexpr int kNtRows = 64, kNtWords = 64;          // unit: 64 m x 64 input words (512 k)
-constexpr int kNtInStride = kNtWords + 1;            // words per staged input row
-constexpr int kNtOutRows = 8 * kNtWords, kNtOutStride = kNtRows / 8 + 1;  // 512 columnwise rows of 8 words
+// One block, one unit: ROWS rows (m) x 8 * WORDS columns (k) of one weight, staged through shared memory so that
+// global memory sees only long coalesced segments: the block reads ROWS row segments of 4 * WORDS bytes
+// (16-byte loads, four per thread, all in flight before the first use) and writes 8 * WORDS columnwise row
+// segments of ROWS / 2 bytes (16-byte stores). In between, each thread transposes two 8 x 8 nibble blocks in
+// registers. Two shapes are instantiated (ROWS * WORDS = 4096 bytes per unit either way):
+//   <64, 64>:  256-byte input segments, 32-byte (one sector) output segments;
+//   <128, 32>: 128-byte input segments, 64-byte output segments (fewer DRAM pages touched per byte written).
+// Padded strides (WORDS + 1 and ROWS / 8 + 1 words) keep shared-memory accesses at most 2-way conflicted.
+template <int ROWS, int WORDS>
+struct NibbleUnit {
+    static_assert(ROWS * WORDS == 4096, "4 input vectors and 2 nibble blocks per thread");
+    static constexpr int kVecsPerRow = WORDS / 4;          // 16-byte vectors per input row segment
+    static constexpr int kInStride = WORDS + 1;            // words per staged input row
+    static constexpr int kOutRows = 8 * WORDS;             // columnwise rows (k) of a unit
+    static constexpr int kOutWords = ROWS / 8;             // words per columnwise row segment
+    static constexpr int kOutStride = kOutWords + 1;
+    static constexpr int kOutVecs = ROWS / 32;             // 16-byte vectors per columnwise row segment
+    static constexpr int kGroups = ROWS / 8;               // 8-row groups (g) of the unit
+};
 
+template <int ROWS, int WORDS>
 __device__ __forceinline__ void nibble_load(const TransposeDesc& d, i64 mt, i64 kt, u32* in) {
+    using U = NibbleUnit<ROWS, WORDS>;
     const i64 row_bytes = d.k / 2;
     const bool vec16 = (d.flags & kFlagVec16Src) != 0;
     const bool aligned = (d.flags & kFlagVecSrc) != 0;
     uint4 v[4];
 #pragma unroll
-    for (int it = 0; it < 4; ++it) {  // 64 rows x 16 vectors of 16 bytes
-        const int item = it * kThreads + threadIdx.x, r = item >> 4, q = item & 15;
-        const i64 m = mt * kNtRows + r, byte = kt * (kNtWords * 4) + 16 * q;
+    for (int it = 0; it < 4; ++it) {  // ROWS rows x kVecsPerRow vectors of 16 bytes
+        const int item = it * kThreads + threadIdx.x, r = item / U::kVecsPerRow, q = item % U::kVecsPerRow;
+        const i64 m = mt * ROWS + r, byte = kt * (WORDS * 4) + 16 * q;
         const u8* p = reinterpret_cast<const u8*>(d.src) + m * row_bytes + byte;
         v[it].x = v[it].y = v[it].z = v[it].w = 0u;
         if (m < d.m && byte < row_bytes) {
@@ -90,8 +103,8 @@ __device__ __forceinline__ void nibble_load(const TransposeDesc& d, i64 mt, i64 
     }
 #pragma unroll
     for (int it = 0; it < 4; ++it) {
-        const int item = it * kThreads + threadIdx.x, r = item >> 4, q = item & 15;
-        u32* row = in + r * kNtInStride + 4 * q;
+        const int item = it * kThreads + threadIdx.x, r = item / U::kVecsPerRow, q = item % U::kVecsPerRow;
+        u32* row = in + r * U::kInStride + 4 * q;
         row[0] = v[it].x;
         row[1] = v[it].y;
         row[2] = v[it].z;
@@ -99,17 +112,19 @@ __device__ __forceinline__ void nibble_load(const TransposeDesc& d, i64 mt, i64 
     }
 }
 
+template <int ROWS, int WORDS>
 __device__ __forceinline__ void nibble_store(const TransposeDesc& d, i64 mt, i64 kt, const u32* out) {
+    using U = NibbleUnit<ROWS, WORDS>;
     const i64 dst_row = d.m / 2;
-    const int valid = static_cast<int>(min(static_cast<i64>(32), dst_row - mt * 32));  // bytes per out row
-    const bool vec16 = valid == 32 && (d.flags & kFlagVec16Dst);
+    const int valid = static_cast<int>(min(static_cast<i64>(ROWS / 2), dst_row - mt * (ROWS / 2)));  // bytes per out row
+    const bool vec16 = valid == ROWS / 2 && (d.flags & kFlagVec16Dst);
 #pragma unroll
-    for (int it = 0; it < 4; ++it) {  // 512 rows x 2 halves of 16 bytes
-        const int item = it * kThreads + threadIdx.x, rr = item >> 1, half = item & 1;
-        const i64 k = kt * kNtOutRows + rr;
+    for (int it = 0; it < 4; ++it) {  // kOutRows rows x kOutVecs vectors of 16 bytes
+        const int item = it * kThreads + threadIdx.x, rr = item / U::kOutVecs, part = item % U::kOutVecs;
+        const i64 k = kt * U::kOutRows + rr;
         if (k >= d.k) continue;
-        const u32* w = out + rr * kNtOutStride + 4 * half;
-        u8* p = reinterpret_cast<u8*>(d.dst) + k * dst_row + mt * 32 + 16 * half;
+        const u32* w = out + rr * U::kOutStride + 4 * part;
+        u8* p = reinterpret_cast<u8*>(d.dst) + k * dst_row + mt * (ROWS / 2) + 16 * part;
         if (vec16) {
             uint4 v;
             v.x = w[0];
@@ -118,16 +133,23 @@ __device__ __forceinline__ void nibble_store(const TransposeDesc& d, i64 mt, i64
             v.w = w[3];
             *reinterpret_cast<uint4*>(p) = v;
         } else {
-            store_part(p, w[0], w[1], w[2], w[3], valid - 16 * half, (d.flags & kFlagVecDst) != 0);
+            store_part(p, w[0], w[1], w[2], w[3], valid - 16 * part, (d.flags & kFlagVecDst) != 0);
         }
     }
 }
 
+template <int ROWS, int WORDS>
 __global__ void __launch_bounds__(kThreads)
 nibble_transpose_kernel(const TransposeDesc* __restrict__ descs, const i64* __restrict__ unit_begin, int n) {
-    __shared__ u32 in[kNtRows * kNtInStride];
-    __shared__ u32 out[kNtOutRows * kNtOutStride];
+    using U = NibbleUnit<ROWS, WORDS>;
+    __shared__ u32 in[ROWS * U::kInStride];
+    __shared__ u32 out[U::kOutRows * U::kOutStride];
     const int lane = threadIdx.x & 31;
+    // Lanes of a warp take (g, c) = kGl groups x (32 / kGl) columns: kGl = 8 for <64, 64> (reads of `in` hit 16
+    // banks twice, writes of `out` 32 banks), 4 for <128, 32> (reads 32 banks, writes 16 banks twice).
+    constexpr int kGl = ROWS == 64 ? 8 : 4;
+    constexpr int kCl = 32 / kGl;
+    constexpr int kGItems = U::kGroups / kGl;  // warp items along g
     const i64 total = unit_begin[n];
     int t = 0;
     for (i64 u = blockIdx.x; u < total; u += gridDim.x) {
@@ -136,25 +158,27 @@ nibble_transpose_kernel(const TransposeDesc* __restrict__ descs, const i64* __re
         const i64 uu = u - unit_begin[t];
         const i64 mt = uu % d.n_mt, kt = uu / d.n_mt;
         __syncthreads();  // the previous unit's readers of `out` are done
-        nibble_load(d, mt, kt, in);
+        nibble_load<ROWS, WORDS>(d, mt, kt, in);
         __syncthreads();
 #pragma unroll
         for (int it = 0; it < 2; ++it) {
-            // (g, c) = (m-group, input word column); lanes spread over 8 g x 4 c, so that the reads of `in`
-            // hit 16 banks twice and the writes of `out` 32 distinct banks.
-            const int warp_item = (threadIdx.x >> 5) * 2 + it;  // 16 warp items x 4 columns = 64 columns
-            const int g = lane & 7, c = warp_item * 4 + (lane >> 3);
+            const int warp_item = (threadIdx.x >> 5) * 2 + it;  // 16 warp items of 32 blocks: 512 blocks
+            const int g = (warp_item % kGItems) * kGl + (lane % kGl);
+            const int c = (warp_item / kGItems) * kCl + (lane / kGl);
             u32 r[8];
 #pragma unroll
-            for (int i = 0; i < 8; ++i) r[i] = in[(8 * g + i) * kNtInStride + c];
+            for (int i = 0; i < 8; ++i) r[i] = in[(8 * g + i) * U::kInStride + c];
             transpose8x8_nibbles(r);
 #pragma unroll
-            for (int j = 0; j < 8; ++j) out[(8 * c + j) * kNtOutStride + g] = r[j];
+            for (int j = 0; j < 8; ++j) out[(8 * c + j) * U::kOutStride + g] = r[j];
         }
         __syncthreads();
-        nibble_store(d, mt, kt, out);
+        nibble_store<ROWS, WORDS>(d, mt, kt, out);
     }
 }
+
+template __global__ void nibble_transpose_kernel<64, 64>(const TransposeDesc*, const i64*, int);
+template __global__ void nibble_transpose_kernel<128, 32>(const TransposeDesc*, const i64*, int);
 
 // ---------------------------------------------------------------------------------------------------------
 // Scale transpose. The 16 columnwise rows k = 16 j .. 16 j + 15 are identical (all hold column j of the tile

@@ -352,3 +352,154 @@ def test_bad_shards_raise_clear_errors_before_launch(monkeypatch):
     with pytest.raises(ValueError, match="enc"):
         cuda_ops.partial_cast([x[0:100]], [0], shapes, torch.ones(3, device=DEV), [data.view(-1)[:50]])
     assert counter.keys == []
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Compact scale exchange, bound stages, launch variants (fp4_dist.kernels.bound, owner/expand_scales).
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_cut_tile_exchange_on_gpu_gives_whole_weight_quantize_bytes(seed):
+    from .test_compact_scales import simulate_ranks
+
+    rng, gen = random.Random(5000 + seed), torch.Generator().manual_seed(5000 + seed)
+    shapes = [_shape(rng) for _ in range(rng.randint(1, 6))]
+    shapes = [(m + (m % 2), k) for m, k in shapes]
+    ws = _weights(rng, gen, shapes)
+    dp = [1, 2, 3, 5][seed % 4]
+    kw = dict(align=rng.choice([2, 2, 64]), bucket_numel=rng.choice([None, 3000, 40000]))
+    data, scale_invs, amaxes = simulate_ranks(shapes, ws, dp, kw, device=DEV, numerics=["te", "te-2.14"][seed % 2])
+    for i, w in enumerate(ws):
+        ref_data, _, ref_amax, ref_scales = R.quantize(w, numerics=["te", "te-2.14"][seed % 2])
+        label = f"weight {i} {shapes[i]} dp={dp} {kw}"
+        assert_bytes_equal(data[i], ref_data, f"{label} rowwise_data")
+        assert_bytes_equal(scale_invs[i], R.expand_rowwise_scales(ref_scales, *shapes[i]), f"{label} scales")
+        assert_bytes_equal(amaxes[i], ref_amax, f"{label} amax")
+
+
+def test_bound_stages_on_gpu_take_one_launch_each_and_match_the_reference(monkeypatch):
+    from fp4_dist.kernels import bound
+
+    rng, gen = random.Random(77), torch.Generator().manual_seed(77)
+    shapes = [(rng.randint(1, 40) * 2, rng.choice((16, 48, 80, 128, 144, 4096))) for _ in range(300)]
+    ws = _weights(rng, gen, shapes, heavy_every=3)
+    shards, starts, cpu = _shards(rng, ws, even_start=True)
+    n, total = len(shapes), K.amax_layout(shapes).total
+    amax = poison_(torch.empty(total, device=DEV))
+    si = [poison_(torch.empty(rowwise_scale_shape(m, k), dtype=torch.uint8, device=DEV)) for m, k in shapes]
+    ao = [poison_(torch.empty(1, device=DEV)) for _ in shapes]
+    enc = poison_(torch.empty(total - n, device=DEV))
+    frags, cpu_frags = _fragments(rng, shapes, shards, starts, cpu)
+    cols = [poison_(torch.empty(columnwise_data_shape(m, k), dtype=torch.uint8, device=DEV)) for m, k in shapes]
+    cscales = [poison_(torch.empty(columnwise_scale_shape(m, k), dtype=torch.uint8, device=DEV)) for m, k in shapes]
+    data = [torch.randint(0, 256, (m, k // 2), dtype=torch.uint8, device=DEV) for m, k in shapes]
+    runs = [bound.bind_partial_amax(shards, starts, shapes, amax), bound.bind_fused_scale(amax, shapes, si, ao, enc),
+            bound.bind_partial_cast(shards, starts, shapes, enc, frags), bound.bind_nibble_transpose(data, cols),
+            bound.bind_scale_transpose(si, cscales, shapes)]  # fmt: skip
+    counter = LaunchCounter(monkeypatch)
+    for run in runs:
+        run()
+    assert counter.keys == ["partial_amax", "fused_scale", "partial_cast", "nibble_transpose", "scale_transpose"]
+    ref_amax = K.partial_amax(cpu, starts, shapes, device="cpu")
+    ref_si = [torch.empty(rowwise_scale_shape(m, k), dtype=torch.uint8) for m, k in shapes]
+    ref_enc = K.fused_scale(ref_amax, shapes, ref_si, [torch.empty(1) for _ in shapes])
+    K.partial_cast(cpu, starts, shapes, ref_enc, cpu_frags)
+    assert_bytes_equal(amax, ref_amax, "bound amax")
+    assert_bytes_equal(enc, ref_enc, "bound enc")
+    for i in range(0, n, 5):
+        assert_bytes_equal(si[i], ref_si[i], f"bound scale_inv {i}")
+        if frags[i] is not None:
+            assert_bytes_equal(frags[i], cpu_frags[i], f"bound fragment {i}")
+        assert_bytes_equal(cols[i], R.transpose_nibbles(data[i].cpu()), f"bound columnwise_data {i}")
+        assert_bytes_equal(cscales[i], R.transpose_scales(ref_si[i], *shapes[i]), f"bound columnwise_scale_inv {i}")
+
+
+@pytest.mark.parametrize("grid", ["resident", "units"])
+@pytest.mark.parametrize("tile", ["64x512", "128x256"])
+def test_nibble_transpose_unit_shapes_and_grids_match_reference(tile, grid, monkeypatch):
+    from fp4_dist.kernels import cuda_plans
+
+    monkeypatch.setitem(_launch.GRID, "nibble_transpose", grid)
+    rng = random.Random(hash((tile, grid)) % 1000)
+    shapes = [_shape(rng) for _ in range(30)] + [(130, 4096), (258, 272), (2, 16)]
+    shapes = [(m + (m % 2), k) for m, k in shapes]
+    rows = [torch.randint(0, 256, (m, k // 2), dtype=torch.uint8) for m, k in shapes]
+    off = rng.choice([0, 1, 4])
+    cols = [poison_(torch.empty(columnwise_data_shape(m, k)[0] * columnwise_data_shape(m, k)[1] + off,
+                                dtype=torch.uint8, device=DEV))[off:].view(columnwise_data_shape(m, k))
+            for m, k in shapes]  # fmt: skip
+    src = [r.to(DEV) for r in rows]
+    plan = cuda_plans.nibble_plan(0, src, cols, tile=tile)
+    _launch.launch_nibble_transpose(0, plan.table, plan.unit_begin, plan.n, plan.units, tile)
+    for i, (m, k) in enumerate(shapes):
+        assert_bytes_equal(cols[i], R.transpose_nibbles(rows[i]), f"{tile}/{grid} columnwise_data {i} M{m}-K{k}")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_partial_cast_with_one_block_per_unit_matches_reference(seed, monkeypatch):
+    monkeypatch.setitem(_launch.GRID, "partial_cast", "units")
+    rng, gen = random.Random(6000 + seed), torch.Generator().manual_seed(6000 + seed)
+    shapes = [_shape(rng) for _ in range(rng.randint(1, 8))]
+    weights = _weights(rng, gen, shapes)
+    shards, starts, cpu = _shards(rng, weights, even_start=True)
+    amaxes = K.partial_amax([w.reshape(-1) for w in weights], [0] * len(weights), shapes)
+    enc = K.fused_scale(amaxes, shapes, [torch.empty(rowwise_scale_shape(*s), dtype=torch.uint8) for s in shapes],
+                        [torch.empty(1) for _ in shapes])  # fmt: skip
+    frags, cpu_frags = _fragments(rng, shapes, shards, starts, cpu)
+    K.partial_cast(shards, starts, shapes, enc.to(DEV), frags)
+    K.partial_cast(cpu, starts, shapes, enc, cpu_frags)
+    for i, (f, rf) in enumerate(zip(frags, cpu_frags)):
+        if f is not None:
+            assert_bytes_equal(f, rf, f"fragment {i} shape {shapes[i]}")
+
+
+def test_stage_api_checks_arguments_once_per_plan(monkeypatch):
+    import fp4_dist.kernels as kernels_pkg
+
+    cuda_ops.clear_plans()  # a freed address of an earlier test could otherwise already have a plan
+    calls = []
+    real = kernels_pkg.check_shards
+    monkeypatch.setattr(kernels_pkg, "check_shards", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    shapes = [(32, 48)]
+    x = torch.randn(32 * 48, device=DEV)
+    out = torch.empty(K.amax_layout(shapes).total, device=DEV)
+    for _ in range(3):
+        K.partial_amax([x], [0], shapes, out=out)
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="contiguous"):
+        K.partial_amax([torch.randn(2 * 32 * 48, device=DEV)[::2]], [0], shapes, out=out)
+
+
+def test_sharded_cast_on_gpu_equals_quantize_for_hundreds_of_weights(monkeypatch):
+    from fp4_dist.buffers import ShardBuffer, build_layout
+    from fp4_dist.optim.owned_scales import ShardedCast
+    from fp4_dist.tensor import NVFP4Tensor
+
+    rng, gen = random.Random(88), torch.Generator().manual_seed(88)
+    shapes = [(rng.randint(1, 40) * 2, rng.choice((16, 48, 80, 128, 144))) for _ in range(200)] + [(258, 4096)]
+    masters = _weights(rng, gen, shapes, heavy_every=3)
+    buf = ShardBuffer(build_layout([m * k for m, k in shapes], 1, align=64), 0, packed=True, device=DEV)
+    ws = [NVFP4Tensor.empty(s, device=DEV) for s in shapes]
+    for i, w in enumerate(ws):
+        poison_(w.rowwise_scale_inv)
+        w.set_rowwise_storage(buf.param_view(i))
+        buf.master_piece(i).copy_(masters[i].view(-1))
+    cast = ShardedCast(ws, buf)
+    counter = LaunchCounter(monkeypatch)
+    cast.cast()
+    cast.gather_scales()
+    cast.after_gather()
+    assert counter.keys == ["partial_amax", "owner_scales", "partial_cast", "expand_scales", "nibble_transpose",
+                            "scale_transpose"]  # fmt: skip
+    for i in range(0, len(ws), 9):
+        ref = fp4_dist_quantize(masters[i])
+        for f in ("rowwise_data", "rowwise_scale_inv", "amax", "columnwise_data", "columnwise_scale_inv"):
+            assert_bytes_equal(getattr(ws[i], f), getattr(ref, f), f"weight {i} {shapes[i]} {f}")
+
+
+def fp4_dist_quantize(master):
+    import fp4_dist
+
+    ref = fp4_dist.quantize(master.to(torch.bfloat16))
+    ref.make_columnwise()
+    return ref

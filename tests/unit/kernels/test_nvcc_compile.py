@@ -74,6 +74,8 @@ def _struct_fields(name: str) -> tuple[str, ...]:
         ("ScaleDesc", cuda_ops.SCALE_FIELDS),
         ("TransposeDesc", cuda_ops.TRANSPOSE_FIELDS),
         ("ScaleTDesc", cuda_ops.SCALET_FIELDS),
+        ("OwnerDesc", cuda_ops.OWNER_FIELDS),
+        ("ExpandDesc", cuda_ops.EXPAND_FIELDS),
     ],
 )
 def test_descriptor_struct_fields_match_the_python_table_columns(struct, fields):

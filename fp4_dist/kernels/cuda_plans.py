@@ -1,0 +1,296 @@
+"""Work tables of the CUDA stage kernels: what one launch reads, built once per set of tensors.
+
+A *plan* is an int64 descriptor table (one row per weight, field order of the structs in cuda/common.cuh,
+mirrored by the *_FIELDS tuples below; a CPU test compares the two), the prefix sum of each weight's work
+units, and optionally a side table; all uploaded once from pinned memory with a non-blocking copy (no host
+sync). A plan holds addresses, not tensors: whoever keeps a plan keeps the tensors alive (cuda_ops does).
+
+The builders check what only the CUDA path needs (one device, output sizes and dtypes, odd starts); the
+shared argument checks of `fp4_dist.kernels` (shapes, shard ranges, dtypes) run before them.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ..format import TILE, ceil_div, columnwise_data_shape, columnwise_scale_shape, rowwise_scale_shape, tile_grid
+
+SHARD_FIELDS = (
+    "src", "dst", "start", "end", "m", "k", "tiles_k", "tile_off", "band_lo", "n_chunks", "owned_units",
+    "zero_lo", "zero_hi", "zero_units", "flags", "pad_",
+)  # fmt: skip
+SCALE_FIELDS = ("scale_inv", "amax_out", "m", "tiles_m", "tiles_k", "cols_pad", "tile_off", "n_chunks", "flags", "pad_")
+TRANSPOSE_FIELDS = ("src", "dst", "m", "k", "n_mt", "flags")
+SCALET_FIELDS = ("src", "dst", "k", "tiles_m", "tiles_k", "src_cols", "dst_cols", "dst_rows", "flags", "pad_")
+OWNER_FIELDS = ("amax_out", "tile_off", "enc_lo", "enc_hi", "own_lo", "own_hi", "own_base", "pad_")
+EXPAND_FIELDS = (
+    "scale_inv", "m", "tiles_m", "tiles_k", "cols_pad", "n_chunks", "seg_begin", "seg_count", "flags", "pad_",
+)  # fmt: skip
+
+# Flag bits and unit sizes of common.cuh.
+FLAG_BF16_SRC, FLAG_VEC_SRC, FLAG_VEC_DST, FLAG_VEC16_DST, FLAG_VEC16_SRC = 1, 2, 4, 8, 16
+CHUNK_COLS, ZERO_CHUNK, SCALE_CHUNK, SCALET_WORDS, OWNER_CHUNK = 256, 1024, 1024, 256, 1024
+# Nibble transpose unit shapes (rows x columns of the weight; transpose.cu instantiates each) and the default.
+NIBBLE_TILES = {"64x512": (64, 512), "128x256": (128, 256)}
+NIBBLE_TILE = "64x512"
+
+Shape = tuple[int, int]
+
+
+class Plan:
+    """A descriptor table and unit prefix sum on one device, ready to be read by one stage kernel."""
+
+    def __init__(self, device: int, rows: list[list[int]], fields: int, unit_counts: list[int], *, tiles: int,
+                 scratch_words: int = 0, extra: Sequence[int] = ()):  # fmt: skip
+        n = len(rows)
+        self.tiles = tiles  # tiles of all weights: the length of enc, and of the amax buffer less n
+        host = torch.empty(n * fields + n + 1 + len(extra), dtype=torch.int64, pin_memory=True)
+        arr = host.numpy()
+        arr[: n * fields] = np.asarray(rows, dtype=np.int64).reshape(-1)
+        arr[n * fields] = 0
+        arr[n * fields + 1 : n * fields + n + 1] = np.cumsum(np.asarray(unit_counts, dtype=np.int64))
+        arr[n * fields + n + 1 :] = np.asarray(extra, dtype=np.int64)
+        stream = torch.cuda.current_stream(device)
+        self.device, self.n, self.units = device, n, int(arr[n * fields + n])
+        self.variant = None  # kernel variant the table was laid out for, where a stage has several
+        self._host = host  # kept alive: the copy below reads it asynchronously
+        self._dev = host.to(torch.device("cuda", device), non_blocking=True)
+        # Kept zero between launches by the kernel itself (amax.cu); zeroed once here.
+        self.scratch = torch.zeros(max(scratch_words, 1), dtype=torch.int32, device=self._dev.device)
+        self.table = self._dev.data_ptr()
+        self.unit_begin = self.table + 8 * n * fields
+        self.extra = self.unit_begin + 8 * (n + 1)  # side table (expand_scales: tile segments)
+        self._ready = torch.cuda.Event()
+        self._ready.record(stream)
+        self._streams = {stream.cuda_stream}
+
+    def on_current_stream(self) -> "Plan":
+        """Order the upload before this stream's work, the first time the plan is used on another stream."""
+        stream = torch.cuda.current_stream(self.device)
+        if stream.cuda_stream not in self._streams:
+            stream.wait_event(self._ready)
+            self._dev.record_stream(stream)
+            self.scratch.record_stream(stream)
+            self._streams.add(stream.cuda_stream)
+        return self
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Helpers
+
+
+def device_index(tensors, what: str) -> int:
+    """Device of the first non-empty tensor (else of any CUDA tensor); non-empty ones must all be CUDA."""
+    fallback = None
+    for t in tensors:
+        if t is None:
+            continue
+        if t.numel():
+            if not t.is_cuda:
+                raise ValueError(f"{what}: CUDA path got a {t.device} tensor; put every tensor on one CUDA device")
+            return t.device.index
+        if fallback is None and t.is_cuda:
+            fallback = t.device.index
+    if fallback is None:
+        raise ValueError(f"{what}: no CUDA tensor to take the device from")
+    return fallback
+
+
+def same_device(t: torch.Tensor, index: int, label: str) -> None:
+    if not t.is_cuda or t.device.index != index:
+        raise ValueError(f"{label} is on {t.device}, the other tensors on cuda:{index}; put them on one device")
+
+
+def check_out(t: torch.Tensor, index: int, numel: int, label: str) -> None:
+    same_device(t, index, label)
+    if t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != numel:
+        raise ValueError(
+            f"{label}: need a contiguous fp32 tensor of {numel} entries, got {t.dtype} {list(t.shape)} "
+            f"(contiguous={t.is_contiguous()})"
+        )
+
+
+def check_u8(t: torch.Tensor, shape, index: int, label: str) -> None:
+    same_device(t, index, label)
+    if t.dtype != torch.uint8 or tuple(t.shape) != tuple(shape) or not t.is_contiguous():
+        raise ValueError(
+            f"{label}: need a contiguous uint8 tensor {list(shape)}, got {t.dtype} {list(t.shape)} "
+            f"(contiguous={t.is_contiguous()})"
+        )
+
+
+def tile_offsets(shapes: Sequence[Shape]) -> tuple[list[int], int]:
+    offsets, acc = [], 0
+    for m, k in shapes:
+        offsets.append(acc)
+        acc += ceil_div(m, TILE) * ceil_div(k, TILE)
+    return offsets, acc
+
+
+# --------------------------------------------------------------------------------------------------------------
+# partial_amax / partial_cast: shard descriptors
+
+
+def _shard_row(shard, start: int, m: int, k: int, tile_off: int, dst: int, with_zeros: bool) -> tuple[list, int]:
+    """ShardDesc row and unit count of one weight's shard (None/empty: nothing owned)."""
+    tm, tk = tile_grid(m, k)
+    n_chunks = ceil_div(k, CHUNK_COLS)
+    if shard is None or shard.numel() == 0:
+        zero_units = ceil_div(tm * tk, ZERO_CHUNK) if with_zeros else 0
+        return [0, 0, 0, 0, m, k, tk, tile_off, 0, n_chunks, 0, 0, 0, zero_units, 0, 0], zero_units
+    end = start + shard.numel()
+    band_lo, band_hi = (start // k) // TILE, ((end - 1) // k) // TILE
+    owned = (band_hi - band_lo + 1) * n_chunks
+    zero_lo, zero_hi = band_lo * tk, (band_hi + 1) * tk
+    zero_units = ceil_div(tm * tk - (zero_hi - zero_lo), ZERO_CHUNK) if with_zeros else 0
+    bf16 = shard.dtype == torch.bfloat16
+    src = shard.data_ptr()
+    flags = FLAG_BF16_SRC if bf16 else 0
+    if (src - start * shard.element_size()) % 16 == 0:  # element e % 8 == 0 sits on a 16-byte boundary
+        flags |= FLAG_VEC_SRC
+    if dst and (dst - (start >> 1)) % 4 == 0:
+        flags |= FLAG_VEC_DST
+    row = [src, dst, start, end, m, k, tk, tile_off, band_lo, n_chunks, owned, zero_lo, zero_hi, zero_units, flags, 0]
+    return row, owned + zero_units
+
+
+def amax_plan(index, shards, starts, shapes) -> Plan:
+    offsets, tiles = tile_offsets(shapes)
+    n = len(shapes)
+    rows, units = [], []
+    for i, (shard, start, (m, k)) in enumerate(zip(shards, starts, shapes)):
+        if shard is not None and shard.numel():
+            same_device(shard, index, f"shard {i}")
+        row, u = _shard_row(shard, int(start), m, k, n + offsets[i], 0, with_zeros=True)
+        rows.append(row)
+        units.append(u)
+    return Plan(index, rows, len(SHARD_FIELDS), units, tiles=tiles, scratch_words=2 * n)
+
+
+def cast_plan(index, shards, starts, shapes, fragments) -> Plan:
+    offsets, tiles = tile_offsets(shapes)
+    rows, units = [], []
+    for i, (shard, start, (m, k), frag) in enumerate(zip(shards, starts, shapes, fragments)):
+        start, dst = int(start), 0
+        if shard is not None and shard.numel():
+            same_device(shard, index, f"shard {i}")
+            if start % 2:
+                raise ValueError(
+                    f"shard {i}: start {start} is odd, so its first byte would be shared with another rank's "
+                    "shard; shard boundaries must be even element offsets"
+                )
+            want = ((start + shard.numel() + 1) >> 1) - (start >> 1)
+            if frag is None or frag.dtype != torch.uint8 or frag.numel() != want or not frag.is_contiguous():
+                raise ValueError(f"fragment {i}: need a contiguous uint8 tensor of {want} bytes for shard {i}")
+            same_device(frag, index, f"fragment {i}")
+            dst = frag.data_ptr()
+        row, u = _shard_row(shard, start, m, k, offsets[i], dst, with_zeros=False)
+        rows.append(row)
+        units.append(u)
+    return Plan(index, rows, len(SHARD_FIELDS), units, tiles=tiles)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# fused_scale, owner_scales, expand_scales
+
+
+def _check_scale_out(si: torch.Tensor, ao, index: int, i: int, m: int, k: int) -> tuple[int, int]:
+    same_device(si, index, f"scale_inv {i}")
+    want = rowwise_scale_shape(m, k)
+    if si.dtype != torch.uint8 or tuple(si.shape) != want or not si.is_contiguous():
+        raise ValueError(f"scale_inv {i}: need contiguous uint8 {list(want)}, got {si.dtype} {list(si.shape)}")
+    if ao is not None:
+        check_amax_out(ao, index, i)
+    return want
+
+
+def check_amax_out(ao: torch.Tensor, index: int, i: int) -> None:
+    same_device(ao, index, f"amax_out {i}")
+    if ao.dtype != torch.float32 or ao.numel() < 1:
+        raise ValueError(f"amax_out {i}: need an fp32 tensor of 1 entry, got {ao.dtype} {list(ao.shape)}")
+
+
+def scale_plan(index, shapes, scale_invs, amax_outs) -> Plan:
+    offsets, tiles = tile_offsets(shapes)
+    rows, units = [], []
+    for i, ((m, k), si, ao) in enumerate(zip(shapes, scale_invs, amax_outs)):
+        rows_pad, cols_pad = _check_scale_out(si, ao, index, i, m, k)
+        tm, tk = tile_grid(m, k)
+        n_chunks = ceil_div(cols_pad, SCALE_CHUNK)
+        flags = FLAG_VEC_DST if si.data_ptr() % 4 == 0 else 0
+        rows.append([si.data_ptr(), ao.data_ptr(), m, tm, tk, cols_pad, offsets[i], n_chunks, flags, 0])
+        units.append((rows_pad // TILE) * n_chunks)
+    return Plan(index, rows, len(SCALE_FIELDS), units, tiles=tiles)
+
+
+def owner_plan(index, shapes, enc_ranges, own_ranges, amax_outs) -> Plan:
+    """OwnerDesc rows: encode multipliers of tiles [enc_lo, enc_hi), compact scale bytes of [own_lo, own_hi)
+    at own_base (bases are consecutive in weight order), amax_out of every weight (so >= 1 unit each)."""
+    offsets, tiles = tile_offsets(shapes)
+    rows, units, base = [], [], 0
+    for i, ((lo, hi), (a, b), ao) in enumerate(zip(enc_ranges, own_ranges, amax_outs)):
+        check_amax_out(ao, index, i)
+        rows.append([ao.data_ptr(), offsets[i], lo, hi, a, b, base, 0])
+        units.append(max(1, ceil_div(hi - lo, OWNER_CHUNK)))
+        base += b - a
+    return Plan(index, rows, len(OWNER_FIELDS), units, tiles=tiles)
+
+
+def expand_plan(index, shapes, sources, scale_invs) -> Plan:
+    """ExpandDesc rows plus the side table of (tile_start, source offset) segments of every weight."""
+    rows, units, segs = [], [], []
+    for i, ((m, k), src, si) in enumerate(zip(shapes, sources, scale_invs)):
+        rows_pad, cols_pad = _check_scale_out(si, None, index, i, m, k)
+        tm, tk = tile_grid(m, k)
+        n_chunks = ceil_div(cols_pad, SCALE_CHUNK)
+        flags = FLAG_VEC_DST if si.data_ptr() % 4 == 0 else 0
+        rows.append([si.data_ptr(), m, tm, tk, cols_pad, n_chunks, len(segs) // 2, len(src), flags, 0])
+        units.append((rows_pad // TILE) * n_chunks)
+        for tile_start, offset in src:
+            segs += [int(tile_start), int(offset)]
+    return Plan(index, rows, len(EXPAND_FIELDS), units, tiles=tile_offsets(shapes)[1], extra=segs)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Post-all-gather transposes
+
+
+def nibble_plan(index, srcs, dsts, tile: str = NIBBLE_TILE) -> Plan:
+    """TransposeDesc rows for units of `tile` (a key of NIBBLE_TILES); the plan remembers it as `variant`."""
+    tile_m, tile_k = NIBBLE_TILES[tile]
+    rows, units = [], []
+    for i, (src, dst) in enumerate(zip(srcs, dsts)):
+        if src.dim() != 2:
+            raise ValueError(f"rowwise_data {i}: need a 2D [M, K/2] uint8 tensor, got {list(src.shape)}")
+        m, k = src.shape[0], 2 * src.shape[1]
+        if m % 2 or k % TILE:
+            raise ValueError(f"rowwise_data {i}: [M, K/2] = {list(src.shape)} needs even M and K % 16 == 0")
+        check_u8(src, (m, k // 2), index, f"rowwise_data {i}")
+        check_u8(dst, columnwise_data_shape(m, k), index, f"columnwise_data {i}")
+        s, d, row_bytes = src.data_ptr(), dst.data_ptr(), m // 2
+        flags = FLAG_VEC_SRC if s % 4 == 0 else 0
+        flags |= FLAG_VEC16_SRC if s % 16 == 0 and (k // 2) % 16 == 0 else 0
+        flags |= FLAG_VEC_DST if d % 4 == 0 and row_bytes % 4 == 0 else 0
+        flags |= FLAG_VEC16_DST if d % 16 == 0 and row_bytes % 16 == 0 else 0
+        n_mt = ceil_div(m, tile_m)
+        rows.append([s, d, m, k, n_mt, flags])
+        units.append(n_mt * ceil_div(k, tile_k))
+    plan = Plan(index, rows, len(TRANSPOSE_FIELDS), units, tiles=0)
+    plan.variant = tile
+    return plan
+
+
+def scalet_plan(index, srcs, dsts, shapes) -> Plan:
+    rows, units = [], []
+    for i, (src, dst, (m, k)) in enumerate(zip(srcs, dsts, shapes)):
+        check_u8(src, rowwise_scale_shape(m, k), index, f"rowwise_scale_inv {i}")
+        check_u8(dst, columnwise_scale_shape(m, k), index, f"columnwise_scale_inv {i}")
+        tm, tk = tile_grid(m, k)
+        dst_rows, dst_cols = columnwise_scale_shape(m, k)
+        flags = FLAG_VEC_DST if dst.data_ptr() % 4 == 0 else 0
+        rows.append([src.data_ptr(), dst.data_ptr(), k, tm, tk, src.shape[1], dst_cols, dst_rows, flags, 0])
+        units.append((dst_rows // TILE) * ceil_div(dst_cols // 4, SCALET_WORDS))
+    return Plan(index, rows, len(SCALET_FIELDS), units, tiles=0)
