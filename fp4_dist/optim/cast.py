@@ -25,12 +25,14 @@ needs (argument lists, amax buffer) so an optimizer builds it once.
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
 import torch
 
 from .. import kernels
+from ..kernels import bound as stages
 from ..format import check_weight_shape, columnwise_scale_shape
 from ..tensor import NVFP4Tensor, is_nvfp4_tensor
 from .collectives import CommStats, all_reduce_max_, rank_and_size
@@ -149,6 +151,8 @@ def cast_master_weights_to_nvfp4(
     group=None,
     fsdp_shard_model_weights: Optional[Sequence[Optional[torch.Tensor]]] = None,
     manual_post_all_gather_processing: bool = True,
+    *,
+    stats: Optional[CommStats] = None,
 ) -> None:
     """Cast this rank's fp32 master shards into NVFP4 weights (TransformerEngine's `quantize_master_weights`).
 
@@ -164,12 +168,56 @@ def cast_master_weights_to_nvfp4(
         manual_post_all_gather_processing: True (default): the caller all-gathers ``rowwise_data`` and then
             calls `post_all_gather_processing`. False: columnwise copies are dropped here (they are stale)
             and ``make_columnwise()`` rebuilds them later, as TE does.
+        stats: optional `CommStats` recording the all-reduce (every tile amax of every weight: TE's payload).
 
     Every weight's ``rowwise_scale_inv`` and ``amax`` are written (identical on every rank) and the owned
     nibbles of ``rowwise_data``; nothing else. One MAX all-reduce per call, one scalar device-to-host read.
+    The checks and the binding of the stages run on the first call with a set of tensors; later calls with the
+    same tensors (same objects, same buffers) only launch. `Zero1Optimizer` exchanges far fewer amaxes
+    (`fp4_dist.optim.owned_scales`); this function keeps TE's full exchange because its callers (Megatron)
+    rely on every rank holding every scale before the gather.
     Raises ValueError/TypeError naming the weight, with no byte written, for bad shards, offsets, dtypes,
     devices, or non-finite master values.
     """
+    key = _bound_key(model_weights, master_weights, start_offsets, fsdp_shard_model_weights, group)
+    bound = _BOUND.get(key)
+    if bound is not None:  # the same tensors as a call that passed every check: skip the per-weight checks
+        _BOUND.move_to_end(key)
+        bound.run(group, stats)
+    else:
+        _validate_and_run(model_weights, master_weights, start_offsets, group, fsdp_shard_model_weights, key, stats)
+    if not manual_post_all_gather_processing:
+        for w in model_weights:
+            w.columnwise_data = w.columnwise_scale_inv = None
+
+
+# Casts bound by earlier calls, by `_bound_key` (an LRU: a training loop passes the same lists every step).
+_BOUND: "OrderedDict[tuple, BoundCast]" = OrderedDict()
+_BOUND_SIZE = 4
+
+
+def _bound_key(model_weights, master_weights, start_offsets, fragments, group) -> Optional[tuple]:
+    """Everything the checks of a call look at, cheaply: the weights by identity (the cache holds them, so an id
+    is never reused) and the addresses of the buffers the cast writes, the signature (address, dtype, shape,
+    strides) of each master and fragment, the offsets with their types, and the group. None if unhashable."""
+    try:
+        return (
+            tuple(map(id, model_weights)),
+            tuple([(w.rowwise_data.data_ptr(), w.rowwise_scale_inv.data_ptr(), w.amax.data_ptr())
+                   for w in model_weights]),
+            _signature(master_weights), tuple(start_offsets), tuple(map(type, start_offsets)),
+            None if fragments is None else _signature(fragments), id(group), rank_and_size(group),
+        )  # fmt: skip
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def _signature(tensors) -> tuple:
+    return tuple([None if t is None else (t.data_ptr(), t.dtype, t.shape, t.stride()) for t in tensors])
+
+
+def _validate_and_run(model_weights, master_weights, start_offsets, group, fsdp_shard_model_weights, key, stats):
+    """First call with these tensors: every check, then bind (and cache) the cast, then run it."""
     _check_weights(model_weights, master_weights, start_offsets, fsdp_shard_model_weights)
     frags = fsdp_shard_model_weights or [None] * len(model_weights)
     local_error = None
@@ -178,14 +226,17 @@ def cast_master_weights_to_nvfp4(
             _check_shard(i, w, m, s, f)
     except (TypeError, ValueError) as e:
         local_error = e
-    pairs = [_normalise(m, s) for m, s in zip(master_weights, start_offsets)] if local_error is None else None
-    shards = [p[0] for p in pairs] if pairs else None
-    starts = [p[1] for p in pairs] if pairs else None
-    run_cast(plan_for(model_weights), model_weights, shards, starts, group=group, fragments=frags,
-             local_error=local_error)
-    if not manual_post_all_gather_processing:
-        for w in model_weights:
-            w.columnwise_data = w.columnwise_scale_inv = None
+    if local_error is not None:  # still joins the collective (with its error flag), then raises
+        run_cast(plan_for(model_weights), model_weights, None, None, group=group, stats=stats, local_error=local_error)
+        return
+    pairs = [_normalise(m, s) for m, s in zip(master_weights, start_offsets)]
+    bound = BoundCast(plan_for(model_weights), model_weights, [p[0] for p in pairs], [p[1] for p in pairs], frags,
+                      world_size=rank_and_size(group)[1])  # fmt: skip
+    if key is not None:
+        _BOUND[key] = bound
+        if len(_BOUND) > _BOUND_SIZE:
+            _BOUND.popitem(last=False)
+    bound.run(group, stats)
 
 
 quantize_master_weights = cast_master_weights_to_nvfp4
@@ -195,43 +246,39 @@ def _weight_device(model_weights) -> torch.device:
     return model_weights[0].rowwise_data.device if len(model_weights) else torch.device("cpu")
 
 
-@dataclass(frozen=True)
-class _BoundGroup:
-    """Stage arguments of one `CastGroup`, as lists the stage API takes."""
-
-    group: CastGroup
-    shards: list
-    starts: list
-    scale_invs: list
-    amax_outs: list
-    fragments: list
-
-
 class BoundCast:
-    """A `CastPlan` bound to one set of tensors: stage argument lists and the amax buffer, built once.
+    """A `CastPlan` bound to one set of tensors: the amax buffer and every stage launch, built once.
 
     An optimizer whose weights, master shards and fragments stay the same tensors from step to step (as in
-    `Zero1Optimizer`) builds this once; each step is then `run()` with no per-weight Python work besides the
-    stage calls themselves.
+    `Zero1Optimizer`, or a loop calling `cast_master_weights_to_nvfp4` with the same lists) builds this once;
+    each step is then `run()`: a few launches, one all-reduce, one scalar read, no per-weight Python work.
 
     Args:
-        shards, starts: per weight the validated flat master shard (None: owns nothing) and its first element.
+        shards, starts: per weight the validated flat master shard (None: owns nothing) and its first element;
+            None for both: this rank owns nothing (error path).
         fragments: per weight an FSDP byte fragment, or None to write into ``rowwise_data``.
         world_size: size of the group `run` will be called with (one error-flag slot per rank).
     """
 
     def __init__(self, plan: CastPlan, model_weights, shards, starts, fragments=None, *, world_size: int = 1):
-        fragments = fragments or [None] * len(model_weights)
+        n = len(model_weights)
+        shards, starts = shards or [None] * n, starts or [0] * n
+        fragments = fragments or [None] * n
         self.plan, self.weights = plan, list(model_weights)
-        self.groups = []
-        for g in plan.groups:
-            ws = [model_weights[i] for i in g.indices]
-            self.groups.append(_BoundGroup(
-                g, [shards[i] for i in g.indices], [starts[i] for i in g.indices],
-                [w.rowwise_scale_inv for w in ws], [w.amax for w in ws],
-                [_fragment(model_weights[i], shards[i], starts[i], fragments[i]) for i in g.indices]))
         self.buf = torch.zeros(plan.amax_numel + world_size, dtype=torch.float32,
                                device=_weight_device(model_weights))
+        self.amax_runs, self.cast_runs = [], []
+        for g in plan.groups:
+            ws = [model_weights[i] for i in g.indices]
+            g_shards, g_starts = [shards[i] for i in g.indices], [starts[i] for i in g.indices]
+            block = self.buf[g.offset:g.offset + g.layout.total]
+            enc = torch.zeros(g.layout.total - g.layout.n, dtype=torch.float32, device=self.buf.device)
+            frags = [_fragment(model_weights[i], shards[i], starts[i], fragments[i]) for i in g.indices]
+            self.amax_runs.append(stages.bind_partial_amax(g_shards, g_starts, g.shapes, block, round_to=g.round_to))
+            self.cast_runs.append((
+                stages.bind_fused_scale(block, g.shapes, [w.rowwise_scale_inv for w in ws], [w.amax for w in ws],
+                                       enc, numerics=g.numerics),
+                stages.bind_partial_cast(g_shards, g_starts, g.shapes, enc, frags, round_to=g.round_to)))  # fmt: skip
 
     def run(self, group=None, stats: Optional[CommStats] = None, local_error: Optional[Exception] = None) -> None:
         """amax -> one MAX all-reduce -> check (one scalar read) -> scales -> cast. Raises before any write."""
@@ -240,20 +287,16 @@ class BoundCast:
         assert buf.numel() == plan.amax_numel + size, "BoundCast built for another world size"
         if local_error is None:
             buf[plan.amax_numel:].zero_()  # partial_amax writes every other entry
-            for a in self.groups:
-                g = a.group
-                kernels.partial_amax(a.shards, a.starts, g.shapes, round_to=g.round_to,
-                                     out=buf[g.offset:g.offset + g.layout.total])
+            for amax in self.amax_runs:
+                amax()
         else:
             buf.zero_()
             buf[plan.amax_numel + rank] = 1.0
         _exchange_amaxes(buf, group, stats)
         _raise_if_bad(plan, buf, self.weights, local_error)
-        for a in self.groups:
-            g = a.group
-            enc = kernels.fused_scale(buf[g.offset:g.offset + g.layout.total], g.shapes, a.scale_invs,
-                                      a.amax_outs, numerics=g.numerics)
-            kernels.partial_cast(a.shards, a.starts, g.shapes, enc, a.fragments, round_to=g.round_to)
+        for scale, cast in self.cast_runs:
+            scale()
+            cast()
 
 
 def _exchange_amaxes(buf: torch.Tensor, group, stats) -> None:
@@ -266,9 +309,8 @@ def _exchange_amaxes(buf: torch.Tensor, group, stats) -> None:
 def run_cast(plan: CastPlan, model_weights, shards, starts, *, group=None, fragments=None,
              stats: Optional[CommStats] = None, local_error: Optional[Exception] = None) -> None:
     """The cast with a prebuilt plan: shards/starts already valid (or ``local_error`` set, shards None)."""
-    n = len(model_weights)
     if local_error is not None:
-        shards, starts = [None] * n, [0] * n
+        shards = starts = None
     bound = BoundCast(plan, model_weights, shards, starts, fragments, world_size=rank_and_size(group)[1])
     bound.run(group, stats, local_error)
 

@@ -6,12 +6,15 @@ One `step()`::
     grads -> fp32 grad buffer       (copy of each param.grad into its slot of the flat buffer)
     reduce-scatter per bucket       -> this rank's grad shard (averaged over ranks by default)
     inner.step()                    any torch.optim optimizer, over views of the fp32 master shard
-    cast_master_weights_to_nvfp4    amax + ONE MAX all-reduce + scales + cast of the owned nibbles,
-                                    written straight into the packed all-gather buffer
-    all-gather per bucket           packed NVFP4 bytes (0.5 B/element) and dense params (model dtype)
-    post_all_gather_processing      columnwise copies of the NVFP4 weights
+    ShardedCast.cast                amax + ONE small MAX all-reduce (tensor and cut-tile amaxes only) + the
+                                    scales of the tiles this rank owns + cast of the owned nibbles, written
+                                    straight into the packed all-gather buffer (`owned_scales`)
+    all-gather per bucket           packed NVFP4 bytes (0.5 B/element) and dense params (model dtype),
+                                    plus one all-gather of the compact tile scales (1 B per 16x16 tile)
+    ShardedCast.after_gather        rowwise scales from the gathered bytes, columnwise copies
 
-Collectives per step: (reduce-scatter + all-gather) per bucket of each buffer, plus one all-reduce.
+Collectives per step: (reduce-scatter + all-gather) per bucket of each buffer, plus one all-reduce and one
+all-gather (of the scale bytes) when there are NVFP4 weights.
 
 NVFP4 weights are `nn.Parameter(NVFP4Tensor)` (see `fp4_dist.convert_linear_weights`); every other
 parameter (norms, biases, embeddings) is "dense": sharded the same way, gathered in its own dtype.
@@ -26,7 +29,7 @@ import torch
 
 from ..buffers import ShardBuffer, build_layout
 from ..tensor import is_nvfp4_tensor
-from .cast import BoundCast, plan_for, post_all_gather_processing
+from .owned_scales import ShardedCast
 from .collectives import (
     CommStats,
     all_gather_inplace,
@@ -115,9 +118,8 @@ class Zero1Optimizer:
         if fp4:
             for j, w in enumerate(self.nvfp4_params):
                 w.set_rowwise_storage(fp4.buf.param_view(j))
-            # Built once: the plan, the stage argument lists (views into the buffers) and the amax buffer.
-            self._cast = BoundCast(plan_for(self.nvfp4_params), self.nvfp4_params, fp4.buf.master_pieces(),
-                                   [s or 0 for s in fp4.buf.start_offsets()], world_size=self.world_size)
+            # Built once: plans, bound launches (views into the buffers), the amax and scale exchange buffers.
+            self._cast = ShardedCast.from_buffer(self.nvfp4_params, fp4.buf, columnwise=config.columnwise)
         self._bind_dense_params()
         self._publish_params()
 
@@ -220,28 +222,31 @@ class Zero1Optimizer:
         """Masters -> model params on every rank: NVFP4 cast + packed gather, dense copy + gather."""
         fp4 = self._fp4_section()
         if fp4:
-            self._cast.run(self.group, self.stats)
+            self._cast.cast(self.group, self.stats)
+            self._cast.gather_scales(self.group, self.stats)
         for sec in self._sections:
             for b in range(len(sec.buf.layout.buckets)):
                 if not sec.packed:
                     sec.buf.shard_param_view(b).copy_(sec.buf.bucket_master(b))
                 all_gather_inplace(sec.buf.bucket_param(b), self.group, self.stats)
-        if fp4 and self.config.columnwise:
-            post_all_gather_processing(self.nvfp4_params)
+        if fp4:
+            self._cast.after_gather()
 
     # ---------------------------------------------------------------------------------------- reporting
     def gathered_bytes_per_step(self) -> Dict[str, int]:
         """Bytes each step's param all-gathers produce on every rank, bucket padding included.
 
         Returns:
-            {"nvfp4": packed NVFP4 bytes, "dense": dense-param bytes (their own dtype),
+            {"nvfp4": packed NVFP4 bytes, "nvfp4_scales": compact tile scale bytes (all ranks),
+             "dense": dense-param bytes (their own dtype),
              "bf16_equivalent": the same elements gathered as bf16, Megatron's default}.
         """
         nbytes = {True: 0, False: 0}
         for sec in self._sections:
             nbytes[sec.packed] += sec.buf.param.numel() * sec.buf.param.element_size()
         bf16 = sum(sec.buf.layout.total * 2 for sec in self._sections)
-        return {"nvfp4": nbytes[True], "dense": nbytes[False], "bf16_equivalent": bf16}
+        scales = self._cast.gathered.numel() if self.nvfp4_params else 0
+        return {"nvfp4": nbytes[True], "nvfp4_scales": scales, "dense": nbytes[False], "bf16_equivalent": bf16}
 
     def full_masters(self) -> List[torch.Tensor]:
         """Every parameter's full fp32 master value (shape of the parameter), assembled from all ranks.

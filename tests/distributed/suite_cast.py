@@ -5,7 +5,9 @@ Cases (identical on every rank and every world size):
   sizes and alignments (align=2 puts rank boundaries mid-tile and mid-row), cast with
   `cast_master_weights_to_nvfp4`, all-gathered per bucket from the packed buffer in place;
 * TransformerEngine's test model shapes (one rank boundary cuts a 16x16 tile);
-* arbitrary even cuts per weight (empty shards included), gathered by assembling every rank's byte range.
+* arbitrary even cuts per weight (empty shards included), gathered by assembling every rank's byte range;
+* the layout cases again through `ShardedCast` (Zero1Optimizer's cast: only cut-tile amaxes are all-reduced,
+  each tile's scale comes from its owner through the compact scale all-gather): the same bytes.
 
 Checked on every rank: gathered rowwise_data, the whole rowwise_scale_inv (valid region = reference, padding
 zero), amax, columnwise data/scales == the reference's make_columnwise(); before the gather, every byte outside
@@ -22,7 +24,8 @@ import torch.distributed as dist
 import fp4_dist
 from fp4_dist.buffers import ShardBuffer, build_layout
 from fp4_dist.optim import cast_master_weights_to_nvfp4, post_all_gather_processing
-from fp4_dist.optim.collectives import all_gather_inplace
+from fp4_dist.optim.collectives import CommStats, all_gather_inplace
+from fp4_dist.optim.owned_scales import ShardedCast
 from fp4_dist.tensor import NVFP4Tensor
 from fp4_dist.testing import POISON_BYTE, awkward_shapes, poison_, random_weight, shard_cuts
 
@@ -89,7 +92,8 @@ def check_only_own_bytes_written(ctx, buf, label):
     ctx.check(bool((foreign == POISON_BYTE).all()), f"{label}: a rank wrote bytes outside its shard")
 
 
-def run_layout_case(ctx, case, group=None):
+def layout_buffers(ctx, case):
+    """(masters, layout, buffer with this rank's master pieces, poisoned weights stored in the buffer)."""
     shapes, device = case["shapes"], ctx.device
     masters = make_masters(shapes, case["seed"])
     layout = build_layout([m * k for m, k in shapes], ctx.world_size, bucket_numel=case["bucket"],
@@ -102,12 +106,36 @@ def run_layout_case(ctx, case, group=None):
         piece = buf.pieces[i]
         if piece is not None:
             buf.master_piece(i).copy_(masters[i].view(-1)[piece.span.start:piece.span.end])
+    return masters, layout, buf, weights
+
+
+def run_layout_case(ctx, case, group=None):
+    masters, layout, buf, weights = layout_buffers(ctx, case)
     cast_master_weights_to_nvfp4(weights, buf.master_pieces(), buf.start_offsets(), group)
     check_only_own_bytes_written(ctx, buf, case["name"])
     for b in range(len(layout.buckets)):
         all_gather_inplace(buf.bucket_param(b), group)
     post_all_gather_processing(weights)
     compare(ctx, weights, reference(masters), case["name"])
+    return digest([t for w in weights for t in (w.rowwise_data, w.rowwise_scale_inv, w.amax, w.columnwise_data)])
+
+
+def run_sharded_case(ctx, case, group=None):
+    """The same case through ShardedCast: cut-tile amax all-reduce, owner scales, compact scale gather."""
+    masters, layout, buf, weights = layout_buffers(ctx, case)
+    stats = CommStats()
+    cast = ShardedCast.from_buffer(weights, buf)
+    cast.cast(group, stats)
+    check_only_own_bytes_written(ctx, buf, f"{case['name']}/sharded")
+    cast.gather_scales(group, stats)
+    for b in range(len(layout.buckets)):
+        all_gather_inplace(buf.bucket_param(b), group)
+    cast.after_gather()
+    compare(ctx, weights, reference(masters), f"{case['name']}/sharded")
+    tiles = sum(-(-m // 16) * -(-k // 16) for m, k in case["shapes"])
+    if ctx.world_size > 1:
+        ctx.check(stats.bytes["all_reduce"] == cast.message_bytes() <= 4 * (len(weights) + tiles),
+                  f"{case['name']}/sharded: all-reduce of {stats.bytes['all_reduce']} bytes")
     return digest([t for w in weights for t in (w.rowwise_data, w.rowwise_scale_inv, w.amax, w.columnwise_data)])
 
 
@@ -135,6 +163,10 @@ def run_arbitrary_cuts(ctx, seed=99):
 
 def run(ctx) -> dict:
     digests = {case["name"]: run_layout_case(ctx, case) for case in cases()}
+    for case in cases():
+        digests[f"{case['name']}/sharded"] = run_sharded_case(ctx, case)
+        ctx.check(digests[f"{case['name']}/sharded"] == digests[case["name"]],
+                  f"{case['name']}: ShardedCast bytes differ from cast_master_weights_to_nvfp4")
     digests["arbitrary-cuts"] = run_arbitrary_cuts(ctx)
     if ctx.world_size > 1:
         everyone = [None] * ctx.world_size

@@ -6,7 +6,8 @@ NVFP4 weights. Baseline (in the same process, no collectives): the same model an
 each step its linear weights are `fp4_dist.quantize(master.to(bf16))` and its dense params `master.to(bf16)`,
 and it accumulates the grads of micro-batches 0..ws-1 in fp32 in rank order (gradient accumulation).
 Checked: the loss of this rank's micro-batch is bitwise equal at every step; collectives per step, counted by
-wrapping torch.distributed, equal (reduce-scatter + all-gather) per bucket + exactly one all-reduce; the final
+wrapping torch.distributed, equal (reduce-scatter + all-gather) per bucket + exactly one all-reduce (tensor and
+cut-tile amaxes) + one all-gather of the compact tile scales; the final
 weights equal the baseline's bytes. At ws <= 2 the default reduce-scatter path is checked the same way.
 """
 
@@ -102,7 +103,8 @@ def expected_calls(opt, world_size: int, grad_reduction: str) -> Counter:
         return Counter()
     buckets = sum(len(s.buf.layout.buckets) for s in opt._sections)
     reduce_name = "all_to_all_single" if grad_reduction == "ordered" else "reduce_scatter_single"
-    return Counter({reduce_name: buckets, "all_gather_single": buckets, "all_reduce": 1})
+    # + 1 all-gather: the compact NVFP4 tile scales (optim/owned_scales.py)
+    return Counter({reduce_name: buckets, "all_gather_single": buckets + 1, "all_reduce": 1})
 
 
 def train(ctx, steps: int, grad_reduction: str) -> dict:

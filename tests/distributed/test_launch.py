@@ -94,7 +94,8 @@ def test_zero1_training_loss_is_bitwise_equal_to_single_process_quantize_each_st
     calls = train["collectives_per_step"]
     if world_size > 1:
         assert calls["all_reduce"] == 1, calls
-        assert calls["all_to_all_single"] == calls["all_gather_single"] >= 2, calls
+        # one all-gather per bucket, plus one of the compact NVFP4 tile scales
+        assert calls["all_to_all_single"] + 1 == calls["all_gather_single"] >= 3, calls
 
 
 def test_every_world_size_gathers_the_same_bytes():

@@ -484,7 +484,7 @@ def test_sharded_cast_on_gpu_equals_quantize_for_hundreds_of_weights(monkeypatch
         poison_(w.rowwise_scale_inv)
         w.set_rowwise_storage(buf.param_view(i))
         buf.master_piece(i).copy_(masters[i].view(-1))
-    cast = ShardedCast(ws, buf)
+    cast = ShardedCast.from_buffer(ws, buf)
     counter = LaunchCounter(monkeypatch)
     cast.cast()
     cast.gather_scales()

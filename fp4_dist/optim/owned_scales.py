@@ -1,0 +1,196 @@
+"""The ZeRO cast with a small amax exchange: only tiles cut by a rank boundary cross ranks.
+
+TransformerEngine (and `cast_master_weights_to_nvfp4`, which keeps its semantics) all-reduce every tile amax
+of every weight, M*K/256 floats per weight, so that every rank can compute every scale before the gather.
+But a tile's amax is already complete on a rank that owns the whole tile; only the tiles cut by a rank
+boundary need a cross-rank MAX (`fp4_dist.buffers.tile_owners`). So one step of `ShardedCast` is::
+
+    partial_amax                  local tensor + tile amaxes (every weight, one launch per dtype group)
+    index_select                  [tensor amaxes | cut-tile amaxes]        (a few KB for a GPT)
+    ONE MAX all-reduce of that, then one scalar read: all finite?         (raise on every rank if not)
+    index_copy_                   reduced values back into the local amax buffer
+    owner_scales                  encode multipliers of the touched tiles; scale bytes of the tiles this rank
+                                  owns (first element owned), packed; every weight's amax
+    partial_cast                  owned nibbles into the packed param buffer
+    --- caller: byte all-gather per bucket, and `gather_scales` (compact scale bytes, 1 B per tile) ---
+    expand_scales                 every rowwise_scale_inv from the gathered bytes, then the columnwise copies
+
+The bytes equal those of the full exchange (same formulas on the same complete amaxes). The compact scale
+bytes cannot share the in-place byte all-gather of a bucket: each rank's gathered chunk must be contiguous,
+and a weight's packed bytes must stay contiguous across the rank boundary, so a per-rank scale region inside
+the chunk would split every weight that a boundary cuts (and make the step copy all data after the gather).
+They travel in one extra all-gather per step of ``dp * cap`` bytes instead (`gather_scales`).
+
+Everything is bound once (`fp4_dist.kernels.bound`): a step is ~10 launches whatever the number of weights.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+
+from ..buffers import ShardBuffer
+from ..buffers.layout import BufferLayout
+from ..buffers.tile_owners import TileExchange, tile_exchange
+from ..format import columnwise_scale_shape
+from ..kernels import bound
+from ..tensor import NVFP4Tensor
+from .cast import CastPlan, _name, plan_for
+from .collectives import CommStats, all_gather_inplace, all_reduce_max_
+
+
+class ShardedCast:
+    """The cast of NVFP4 weights stored in a packed `ShardBuffer`, with the cut-tile amax exchange.
+
+    Args:
+        weights: the NVFP4 weights of ``layout``, in layout order; each rank's shard bytes are written into
+            their ``rowwise_data`` (in Zero1Optimizer: views of the packed all-gather buffer).
+        layout: the `BufferLayout` of the weights (identical on every rank).
+        rank: this rank's index in the data-parallel group.
+        masters, starts: per weight this rank's flat fp32 master piece (None where it owns nothing) and its first
+            element (`ShardBuffer.master_pieces()` / `start_offsets()`; `from_buffer` passes them).
+        columnwise: also build the columnwise copies in `after_gather` (weights with an odd M stay rowwise-only).
+    Built once; bound to these tensors (do not replace a weight's buffers afterwards).
+    """
+
+    def __init__(self, weights: Sequence[NVFP4Tensor], layout: BufferLayout, rank: int,
+                 masters: Sequence[Optional[torch.Tensor]], starts: Sequence[Optional[int]], *,
+                 columnwise: bool = True):  # fmt: skip
+        self.weights = list(weights)
+        self.plan: CastPlan = plan_for(self.weights)
+        shapes = [tuple(int(s) for s in w.shape) for w in self.weights]
+        order = [i for g in self.plan.groups for i in g.indices]
+        self.exchange: TileExchange = tile_exchange(layout, shapes, order)
+        dev = self.weights[0].rowwise_data.device
+        self.amaxes = torch.zeros(self.plan.amax_numel, dtype=torch.float32, device=dev)
+        self._index = torch.tensor(self._exchanged_entries(), dtype=torch.int64, device=dev)
+        self.message = torch.zeros(self._index.numel(), dtype=torch.float32, device=dev)
+        self.gathered = torch.zeros(layout.dp_size * self.exchange.cap, dtype=torch.uint8, device=dev)
+        compact = self.gathered[rank * self.exchange.cap:(rank + 1) * self.exchange.cap]
+        self._steps = self._bind_groups(list(masters), [s or 0 for s in starts], rank, compact)
+        self._expand = bound.bind_expand_scales(self.gathered, shapes, self.exchange.sources,
+                                                [w.rowwise_scale_inv for w in self.weights])
+        self._columnwise = self._bind_columnwise() if columnwise else []
+
+    @classmethod
+    def from_buffer(cls, weights: Sequence[NVFP4Tensor], buf: ShardBuffer, *, columnwise: bool = True):
+        """The cast of the weights stored in ``buf`` (a packed `ShardBuffer`), as Zero1Optimizer builds it."""
+        return cls(weights, buf.layout, buf.rank, buf.master_pieces(), buf.start_offsets(), columnwise=columnwise)
+
+    # ----------------------------------------------------------------------------------------- binding
+    def _exchanged_entries(self) -> List[int]:
+        """Positions in the amax buffer of every tensor amax and every cut tile, group by group."""
+        out = []
+        for g in self.plan.groups:
+            out += [g.offset + j for j in range(g.layout.n)]
+            for j, i in enumerate(g.indices):
+                first = g.offset + g.layout.n + g.layout.tile_offsets[j]
+                out += [first + t for t in self.exchange.cut[i]]
+        return out
+
+    def _bind_groups(self, masters: list, starts: List[int], rank: int, compact: torch.Tensor) -> list:
+        steps, compact_off = [], 0
+        for g in self.plan.groups:
+            idx = list(g.indices)
+            block = self.amaxes[g.offset:g.offset + g.layout.total]
+            enc = torch.zeros(g.layout.total - g.layout.n, dtype=torch.float32, device=block.device)
+            shards, g_starts = [masters[i] for i in idx], [starts[i] for i in idx]
+            frags = [None if masters[i] is None else self.weights[i].rowwise_data.view(-1)[
+                starts[i] >> 1:(starts[i] + masters[i].numel() + 1) >> 1] for i in idx]  # fmt: skip
+            own = [self.exchange.scale[rank][i] for i in idx]
+            steps.append((
+                bound.bind_partial_amax(shards, g_starts, g.shapes, block, round_to=g.round_to),
+                bound.bind_owner_scales(block, g.shapes, [self.exchange.enc[rank][i] for i in idx], own,
+                                        compact[compact_off:], enc, [self.weights[i].amax for i in idx],
+                                        numerics=g.numerics),
+                bound.bind_partial_cast(shards, g_starts, g.shapes, enc, frags, round_to=g.round_to),
+            ))  # fmt: skip
+            compact_off += sum(b - a for a, b in own)
+        return steps
+
+    def _bind_columnwise(self) -> list:
+        todo = [w for w in self.weights if w.shape[0] % 2 == 0]
+        if not todo:
+            return []
+        for w in todo:
+            if w.columnwise_data is None:
+                m, k = w.shape
+                dev = w.rowwise_data.device
+                w.columnwise_data = torch.zeros((k, m // 2), dtype=torch.uint8, device=dev)
+                w.columnwise_scale_inv = torch.zeros(columnwise_scale_shape(m, k), dtype=torch.uint8, device=dev)
+        return [bound.bind_nibble_transpose([w.rowwise_data for w in todo], [w.columnwise_data for w in todo]),
+                bound.bind_scale_transpose([w.rowwise_scale_inv for w in todo],
+                                           [w.columnwise_scale_inv for w in todo], [tuple(w.shape) for w in todo])]
+
+    # ------------------------------------------------------------------------------------------- a step
+    def cast(self, group=None, stats: Optional[CommStats] = None) -> None:
+        """Amaxes, the one small all-reduce, the check, scales and the partial cast of this rank's shards.
+
+        Raises ValueError (on every rank, before any weight byte is written) if a master value is not finite.
+        """
+        self.local_amaxes()
+        self.exchange_amaxes(group, stats)
+        self.owner_scales()
+        self.cast_shards()
+
+    # The stages of `cast`, in order (public so that benchmarks can time each one).
+    def local_amaxes(self) -> None:
+        """partial_amax of every weight into the local amax buffer (one launch per dtype group)."""
+        for amax, _, _ in self._steps:
+            amax()
+
+    def exchange_amaxes(self, group=None, stats: Optional[CommStats] = None) -> None:
+        """MAX all-reduce of [tensor amaxes | cut-tile amaxes], the finiteness check, and the reduced values back."""
+        torch.index_select(self.amaxes, 0, self._index, out=self.message)
+        all_reduce_max_(self.message, group, stats)
+        finite = bool(torch.isfinite(self.message).all().item())  # the one device-to-host read of a step
+        self.amaxes.index_copy_(0, self._index, self.message)
+        if not finite:
+            self._raise_not_finite()
+
+    def owner_scales(self) -> None:
+        """Encode multipliers of the touched tiles, compact scale bytes of the owned tiles, every amax."""
+        for _, owner, _ in self._steps:
+            owner()
+
+    def cast_shards(self) -> None:
+        """partial_cast of this rank's shards into the packed bytes."""
+        for _, _, cast in self._steps:
+            cast()
+
+    def gather_scales(self, group=None, stats: Optional[CommStats] = None) -> None:
+        """All-gather of every rank's compact scale bytes (``dp * cap`` bytes)."""
+        all_gather_inplace(self.gathered, group, stats)
+
+    def after_gather(self) -> None:
+        """Every weight's rowwise_scale_inv from the gathered bytes, then the columnwise copies (if bound)."""
+        self.expand_scales()
+        self.columnwise()
+
+    def expand_scales(self) -> None:
+        self._expand()
+
+    def columnwise(self) -> None:
+        """Nibble and scale transposes of the weights with an even M (nothing if built without columnwise)."""
+        for run in self._columnwise:
+            run()
+
+    def launches_per_step(self) -> int:
+        """Stage kernel launches of `cast` + `after_gather` (torch's index ops and the collectives aside)."""
+        return 3 * len(self._steps) + 1 + len(self._columnwise)
+
+    # ------------------------------------------------------------------------------------------ reporting
+    def message_bytes(self) -> int:
+        """Bytes of the step's amax all-reduce (tensor amaxes + cut-tile amaxes, fp32)."""
+        return self.message.numel() * 4
+
+    def _raise_not_finite(self) -> None:
+        for g in self.plan.groups:
+            amaxes = self.amaxes[g.offset:g.offset + g.layout.n].tolist()
+            for i, a in zip(g.indices, amaxes):
+                if a != a or a in (float("inf"), float("-inf")):
+                    raise ValueError(f"{_name(i, self.weights[i])}: master values are not finite (inf or NaN on "
+                                     "some rank); NVFP4 cannot encode them. No weight, scale or amax was written")
+        raise ValueError("a master value is not finite on another rank (inf or NaN); NVFP4 cannot encode it. "
+                         "No weight, scale or amax was written")
