@@ -1,6 +1,6 @@
 """Benchmark of the CUDA stage kernels against the byte floor (spec section 5) and the measured copy bandwidth.
 
-    PYTHONPATH=. python bench/kernels.py [--max-log2 30] [--out DIR]
+    PYTHONPATH=. python bench/kernels.py [--max-log2 30] [--variants] [--out DIR]
 
 Per stage and size (one [N/4096, 4096] weight, 2^20 .. 2^30 elements, fp32 master, whole tensor owned):
 device time (CUDA events, median, L2 flushed before each run), GB/s of the minimal bytes, and % of the
@@ -21,7 +21,7 @@ import torch
 
 import fp4_dist.kernels as K
 from fp4_dist.format import columnwise_data_shape, columnwise_scale_shape, rowwise_scale_shape
-from fp4_dist.kernels import _launch, cuda_ops
+from fp4_dist.kernels import _launch, bound, cuda_ops
 
 DEV = torch.device("cuda")
 
@@ -74,11 +74,46 @@ def stage_runs(numel: int):
     ]  # fmt: skip
 
 
-def size_table(max_log2: int, copy_gbs: float, reps: int) -> list[dict]:
+def variant_runs(numel: int):
+    """(name, fn, minimal bytes) of the launch variants tried for partial_cast and nibble_transpose: the grid
+    (resident blocks looping over units, or one block per unit) and the transpose unit shape."""
+    from fp4_dist.kernels import cuda_plans
+
+    m, k = numel // 4096, 4096
+    shapes = [(m, k)]
+    master = torch.randn(numel, device=DEV)
+    enc = torch.ones(numel // 256, device=DEV)
+    data = torch.empty(m, k // 2, dtype=torch.uint8, device=DEV)
+    cols = torch.empty(columnwise_data_shape(m, k), dtype=torch.uint8, device=DEV)
+    cast = cuda_plans.cast_plan(0, [master], [0], shapes, [data.view(-1)])
+    runs = []
+    for grid in ("resident", "units"):
+        for e2m1 in _launch._E2M1:
+            def run_cast(grid=grid, e2m1=e2m1):
+                _launch.GRID["partial_cast"] = grid
+                _launch.launch_partial_cast(0, torch.bfloat16, cast.table, cast.unit_begin, 1, cast.units,
+                                            enc.data_ptr(), e2m1)  # fmt: skip
+                _launch.GRID["partial_cast"] = "resident"
+
+            runs.append((f"partial_cast [{e2m1}, grid {grid}]", run_cast, 4 * numel + numel // 2 + 4 * (numel // 256)))
+        for tile in cuda_plans.NIBBLE_TILES:
+            plan = cuda_plans.nibble_plan(0, [data], [cols], tile=tile)
+
+            def run_t(plan=plan, tile=tile, grid=grid):
+                _launch.GRID["nibble_transpose"] = grid
+                _launch.launch_nibble_transpose(0, plan.table, plan.unit_begin, 1, plan.units, tile)
+                _launch.GRID["nibble_transpose"] = "resident"
+
+            runs.append((f"nibble_transpose [{tile}, grid {grid}]", run_t, numel))
+    return runs
+
+
+def size_table(max_log2: int, copy_gbs: float, reps: int, variants: bool = False) -> list[dict]:
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
     rows = []
     for log2 in range(20, max_log2 + 1, 2):
-        for name, fn, nbytes in stage_runs(1 << log2):
+        runs = stage_runs(1 << log2) if not variants else (variant_runs(1 << log2) if log2 >= 24 else [])
+        for name, fn, nbytes in runs:
             ms = timed(fn, reps, flush)
             gbs = nbytes / ms / 1e6
             rows.append(dict(stage=name, log2=log2, ms=ms, gbs=gbs, pct_copy=100 * gbs / copy_gbs))
@@ -125,16 +160,24 @@ def many_weights(count: int, reps: int) -> list[dict]:
         "nibble_transpose": (lambda m: m.nibble_transpose(data, cols)),
         "scale_transpose": (lambda m: m.scale_transpose(si, csi, shapes)),
     }
+    binds = {
+        "partial_amax": bound.bind_partial_amax(masters, starts, shapes, amax),
+        "fused_scale": bound.bind_fused_scale(amax, shapes, si, ao, torch.empty_like(enc)),
+        "partial_cast": bound.bind_partial_cast(masters, starts, shapes, enc, frags),
+        "nibble_transpose": bound.bind_nibble_transpose(data, cols),
+        "scale_transpose": bound.bind_scale_transpose(si, csi, shapes),
+    }
     rows = []
     for name, call in stages.items():
+        variants = {"cuda_ops": lambda: call(cuda_ops), "api": lambda: call(K), "bound": binds[name]}
         host = {}
-        for label, mod in (("cuda_ops", cuda_ops), ("api", K)):
-            call(mod)  # builds and caches the plan
+        for label, fn in variants.items():
+            fn()  # builds and caches the plan
             torch.cuda.synchronize()
             samples = []
             for _ in range(reps):
                 t0 = time.perf_counter()
-                call(mod)
+                fn()
                 samples.append(time.perf_counter() - t0)
             torch.cuda.synchronize()
             host[label] = 1e3 * statistics.median(samples)
@@ -142,7 +185,7 @@ def many_weights(count: int, reps: int) -> list[dict]:
             call(cuda_ops)
         ms = timed(lambda: call(cuda_ops), reps, None)
         rows.append(dict(stage=name, weights=count, launches=c.calls, host_ms_cuda_ops=host["cuda_ops"],
-                         host_ms_api=host["api"], device_ms=ms))  # fmt: skip
+                         host_ms_api=host["api"], host_ms_bound=host["bound"], device_ms=ms))  # fmt: skip
     return rows
 
 
@@ -152,18 +195,25 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--weights", type=int, default=1000)
     p.add_argument("--out", default=os.environ.get("OUT"))
+    p.add_argument("--variants", action="store_true", help="also time the launch variants (grid, transpose unit)")
     args = p.parse_args()
     name = torch.cuda.get_device_name()
     copy_gbs = copy_bandwidth()
     sizes = size_table(args.max_log2, copy_gbs, args.reps)
+    tried = size_table(args.max_log2, copy_gbs, args.reps, variants=True) if args.variants else []
     many = many_weights(args.weights, args.reps)
     lines = [f"device: {name}; device-to-device copy: {copy_gbs:.0f} GB/s (read + write)", "",
              "| stage | elements | time (us) | GB/s (minimal bytes) | % of copy BW |", "|---|---|---|---|---|"]  # fmt: skip
     lines += [f"| {r['stage']} | 2^{r['log2']} | {1e3 * r['ms']:.1f} | {r['gbs']:.0f} | {r['pct_copy']:.0f}% |" for r in sizes]
+    if tried:
+        lines += ["", "Launch variants (bf16 rounding, enc = 1):", "", "| variant | elements | time (us) | % of copy BW |",
+                  "|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {r['stage']} | 2^{r['log2']} | {1e3 * r['ms']:.1f} | {r['pct_copy']:.0f}% |" for r in tried]
     lines += ["", f"{args.weights} weights of mixed shapes in one call:", "",
-              "| stage | launches | host ms (cuda_ops) | host ms (fp4_dist.kernels API) | device ms |", "|---|---|---|---|---|"]  # fmt: skip
-    lines += [f"| {r['stage']} | {r['launches']} | {r['host_ms_cuda_ops']:.3f} | {r['host_ms_api']:.3f} | {r['device_ms']:.3f} |"
-              for r in many]  # fmt: skip
+              "| stage | launches | host ms (cuda_ops) | host ms (fp4_dist.kernels API) | host ms (bound) | device ms |",
+              "|---|---|---|---|---|---|"]  # fmt: skip
+    lines += [f"| {r['stage']} | {r['launches']} | {r['host_ms_cuda_ops']:.3f} | {r['host_ms_api']:.3f} | "
+              f"{r['host_ms_bound']:.3f} | {r['device_ms']:.3f} |" for r in many]  # fmt: skip
     text = "\n".join(lines)
     print(text)
     if args.out:
@@ -171,7 +221,7 @@ def main() -> None:
         with open(os.path.join(args.out, "bench_kernels.md"), "w") as f:
             f.write(text + "\n")
         with open(os.path.join(args.out, "bench_kernels.json"), "w") as f:
-            json.dump(dict(device=name, copy_gbs=copy_gbs, sizes=sizes, many=many), f, indent=1)
+            json.dump(dict(device=name, copy_gbs=copy_gbs, sizes=sizes, variants=tried, many=many), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -32,20 +32,26 @@ COMPILE_OPTIONS = ("-std=c++17", "-fmad=false", "-ftz=false", "-prec-div=true", 
 
 _ROUND = {torch.bfloat16: "RoundBf16", torch.float16: "RoundFp16", torch.float32: "RoundFp32"}
 _NUMERICS = {"te": "NumericsTe", "te-2.14": "NumericsTe214"}
+# Two software E2M1 roundings with the same bits (common.cuh): E2M1Min (fewer instructions) and E2M1Select.
+_E2M1 = ("E2M1Min", "E2M1Select")
 
 # The one name table: (stage, variant) -> (source file, kernel name expression).
 KERNELS: dict[tuple[str, str], tuple[str, str]] = {
     **{("partial_amax", r): ("amax.cu", f"fp4d::partial_amax_kernel<fp4d::{r}>") for r in _ROUND.values()},
-    **{("partial_cast", r): ("cast.cu", f"fp4d::partial_cast_kernel<fp4d::{r}>") for r in _ROUND.values()},
+    **{("partial_cast", f"{r}:{c}"): ("cast.cu", f"fp4d::partial_cast_kernel<fp4d::{r}, fp4d::{c}>")
+       for r in _ROUND.values() for c in _E2M1},
     **{("fused_scale", v): ("scale.cu", f"fp4d::fused_scale_kernel<fp4d::{v}>") for v in _NUMERICS.values()},
     **{("owner_scales", v): ("scale.cu", f"fp4d::owner_scale_kernel<fp4d::{v}>") for v in _NUMERICS.values()},
     ("expand_scales", ""): ("scale.cu", "fp4d::expand_scales_kernel"),
     ("nibble_transpose", "64x512"): ("transpose.cu", "fp4d::nibble_transpose_kernel<64, 64>"),
     ("nibble_transpose", "128x256"): ("transpose.cu", "fp4d::nibble_transpose_kernel<128, 32>"),
     ("scale_transpose", ""): ("transpose.cu", "fp4d::scale_transpose_kernel"),
-    ("e2m1_codes", ""): ("cast.cu", "fp4d::e2m1_codes_kernel"),  # test hooks
+    **{("e2m1_codes", c): ("cast.cu", f"fp4d::e2m1_codes_kernel<fp4d::{c}>") for c in _E2M1},  # test hooks
     ("e4m3_codes", ""): ("scale.cu", "fp4d::e4m3_codes_kernel"),
 }
+
+# E2M1 rounding of partial_cast (a key of _E2M1): the one with fewer instructions per element by default.
+CAST_E2M1 = "E2M1Min"
 
 # Launch grid per stage. "resident": min(units, blocks that fit on the device at once), each block looping over
 # units (partial_amax needs it: one atomic merge of the tensor amax per block). "units": one block per unit,
@@ -194,9 +200,11 @@ def launch_fused_scale(index, numerics, table, unit_begin, n, units, amaxes, enc
     _launch(index, ("fused_scale", _NUMERICS[numerics]), units, (table, unit_begin, np.int32(n), amaxes, enc))
 
 
-def launch_partial_cast(index, round_to, table, unit_begin, n, units, enc) -> None:
+def launch_partial_cast(index, round_to, table, unit_begin, n, units, enc, e2m1: str | None = None) -> None:
+    """`e2m1`: the rounding variant (default CAST_E2M1); both give the same bits."""
     _check_ptrs("partial_cast", table=table, unit_begin=unit_begin, enc=enc)
-    _launch(index, ("partial_cast", _ROUND[round_to]), units, (table, unit_begin, np.int32(n), enc))
+    key = ("partial_cast", f"{_ROUND[round_to]}:{e2m1 or CAST_E2M1}")
+    _launch(index, key, units, (table, unit_begin, np.int32(n), enc))
 
 
 def launch_owner_scales(index, numerics, table, unit_begin, n, units, amaxes, enc, compact) -> None:
@@ -221,6 +229,6 @@ def launch_scale_transpose(index, table, unit_begin, n, units) -> None:
     _launch(index, ("scale_transpose", ""), units, (table, unit_begin, np.int32(n)))
 
 
-def launch_pointwise(index, key: str, args: tuple, n: int) -> None:
-    """Test hooks e2m1_codes / e4m3_codes over n values."""
-    _launch(index, (key, ""), -(-n // THREADS), (*args, np.int64(n)))
+def launch_pointwise(index, key: str, args: tuple, n: int, variant: str = "") -> None:
+    """Test hooks e2m1_codes (variant: an E2M1 rounding) / e4m3_codes over n values."""
+    _launch(index, (key, variant), -(-n // THREADS), (*args, np.int64(n)))

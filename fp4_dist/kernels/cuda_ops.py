@@ -277,11 +277,11 @@ def bind_scale_transpose(rowwise_scale_invs, columnwise_scale_invs, shapes) -> B
 # Test hooks: the device rounding functions applied elementwise.
 
 
-def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
-    """uint8 E2M1 codes of fp32 CUDA `y`, computed by common.cuh's e2m1_code."""
+def e2m1_codes(y: torch.Tensor, variant: str = "E2M1Select") -> torch.Tensor:
+    """uint8 E2M1 codes of fp32 CUDA `y`, computed by common.cuh's E2M1 rounding `variant`."""
     y = y.contiguous()
     out = torch.empty(y.shape, dtype=torch.uint8, device=y.device)
-    _launch.launch_pointwise(y.device.index, "e2m1_codes", (y.data_ptr(), out.data_ptr()), y.numel())
+    _launch.launch_pointwise(y.device.index, "e2m1_codes", (y.data_ptr(), out.data_ptr()), y.numel(), variant)
     return out
 
 

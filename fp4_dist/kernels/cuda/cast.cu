@@ -12,8 +12,8 @@
 
 namespace fp4d {
 
-// 8 nibbles of 8 values: element j in bits 4j..4j+3.
-template <class R>
+// 8 nibbles of 8 values: element j in bits 4j..4j+3. C: the E2M1 rounding (E2M1Min or E2M1Select, same bits).
+template <class R, class C>
 __device__ __forceinline__ u32 encode_words(const uint4& a, const uint4& b, bool bf16, float enc) {
     u32 out = 0;
     if (bf16) {
@@ -21,19 +21,23 @@ __device__ __forceinline__ u32 encode_words(const uint4& a, const uint4& b, bool
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const float lo = R::apply(bf16_lo(w[j])), hi = R::apply(bf16_hi(w[j]));
-            out |= (e2m1_code(lo * enc) | (e2m1_code(hi * enc) << 4)) << (8 * j);
+            out |= (C::code(lo * enc) | (C::code(hi * enc) << 4)) << (8 * j);
         }
     } else {
         const u32 w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
-        for (int j = 0; j < 8; ++j) out |= e2m1_code(R::apply(__uint_as_float(w[j])) * enc) << (4 * j);
+        for (int j = 0; j < 8; j += 2) {
+            float r0, r1;
+            R::apply2(__uint_as_float(w[j]), __uint_as_float(w[j + 1]), r0, r1);
+            out |= (C::code(r0 * enc) | (C::code(r1 * enc) << 4)) << (4 * j);
+        }
     }
     return out;
 }
 
 // Shard edge or misaligned shard/fragment: element by element, read-modify-write of half-owned bytes.
 // (Arguments by value, so that the descriptor stays in registers.)
-template <class R>
+template <class R, class C>
 __device__ __forceinline__ void octet_cast_scalar(i64 src, i64 dst, i64 start, i64 end, bool bf16, i64 e0,
                                                float enc) {
     u8* frag = reinterpret_cast<u8*>(dst);
@@ -48,7 +52,7 @@ __device__ __forceinline__ void octet_cast_scalar(i64 src, i64 dst, i64 start, i
                 const i64 s = e - start;
                 const float x = bf16 ? bf16_lo(reinterpret_cast<const u16*>(src)[s])
                                      : reinterpret_cast<const float*>(src)[s];
-                nib[q] = e2m1_code(R::apply(x) * enc);
+                nib[q] = C::code(R::apply(x) * enc);
             }
         }
         if (!own[0] && !own[1]) continue;
@@ -60,7 +64,7 @@ __device__ __forceinline__ void octet_cast_scalar(i64 src, i64 dst, i64 start, i
     }
 }
 
-template <class R>
+template <class R, class C>
 __device__ __forceinline__ void cast_unit(const ShardDesc& d, i64 uu, const float* __restrict__ enc) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const bool bf16 = d.flags & kFlagBf16Src;
@@ -94,13 +98,13 @@ __device__ __forceinline__ void cast_unit(const ShardDesc& d, i64 uu, const floa
     for (int h = 0; h < 2; ++h) {
         if (vec[h]) {
             u8* frag = reinterpret_cast<u8*>(d.dst);
-            *reinterpret_cast<u32*>(frag + ((e0[h] >> 1) - (d.start >> 1))) = encode_words<R>(a[h], b[h], bf16, e_t);
+            *reinterpret_cast<u32*>(frag + ((e0[h] >> 1) - (d.start >> 1))) = encode_words<R, C>(a[h], b[h], bf16, e_t);
         }
-        if (edge[h]) octet_cast_scalar<R>(d.src, d.dst, d.start, d.end, bf16, e0[h], e_t);
+        if (edge[h]) octet_cast_scalar<R, C>(d.src, d.dst, d.start, d.end, bf16, e0[h], e_t);
     }
 }
 
-template <class R>
+template <class R, class C>
 __global__ void __launch_bounds__(kThreads, kMinBlocksCast)
 partial_cast_kernel(const ShardDesc* __restrict__ descs, const i64* __restrict__ unit_begin, int n,
                     const float* __restrict__ enc) {
@@ -109,19 +113,26 @@ partial_cast_kernel(const ShardDesc* __restrict__ descs, const i64* __restrict__
     for (i64 u = blockIdx.x; u < total; u += gridDim.x) {
         t = find_tensor(unit_begin, n, u, t);
         const ShardDesc d = descs[t];
-        cast_unit<R>(d, u - unit_begin[t], enc);
+        cast_unit<R, C>(d, u - unit_begin[t], enc);
     }
 }
 
-template __global__ void partial_cast_kernel<RoundBf16>(const ShardDesc*, const i64*, int, const float*);
-template __global__ void partial_cast_kernel<RoundFp16>(const ShardDesc*, const i64*, int, const float*);
-template __global__ void partial_cast_kernel<RoundFp32>(const ShardDesc*, const i64*, int, const float*);
+template __global__ void partial_cast_kernel<RoundBf16, E2M1Min>(const ShardDesc*, const i64*, int, const float*);
+template __global__ void partial_cast_kernel<RoundFp16, E2M1Min>(const ShardDesc*, const i64*, int, const float*);
+template __global__ void partial_cast_kernel<RoundFp32, E2M1Min>(const ShardDesc*, const i64*, int, const float*);
+template __global__ void partial_cast_kernel<RoundBf16, E2M1Select>(const ShardDesc*, const i64*, int, const float*);
+template __global__ void partial_cast_kernel<RoundFp16, E2M1Select>(const ShardDesc*, const i64*, int, const float*);
+template __global__ void partial_cast_kernel<RoundFp32, E2M1Select>(const ShardDesc*, const i64*, int, const float*);
 
 // Test hook: E2M1 codes of fp32 values, to compare the rounding with the reference on many values at once.
+template <class C>
 __global__ void __launch_bounds__(kThreads) e2m1_codes_kernel(const float* __restrict__ y, u8* __restrict__ out, i64 n) {
     for (i64 i = blockIdx.x * static_cast<i64>(kThreads) + threadIdx.x; i < n; i += static_cast<i64>(gridDim.x) * kThreads) {
-        out[i] = static_cast<u8>(e2m1_code(y[i]));
+        out[i] = static_cast<u8>(C::code(y[i]));
     }
 }
+
+template __global__ void e2m1_codes_kernel<E2M1Min>(const float*, u8*, i64);
+template __global__ void e2m1_codes_kernel<E2M1Select>(const float*, u8*, i64);
 
 }  // namespace fp4d

@@ -294,11 +294,16 @@ def _around(points: torch.Tensor, ulps: int = 2) -> torch.Tensor:
     return torch.cat([(bits + d).view(torch.float32) for d in range(-ulps, ulps + 1)])
 
 
-def test_device_e2m1_rounding_matches_reference_on_ties_neighbours_and_random_values():
-    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 0.0])
-    y = torch.cat([_around(ties, 3), -_around(ties, 3), torch.randn(4_000_000) * 3, torch.randn(1_000_000) * 1e3,
-                   torch.tensor([float("inf"), -float("inf"), float("nan"), -0.0, 3.4e38, 1e-45])]).to(DEV)  # fmt: skip
-    assert_bytes_equal(cuda_ops.e2m1_codes(y), R.e2m1_codes(y), "E2M1 codes")
+@pytest.mark.parametrize("variant", _launch._E2M1)
+def test_device_e2m1_rounding_matches_reference_on_ties_neighbours_and_random_values(variant):
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 0.0, 7.0, 8.0])
+    sweep = torch.arange(0, 0x7F800000, 1237, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    nan_bits = torch.tensor([0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001], dtype=torch.int64).to(torch.int32)
+    y = torch.cat([_around(ties, 40), -_around(ties, 40), torch.randn(4_000_000) * 3, torch.randn(1_000_000) * 1e3,
+                   sweep, -sweep, nan_bits.view(torch.float32),
+                   torch.tensor([float("inf"), -float("inf"), float("nan"), -0.0, 3.4e38, 1e-45, -1e-45, 2.0**22,
+                                 2.0**23, 2.0**24])]).to(DEV)  # fmt: skip
+    assert_bytes_equal(cuda_ops.e2m1_codes(y, variant), R.e2m1_codes(y), f"E2M1 codes ({variant})")
 
 
 def test_device_e4m3_rounding_matches_torch_float8_including_subnormals_ties_and_saturation():
@@ -435,9 +440,11 @@ def test_nibble_transpose_unit_shapes_and_grids_match_reference(tile, grid, monk
         assert_bytes_equal(cols[i], R.transpose_nibbles(rows[i]), f"{tile}/{grid} columnwise_data {i} M{m}-K{k}")
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_partial_cast_with_one_block_per_unit_matches_reference(seed, monkeypatch):
-    monkeypatch.setitem(_launch.GRID, "partial_cast", "units")
+@pytest.mark.parametrize("seed", range(8))
+def test_partial_cast_launch_variants_match_reference(seed, monkeypatch):
+    """One block per unit (grid) and the other E2M1 rounding give the reference bytes too."""
+    monkeypatch.setitem(_launch.GRID, "partial_cast", ["units", "resident"][seed % 2])
+    monkeypatch.setattr(_launch, "CAST_E2M1", _launch._E2M1[(seed // 2) % 2])
     rng, gen = random.Random(6000 + seed), torch.Generator().manual_seed(6000 + seed)
     shapes = [_shape(rng) for _ in range(rng.randint(1, 8))]
     weights = _weights(rng, gen, shapes)
