@@ -1,8 +1,8 @@
 """One optimizer step's NVFP4 weight path, stage by stage, against its byte floor and three baselines.
 
-    torchrun --nproc-per-node 2 bench/step.py --out DIR      # NCCL, the numbers of bench/RESULTS.md
-    python bench/step.py --out DIR                           # one GPU (collective rows are local no-ops)
-    python bench/step.py --tiny                              # CPU smoke test (gloo under torchrun, or 1 process)
+    PYTHONPATH=. torchrun --nproc-per-node 2 bench/step.py --out DIR   # NCCL, 2 GPUs (about 2 minutes)
+    PYTHONPATH=. python bench/step.py --out DIR                        # one GPU (collectives are local no-ops)
+    PYTHONPATH=. python bench/step.py --tiny --no-compile-baseline     # CPU smoke test (also under torchrun)
 
 Weights: the linear weights of a GPT (per layer qkv [3h, h], proj [h, h], fc1 [4h, h], fc2 [h, 4h]) with hidden
 2048 x 24 layers and hidden 4096 x 32 layers (the 8B class), laid out as Zero1Optimizer does (40M-element

@@ -55,9 +55,11 @@ CAST_E2M1 = "E2M1Min"
 
 # Launch grid per stage. "resident": min(units, blocks that fit on the device at once), each block looping over
 # units (partial_amax needs it: one atomic merge of the tensor amax per block). "units": one block per unit,
-# the hardware refills SMs as blocks finish (no per-block serial chain of load -> compute -> store).
-GRID = {"partial_amax": "resident", "fused_scale": "resident", "partial_cast": "resident",
-        "owner_scales": "resident", "expand_scales": "resident", "nibble_transpose": "resident",
+# the hardware refills SMs as blocks finish (no per-block serial chain of load -> compute -> store). Measured on
+# an H200 (bench/kernels.py --variants, bench/RESULTS.md): "units" takes partial_cast from 80/86/87% to
+# 86/93/95% of copy bandwidth at 2^26/2^28/2^30 elements, the 128x256 nibble transpose from 64/80/78% to 66/81/84%.
+GRID = {"partial_amax": "resident", "fused_scale": "resident", "partial_cast": "units",
+        "owner_scales": "resident", "expand_scales": "resident", "nibble_transpose": "units",
         "scale_transpose": "resident", "e2m1_codes": "resident", "e4m3_codes": "resident"}  # fmt: skip
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
@@ -218,7 +220,7 @@ def launch_expand_scales(index, table, unit_begin, n, units, segments, gathered)
     _launch(index, ("expand_scales", ""), units, (table, unit_begin, np.int32(n), segments, gathered))
 
 
-def launch_nibble_transpose(index, table, unit_begin, n, units, tile: str = "64x512") -> None:
+def launch_nibble_transpose(index, table, unit_begin, n, units, tile: str) -> None:
     """`tile`: the unit shape (rows x columns of the weight) the plan was built for (cuda_plans.NIBBLE_TILES)."""
     _check_ptrs("nibble_transpose", table=table, unit_begin=unit_begin)
     _launch(index, ("nibble_transpose", tile), units, (table, unit_begin, np.int32(n)))
