@@ -120,6 +120,11 @@ def _init_from_mpi(backend: str, timeout: timedelta) -> DistInfo:
 
 
 def shutdown() -> None:
-    """Destroy the default process group if one was initialised."""
+    """Destroy the default process group if one was initialised.
+
+    The barrier first: a rank that tears gloo down while a peer still has a collective in flight made that peer
+    abort at exit ("terminate called without an active exception") after all its work had passed.
+    """
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
