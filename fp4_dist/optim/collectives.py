@@ -64,24 +64,23 @@ def _reduce_scatter_single(out, inp, op, group):
     fn(out, inp, op=op, group=group)
 
 
-def all_reduce_max_(buf: torch.Tensor, group=None, stats: Optional[CommStats] = None) -> None:
-    """In-place elementwise MAX of ``buf`` over the ranks of ``group`` (any float dtype)."""
+def _all_reduce_(buf: torch.Tensor, op, group, stats: Optional[CommStats]) -> None:
     _, size = rank_and_size(group)
     if size == 1:
         return
     if stats is not None:
         stats.record("all_reduce", _nbytes(buf))
-    dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(buf, op=op, group=group)
+
+
+def all_reduce_max_(buf: torch.Tensor, group=None, stats: Optional[CommStats] = None) -> None:
+    """In-place elementwise MAX of ``buf`` over the ranks of ``group`` (any float dtype)."""
+    _all_reduce_(buf, dist.ReduceOp.MAX, group, stats)
 
 
 def all_reduce_sum_(buf: torch.Tensor, group=None, stats: Optional[CommStats] = None) -> None:
     """In-place elementwise SUM of ``buf`` over the ranks of ``group`` (logging, metrics)."""
-    _, size = rank_and_size(group)
-    if size == 1:
-        return
-    if stats is not None:
-        stats.record("all_reduce", _nbytes(buf))
-    dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+    _all_reduce_(buf, dist.ReduceOp.SUM, group, stats)
 
 
 def reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, group=None,

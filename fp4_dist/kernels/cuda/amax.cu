@@ -80,15 +80,7 @@ __device__ __forceinline__ u32 owned_unit(const ShardDesc& d, i64 uu, float* __r
         vec[h] = any && full && (d.flags & kFlagVecSrc);
         edge[h] = any && !vec[h];
         a[h] = b[h] = make_uint4(0, 0, 0, 0);
-        if (vec[h]) {
-            if (bf16) {
-                a[h] = *reinterpret_cast<const uint4*>(reinterpret_cast<const u16*>(d.src) + (e0[h] - d.start));
-            } else {
-                const uint4* p = reinterpret_cast<const uint4*>(reinterpret_cast<const float*>(d.src) + (e0[h] - d.start));
-                a[h] = p[0];
-                b[h] = p[1];
-            }
-        }
+        if (vec[h]) load8(d.src, e0[h] - d.start, bf16, a[h], b[h]);
     }
     u32 m = 0;
 #pragma unroll

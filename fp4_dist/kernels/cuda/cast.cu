@@ -84,15 +84,7 @@ __device__ __forceinline__ void cast_unit(const ShardDesc& d, i64 uu, const floa
         vec[h] = any && full && (d.flags & kFlagVecSrc) && (d.flags & kFlagVecDst);
         edge[h] = any && !vec[h];
         a[h] = b[h] = make_uint4(0, 0, 0, 0);
-        if (vec[h]) {
-            if (bf16) {
-                a[h] = *reinterpret_cast<const uint4*>(reinterpret_cast<const u16*>(d.src) + (e0[h] - d.start));
-            } else {
-                const uint4* p = reinterpret_cast<const uint4*>(reinterpret_cast<const float*>(d.src) + (e0[h] - d.start));
-                a[h] = p[0];
-                b[h] = p[1];
-            }
-        }
+        if (vec[h]) load8(d.src, e0[h] - d.start, bf16, a[h], b[h]);
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {

@@ -76,6 +76,18 @@ struct RoundFp32 {
 };
 
 // bf16 bits -> the fp32 value they hold (exact).
+// 8 consecutive shard values from element `idx` of the shard at address `src` in 16-byte loads: bf16 fills `a`, fp32 fills `a` and `b`.
+// The caller has checked that all 8 are owned and that the address is 16-byte aligned.
+__device__ __forceinline__ void load8(i64 src, i64 idx, bool bf16, uint4& a, uint4& b) {
+    if (bf16) {
+        a = *reinterpret_cast<const uint4*>(reinterpret_cast<const u16*>(src) + idx);
+    } else {
+        const uint4* p = reinterpret_cast<const uint4*>(reinterpret_cast<const float*>(src) + idx);
+        a = p[0];
+        b = p[1];
+    }
+}
+
 __device__ __forceinline__ float bf16_lo(u32 w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
 
