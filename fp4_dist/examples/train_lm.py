@@ -192,9 +192,10 @@ def report_step(say, opt, stats: CommStats, steps: int, seconds: float, first: f
     ratio = gathered / per_step["bf16_equivalent"]
     say(f"trained {steps} steps in {seconds:.1f}s ({steps / seconds:.1f} step/s); train loss {first:.3f} -> "
         f"{last:.3f}; validation loss {val:.3f}")
-    say(f"param all-gather per step: {gathered / 1024:.1f} KiB (NVFP4 weights {per_step['nvfp4'] / 1024:.1f} KiB + "
-        f"dense params {per_step['dense'] / 1024:.1f} KiB) vs {per_step['bf16_equivalent'] / 1024:.1f} KiB for a "
-        f"bf16 gather = {ratio:.3f}x")
+    kib = {k: v / 1024 for k, v in per_step.items()}
+    say(f"param all-gather per step: {gathered / 1024:.1f} KiB (NVFP4 weights {kib['nvfp4']:.1f} KiB + tile scales "
+        f"{kib.get('nvfp4_scales', 0.0):.1f} KiB + dense params {kib['dense']:.1f} KiB) vs "
+        f"{kib['bf16_equivalent']:.1f} KiB for a bf16 gather = {ratio:.3f}x")
     calls = {k: v / steps for k, v in stats.calls.items() if k != "all_reduce"}
     say(f"collectives per step: {calls} + {stats.calls['all_reduce'] / steps:.0f} amax all-reduce "
         f"({stats.bytes['all_reduce'] / steps / 1024:.2f} KiB)")
