@@ -144,10 +144,13 @@ class NVFP4Tensor(torch.Tensor):
         and make `rowwise_data` alias it, so a byte all-gather into the buffer updates this weight."""
         m, k = self.shape
         want = m * k // 2
-        if view.dtype != torch.uint8 or view.numel() != want or view.device != self.rowwise_data.device:
+        dev = self.rowwise_data.device
+        if view.dtype != torch.uint8 or view.numel() != want or view.device != dev or not view.is_contiguous():
+            # A strided view would make rowwise_data strided: the cast and the gather need contiguous bytes.
             raise ValueError(
-                f"set_rowwise_storage: need a uint8 view of {want} bytes on {self.rowwise_data.device}, got "
-                f"{view.dtype} with {view.numel()} elements on {view.device}"
+                f"set_rowwise_storage: need a contiguous uint8 view of {want} bytes on {dev}, got "
+                f"{view.dtype} with {view.numel()} elements on {view.device} (contiguous={view.is_contiguous()}); "
+                "pass a slice of a flat contiguous buffer"
             )
         view = view.view(rowwise_data_shape(m, k))
         view.copy_(self.rowwise_data)
@@ -272,4 +275,6 @@ def _like(func, args, kwargs):
     kwargs = dict(kwargs)
     kwargs.setdefault("dtype", src.dtype)
     kwargs.setdefault("device", src.device)
-    return func(torch.empty(0, dtype=src.dtype, device=src.device).expand(src.shape), *args[1:], **kwargs)
+    # A 0-dim tensor expanded to [M, K] stands in for the weight without allocating; being stride-0, it makes
+    # preserve_format fall back to contiguous strides.
+    return func(torch.empty((), dtype=src.dtype, device=src.device).expand(src.shape), *args[1:], **kwargs)

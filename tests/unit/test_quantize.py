@@ -132,6 +132,23 @@ def test_compute_ops_run_on_the_dequantized_value():
     assert torch.equal(q.float(), q.dequantize())
 
 
+@pytest.mark.parametrize("like", [torch.empty_like, torch.zeros_like, torch.ones_like], ids=lambda f: f.__name__)
+def test_like_constructors_give_plain_tensors_of_the_weight_shape_and_dtype(like):
+    # torch.optim (Adam's exp_avg, ...) builds its state with zeros_like(param, memory_format=preserve_format)
+    q = nn.Parameter(fp4_dist.quantize(torch.randn(34, 80)))
+    r = like(q, memory_format=torch.preserve_format)
+    assert type(r) is torch.Tensor and r.shape == (34, 80) and r.dtype == torch.bfloat16 and r.is_contiguous()
+    assert torch.equal(torch.full_like(q, 2.0, dtype=torch.float32), torch.full((34, 80), 2.0))
+
+
+def test_set_rowwise_storage_refuses_a_strided_view():
+    q = fp4_dist.quantize(torch.randn(34, 80))
+    before = q.rowwise_data.clone()
+    with pytest.raises(ValueError, match="contiguous"):
+        q.set_rowwise_storage(torch.zeros(34 * 80, dtype=torch.uint8)[::2])
+    assert q.rowwise_data.is_contiguous() and torch.equal(q.rowwise_data, before)
+
+
 def test_save_load_round_trips_the_packed_fields():
     q = fp4_dist.quantize(torch.randn(32, 48)).make_columnwise()
     buf = io.BytesIO()
