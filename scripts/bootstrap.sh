@@ -14,7 +14,7 @@ fi
 echo "[bootstrap] creating $VENV (first run installs torch, megatron-core, cupy, mpich: a few minutes)" >&2
 "$PY" -m venv "$VENV"
 # pip's notes about this machine's local package mirrors are noise; its errors still show and still fail the run.
-pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@" 2>&1 | { grep -v -e '^WARNING: Location' -e 'BuildBackendWarning' || true; }; }
+pip() { PYTHONWARNINGS=ignore "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@" 2>&1 | { grep -v -e '^WARNING: Location' -e 'BuildBackendWarning' || true; }; }
 pip install --upgrade pip setuptools wheel
 pip install -r requirements/cpu.txt
 # megatron-core >= 0.17 declares Python >= 3.12 but runs on 3.11; its sdist builds here (its wheel is cp312-only).
