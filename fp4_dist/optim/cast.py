@@ -131,9 +131,11 @@ def _check_shard(i: int, w: NVFP4Tensor, master, start, fragment) -> None:
                          "shard boundaries must be even element offsets (use fp4_dist.buffers.build_layout)")
     if fragment is not None:
         want = (end + 1) // 2 - start // 2
-        if fragment.dtype != torch.uint8 or fragment.numel() != want or fragment.device != master.device:
-            raise ValueError(f"{name}: FSDP fragment must be {want} uint8 bytes on {master.device}, got "
-                             f"{fragment.dtype} x {fragment.numel()} on {fragment.device}")
+        flat = fragment.dim() == 1 and fragment.is_contiguous()
+        if fragment.dtype != torch.uint8 or fragment.numel() != want or fragment.device != master.device or not flat:
+            raise ValueError(f"{name}: FSDP fragment must be {want} uint8 bytes on {master.device}, flat contiguous, "
+                             f"got {fragment.dtype} {list(fragment.shape)} (contiguous={fragment.is_contiguous()}) "
+                             f"on {fragment.device}; pass rowwise_data.view(-1)[start // 2:(end + 1) // 2]")
 
 
 def _normalise(master, start):

@@ -172,6 +172,17 @@ def test_bad_fsdp_fragment_is_refused_before_writing():
     assert_untouched(ws, snap)
 
 
+
+@pytest.mark.parametrize("fragment", [torch.zeros(256, dtype=torch.uint8)[::2], torch.zeros(8, 16, dtype=torch.uint8)],
+                         ids=["strided", "2d"])
+def test_fsdp_fragment_of_the_right_size_but_not_flat_contiguous_is_refused_naming_the_weight(fragment):
+    # Checked with the other per-rank checks (so the rank still joins the all-reduce), not first in the kernels.
+    ws = poisoned_weights([(16, 16)])
+    snap = snapshot(ws)
+    with pytest.raises(ValueError, match=r"model_weights\[0\] \(16x16\): FSDP fragment .*flat contiguous"):
+        cast_master_weights_to_nvfp4(ws, [torch.randn(256)], [0], fsdp_shard_model_weights=[fragment])
+    assert_untouched(ws, snap)
+
 # ----------------------------------------------------------------------------------- post all-gather
 def test_post_all_gather_processing_builds_columnwise_like_make_columnwise():
     shapes = [(32, 48), (18, 80), (33, 16)]  # the odd-M weight stays rowwise-only
