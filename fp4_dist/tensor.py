@@ -125,19 +125,27 @@ class NVFP4Tensor(torch.Tensor):
         """Build columnwise_data / columnwise_scale_inv from the rowwise copy (spec section 3); needs M even."""
         from . import kernels
 
+        self.alloc_columnwise()
+        kernels.nibble_transpose([self.rowwise_data], [self.columnwise_data])
+        kernels.scale_transpose([self.rowwise_scale_inv], [self.columnwise_scale_inv], [tuple(self.shape)])
+        return self
+
+    def alloc_columnwise(self) -> None:
+        """Allocate zeroed columnwise_data / columnwise_scale_inv if absent; needs M even.
+
+        Separate from `make_columnwise` so that batched callers (post_all_gather_processing, ShardedCast) can
+        allocate per weight and transpose every weight in one launch per stage.
+        """
         m, k = self.shape
         if m % 2:
             raise ValueError(
                 f"make_columnwise: M = {m} is odd; the columnwise copy packs pairs of rows into a byte, so it needs "
                 "an even M (keep this weight rowwise-only)"
             )
-        dev = self.rowwise_data.device
         if self.columnwise_data is None:
-            self.columnwise_data = torch.empty(columnwise_data_shape(m, k), dtype=torch.uint8, device=dev)
-            self.columnwise_scale_inv = torch.empty(columnwise_scale_shape(m, k), dtype=torch.uint8, device=dev)
-        kernels.nibble_transpose([self.rowwise_data], [self.columnwise_data])
-        kernels.scale_transpose([self.rowwise_scale_inv], [self.columnwise_scale_inv], [(m, k)])
-        return self
+            dev = self.rowwise_data.device
+            self.columnwise_data = torch.zeros(columnwise_data_shape(m, k), dtype=torch.uint8, device=dev)
+            self.columnwise_scale_inv = torch.zeros(columnwise_scale_shape(m, k), dtype=torch.uint8, device=dev)
 
     def set_rowwise_storage(self, view: torch.Tensor) -> None:
         """Copy the rowwise bytes into `view` (uint8, M*K/2 elements, e.g. a slice of an all-gather buffer)

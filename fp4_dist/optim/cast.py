@@ -33,7 +33,7 @@ import torch
 
 from .. import kernels
 from ..kernels import bound as stages
-from ..format import check_weight_shape, columnwise_scale_shape
+from ..format import check_weight_shape
 from ..tensor import NVFP4Tensor, is_nvfp4_tensor
 from .collectives import CommStats, all_reduce_max_, rank_and_size
 
@@ -363,11 +363,7 @@ def post_all_gather_processing(model_weights) -> None:
     if not todo:
         return
     for w in todo:
-        if w.columnwise_data is None:
-            m, k = w.shape
-            dev = w.rowwise_data.device
-            w.columnwise_data = torch.empty((k, m // 2), dtype=torch.uint8, device=dev)
-            w.columnwise_scale_inv = torch.empty(columnwise_scale_shape(m, k), dtype=torch.uint8, device=dev)
+        w.alloc_columnwise()
     kernels.nibble_transpose([w.rowwise_data for w in todo], [w.columnwise_data for w in todo])
     kernels.scale_transpose([w.rowwise_scale_inv for w in todo], [w.columnwise_scale_inv for w in todo],
                             [tuple(w.shape) for w in todo])

@@ -33,7 +33,6 @@ import torch
 from ..buffers import ShardBuffer
 from ..buffers.layout import BufferLayout
 from ..buffers.tile_owners import TileExchange, tile_exchange
-from ..format import columnwise_scale_shape
 from ..kernels import bound
 from ..tensor import NVFP4Tensor
 from .cast import CastPlan, _name, plan_for
@@ -114,11 +113,7 @@ class ShardedCast:
         if not todo:
             return []
         for w in todo:
-            if w.columnwise_data is None:
-                m, k = w.shape
-                dev = w.rowwise_data.device
-                w.columnwise_data = torch.zeros((k, m // 2), dtype=torch.uint8, device=dev)
-                w.columnwise_scale_inv = torch.zeros(columnwise_scale_shape(m, k), dtype=torch.uint8, device=dev)
+            w.alloc_columnwise()
         return [bound.bind_nibble_transpose([w.rowwise_data for w in todo], [w.columnwise_data for w in todo]),
                 bound.bind_scale_transpose([w.rowwise_scale_inv for w in todo],
                                            [w.columnwise_scale_inv for w in todo], [tuple(w.shape) for w in todo])]
