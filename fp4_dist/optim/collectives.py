@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -86,14 +86,10 @@ def all_reduce_sum_(buf: torch.Tensor, group=None, stats: Optional[CommStats] = 
 def reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, group=None,
                        stats: Optional[CommStats] = None) -> None:
     """``out`` (numel N) <- sum over ranks of ``inp[rank*N:(rank+1)*N]``; summation order is the backend's."""
-    _check_scatter(out, inp, group)
-    _, size = rank_and_size(group)
-    if size == 1:
-        out.copy_(inp)
-        return
-    if stats is not None:
-        stats.record("reduce_scatter", _nbytes(inp))
-    _reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=group)
+    def backend_sum(size: int) -> None:
+        _reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=group)
+
+    _reduce_scatter(out, inp, group, stats, "reduce_scatter", backend_sum)
 
 
 def reduce_scatter_ordered(out: torch.Tensor, inp: torch.Tensor, group=None,
@@ -104,19 +100,30 @@ def reduce_scatter_ordered(out: torch.Tensor, inp: torch.Tensor, group=None,
     association, so the result equals a single process accumulating the ranks' gradients in rank
     order (gradient accumulation), bit for bit, for every world size.
     """
-    _check_scatter(out, inp, group)
+    def rank_order_sum(size: int) -> None:
+        recv = torch.empty_like(inp)
+        dist.all_to_all_single(recv, inp, group=group)
+        parts = recv.view(size, -1)
+        out.copy_(parts[0])
+        for r in range(1, size):
+            out.add_(parts[r])
+
+    _reduce_scatter(out, inp, group, stats, "all_to_all", rank_order_sum)
+
+
+def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, stats: Optional[CommStats], name: str,
+                    reduce: Callable[[int], None]) -> None:
+    """Shared frame of the two reduce-scatters: check sizes, copy on one rank, else record and ``reduce(size)``."""
     _, size = rank_and_size(group)
+    if inp.numel() != out.numel() * size or inp.dtype != out.dtype:
+        raise ValueError(f"reduce-scatter of {inp.numel()} {inp.dtype} into {out.numel()} {out.dtype} "
+                         f"over {size} ranks: input must be size x output, same dtype")
     if size == 1:
         out.copy_(inp)
         return
     if stats is not None:
-        stats.record("all_to_all", _nbytes(inp))
-    recv = torch.empty_like(inp)
-    dist.all_to_all_single(recv, inp, group=group)
-    parts = recv.view(size, -1)
-    out.copy_(parts[0])
-    for r in range(1, size):
-        out.add_(parts[r])
+        stats.record(name, _nbytes(inp))
+    reduce(size)
 
 
 def all_gather_inplace(buf: torch.Tensor, group=None, stats: Optional[CommStats] = None) -> None:
@@ -145,9 +152,3 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group=None, stats: Opt
         stats.record("all_gather", _nbytes(out))
     _all_gather_single(out, inp, group=group)
 
-
-def _check_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> None:
-    _, size = rank_and_size(group)
-    if inp.numel() != out.numel() * size or inp.dtype != out.dtype:
-        raise ValueError(f"reduce-scatter of {inp.numel()} {inp.dtype} into {out.numel()} {out.dtype} "
-                         f"over {size} ranks: input must be size x output, same dtype")
