@@ -27,10 +27,11 @@ Everything here is plain ints and frozen dataclasses, computed once; nothing tou
 
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
+
+from ..format import TILE, round_up, tile_grid
 
 DEFAULT_ALIGN = 64
 
@@ -188,10 +189,6 @@ def _as_int(n):
     return operator.index(n)
 
 
-def round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
-
-
 def build_layout(numels: Sequence[int], dp_size: int, *, bucket_numel: Optional[int] = None,
                  align: int = DEFAULT_ALIGN) -> BufferLayout:
     """Lay out weights of ``numels`` elements in order, in buckets, sharded over ``dp_size`` ranks.
@@ -231,10 +228,6 @@ def build_layout(numels: Sequence[int], dp_size: int, *, bucket_numel: Optional[
     return BufferLayout(numels, dp_size, align, tuple(weights), tuple(buckets))
 
 
-def tile_grid(rows: int, cols: int) -> Tuple[int, int]:
-    return math.ceil(rows / 16), math.ceil(cols / 16)
-
-
 def cut_tiles(shape: Tuple[int, int], cut: int) -> Tuple[int, int]:
     """16x16 tiles of a row-major ``shape`` weight that hold elements on both sides of element ``cut``.
 
@@ -249,13 +242,13 @@ def cut_tiles(shape: Tuple[int, int], cut: int) -> Tuple[int, int]:
     if not 0 < cut < rows * cols:
         raise ValueError(f"cut {cut} must be strictly inside the weight of {rows * cols} elements")
     row, col = divmod(cut, cols)
-    tr = row // 16
+    tr = row // TILE
     tiles_k = tile_grid(rows, cols)[1]
-    last_row = min(16 * tr + 15, rows - 1)
+    last_row = min(TILE * tr + TILE - 1, rows - 1)
     hit = []
     for tc in range(tiles_k):
-        lo = 16 * tr * cols + 16 * tc                       # first element of the tile
-        hi = last_row * cols + min(16 * tc + 15, cols - 1)  # last element of the tile
+        lo = TILE * tr * cols + TILE * tc                         # first element of the tile
+        hi = last_row * cols + min(TILE * tc + TILE - 1, cols - 1)  # last element of the tile
         if lo < cut <= hi:
             hit.append(tc)
     if not hit:

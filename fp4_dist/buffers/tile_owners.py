@@ -21,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
-from .layout import BufferLayout, Span, cut_tiles, tile_grid
+from ..format import tile_grid
+from .layout import BufferLayout, Span, cut_tiles
 
 Shape = Tuple[int, int]
 Range = Tuple[int, int]

@@ -16,10 +16,10 @@ and cached; `BoundCast` binds it to tensors once, so optimizers skip the per-cal
 Why the error flags: a rank whose inputs are invalid must not skip the collective (the others would hang),
 so it contributes zeros plus a flag in its own slot, and every rank raises before writing a byte.
 
-`_exchange_amaxes` is the one place that decides what the all-reduce carries. Today it carries every tile;
-shrinking it to the tiles cut by rank boundaries (`fp4_dist.buffers.layout.cut_tiles`) is a change of that
-function (plus a gather of the owners' tile scales), not of this flow. `BoundCast` holds everything a step
-needs (argument lists, amax buffer) so an optimizer builds it once.
+The all-reduce carries every tile amax, as TransformerEngine's does, so that every rank holds every scale
+before the gather (Megatron relies on it). `fp4_dist.optim.owned_scales.ShardedCast` (Zero1Optimizer's cast)
+exchanges only the tiles cut by rank boundaries and gathers the owners' scale bytes instead. `BoundCast` holds
+everything a step needs (argument lists, amax buffer) so an optimizer builds it once.
 """
 
 from __future__ import annotations
@@ -302,9 +302,8 @@ class BoundCast:
 
 
 def _exchange_amaxes(buf: torch.Tensor, group, stats) -> None:
-    """The one place that decides what crosses ranks: today the whole buffer (tensor amaxes, every tile amax,
-    error flags). Exchanging only the tiles cut by rank boundaries (`fp4_dist.buffers.layout.cut_tiles`)
-    would change this function (plus a gather of the owners' tile scales), not the flow around it."""
+    """What crosses ranks: the whole buffer (tensor amaxes, every tile amax, error flags). The cut-tile-only
+    exchange is a separate flow (`owned_scales.ShardedCast`) because it also changes where scales come from."""
     all_reduce_max_(buf, group, stats)
 
 
