@@ -121,23 +121,6 @@ def size_table(max_log2: int, copy_gbs: float, reps: int, variants: bool = False
     return rows
 
 
-class Counter:
-    def __init__(self):
-        self.calls = 0
-        self._real = _launch._launch
-
-    def __enter__(self):
-        def counting(*args):
-            self.calls += 1
-            return self._real(*args)
-
-        _launch._launch = counting
-        return self
-
-    def __exit__(self, *exc):
-        _launch._launch = self._real
-
-
 def many_weights(count: int, reps: int) -> list[dict]:
     """Launches, host time and device time per stage for `count` weights of mixed shapes in one call."""
     g = torch.Generator().manual_seed(0)
@@ -181,7 +164,7 @@ def many_weights(count: int, reps: int) -> list[dict]:
                 samples.append(time.perf_counter() - t0)
             torch.cuda.synchronize()
             host[label] = 1e3 * statistics.median(samples)
-        with Counter() as c:
+        with _launch.LaunchCounter() as c:
             call(cuda_ops)
         ms = timed(lambda: call(cuda_ops), reps, None)
         rows.append(dict(stage=name, weights=count, launches=c.calls, host_ms_cuda_ops=host["cuda_ops"],

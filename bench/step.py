@@ -101,23 +101,6 @@ class Clock:
         return statistics.median(times)
 
 
-class LaunchCount:
-    """Counts stage kernel launches (fp4_dist.kernels._launch._launch) inside a `with` block."""
-
-    def __enter__(self):
-        self.n, self._real = 0, _launch._launch
-
-        def counting(*a):
-            self.n += 1
-            return self._real(*a)
-
-        _launch._launch = counting
-        return self
-
-    def __exit__(self, *exc):
-        _launch._launch = self._real
-
-
 def copy_bandwidth(clock: Clock, device, nbytes: int) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
     dst = torch.empty_like(src)
@@ -202,9 +185,9 @@ def time_our_stages(model: Model, clock: Clock) -> list[dict]:
     ]
     out = []
     for name, fn, nbytes, bound_by in rows:
-        with LaunchCount() as lc:
+        with _launch.LaunchCounter() as lc:
             fn()
-        out.append(dict(stage=name, ms=clock.ms(fn), bytes=nbytes, bound=bound_by, launches=lc.n))
+        out.append(dict(stage=name, ms=clock.ms(fn), bytes=nbytes, bound=bound_by, launches=lc.calls))
     return out
 
 
@@ -288,13 +271,13 @@ def thousand_weights(device, rank: int, world: int, clock: Clock) -> dict:
     shapes = [(int(m), int(k)) for m, k in zip(torch.randint(1, 17, (1000,), generator=g) * 32,
                                                 torch.randint(1, 17, (1000,), generator=g) * 64)]  # fmt: skip
     model = Model("1000 weights", shapes, rank, world, device).build(BUCKET)
-    with LaunchCount() as lc:
+    with _launch.LaunchCounter() as lc:
         model.step()
     host = clock.host_ms(model.step)
     te_args = (model.weights, model.masters, model.starts)
     cast_master_weights_to_nvfp4(*te_args)
     te_host = clock.host_ms(lambda: cast_master_weights_to_nvfp4(*te_args))
-    return dict(weights=1000, launches=lc.n, host_ms_step=host, host_ms_te_cast=te_host,
+    return dict(weights=1000, launches=lc.calls, host_ms_step=host, host_ms_te_cast=te_host,
                 device_ms_step=clock.ms(model.step))  # fmt: skip
 
 
@@ -305,13 +288,13 @@ def bench_model(name, shapes, info, clock, bw, args) -> dict:
     model.step(stats)  # warm-up, and one step's collective payloads
     stages = time_our_stages(model, clock)
     whole = clock.ms(model.step)
-    with LaunchCount() as lc:
+    with _launch.LaunchCounter() as lc:
         model.step()
     n, tiles = len(shapes), sum(num_tiles(m, k) for m, k in shapes)
     b_cast, b_gather, b_bytes = bf16_gather(model)
     c_stages, c_after, c_payload = per_tensor_path(model)
     res = dict(model=name, weights=n, elements=model.elements, shard_elements=model.shard_elements, stages=stages,
-               whole_ms=whole, launches=lc.n, amax_payload=model.cast.message_bytes(),
+               whole_ms=whole, launches=lc.calls, amax_payload=model.cast.message_bytes(),
                te_amax_payload=4 * (tiles + n), gather_bytes=model.param.numel() + model.cast.gathered.numel(),
                bf16_gather_bytes=b_bytes)  # fmt: skip
     res["bf16"] = dict(cast_ms=clock.ms(b_cast), gather_ms=clock.ms(b_gather),

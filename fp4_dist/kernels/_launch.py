@@ -163,6 +163,28 @@ def _cupy_stream(ptr: int, index: int):
     return s
 
 
+class LaunchCounter:
+    """Counts the stage kernel launches made inside a ``with`` block (benchmarks): ``calls``, and ``keys`` (the
+    kernel name of each launch, in order). It swaps this module's `_launch`, which every launcher below looks up
+    at call time."""
+
+    def __enter__(self) -> "LaunchCounter":
+        global _launch
+        self.calls, self.keys, self._real = 0, [], _launch
+
+        def counting(index, key, units, args):
+            self.calls += 1
+            self.keys.append(key[0])
+            return self._real(index, key, units, args)
+
+        _launch = counting
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _launch
+        _launch = self._real
+
+
 def _launch(index: int, key: tuple[str, str], units: int, args: tuple) -> None:
     """Launch kernel `key` with min(units, resident blocks) blocks on torch's current stream of `index`."""
     import cupy

@@ -94,3 +94,12 @@ def test_compile_options_keep_ieee_fp32_numerics():
     assert {"-fmad=false", "-ftz=false", "-prec-div=true"} <= opts
     assert not any("fast" in o for o in opts)
     assert _launch.arch_option((9, 0)) == "-arch=sm_90"
+
+
+def test_launch_counter_counts_every_launch_and_restores_the_launcher_even_when_a_launch_raises():
+    real = _launch._launch
+    # units=0 is refused by _launch before it touches a device, so this runs without a GPU.
+    with pytest.raises(ValueError, match="work units"), _launch.LaunchCounter() as c:
+        _launch._launch(0, ("partial_amax", "RoundBf16"), 0, ())
+    assert c.calls == 1 and c.keys == ["partial_amax"]
+    assert _launch._launch is real
