@@ -29,6 +29,8 @@ from .format import (
 
 aten = torch.ops.aten
 
+MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
 _FIELDS = ("rowwise_data", "rowwise_scale_inv", "amax", "columnwise_data", "columnwise_scale_inv")
 
 
@@ -65,6 +67,9 @@ class NVFP4Tensor(torch.Tensor):
         requires_grad: bool = False,
     ):
         m, k = check_weight_shape(shape)
+        if dtype not in MODEL_DTYPES:
+            raise TypeError(f"NVFP4Tensor: model dtype must be one of {MODEL_DTYPES} (the dtype it computes in and "
+                            f"masters are rounded to), got {dtype}")
         _check_field("rowwise_data", rowwise_data, torch.uint8, rowwise_data_shape(m, k))
         _check_field("rowwise_scale_inv", rowwise_scale_inv, torch.uint8, rowwise_scale_shape(m, k))
         _check_field("amax", amax, torch.float32, (1,))
@@ -203,6 +208,11 @@ class NVFP4Tensor(torch.Tensor):
 
 def _rebuild(shape, dtype, fields, numerics, requires_grad):
     return NVFP4Tensor(shape, dtype, **fields, numerics=numerics, requires_grad=requires_grad)
+
+
+# torch.load's default weights_only unpickler calls only allow-listed functions; the rebuild takes plain tensors,
+# a dtype, a shape tuple and a string, so it is as safe as loading those.
+torch.serialization.add_safe_globals([_rebuild])
 
 
 def _check_field(name: str, t: torch.Tensor, dtype: torch.dtype, shape) -> None:

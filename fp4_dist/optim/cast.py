@@ -119,6 +119,8 @@ def _check_shard(i: int, w: NVFP4Tensor, master, start, fragment) -> None:
     if master.dim() != 1 or not master.is_contiguous():
         raise ValueError(f"{name}: master shard must be a flat contiguous tensor, got shape "
                          f"{list(master.shape)}; pass master.view(-1)")
+    if master.numel() == 0:
+        return  # an empty shard owns nothing, whatever its start offset (as a None master)
     if start is None or isinstance(start, bool) or not hasattr(start, "__index__"):
         raise TypeError(f"{name}: start offset must be an int element offset, got {start!r}")
     start, numel = int(start), w.shape[0] * w.shape[1]
@@ -286,7 +288,9 @@ class BoundCast:
         """amax -> one MAX all-reduce -> check (one scalar read) -> scales -> cast. Raises before any write."""
         rank, size = rank_and_size(group)
         buf, plan = self.buf, self.plan
-        assert buf.numel() == plan.amax_numel + size, "BoundCast built for another world size"
+        if buf.numel() != plan.amax_numel + size:
+            raise ValueError(f"this BoundCast was built for a group of {buf.numel() - plan.amax_numel} ranks but runs "
+                             f"on a group of {size}; build one per process group")
         if local_error is None:
             buf[plan.amax_numel:].zero_()  # partial_amax writes every other entry
             for amax in self.amax_runs:

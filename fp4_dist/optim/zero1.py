@@ -107,6 +107,9 @@ class Zero1Optimizer:
                  master_init: Optional[Sequence[Optional[torch.Tensor]]] = None, stats: Optional[CommStats] = None):
         groups = _normalise_groups(params)
         self.params = [p for g in groups for p in g["params"]]
+        if len({id(p) for p in self.params}) != len(self.params):
+            raise ValueError("a parameter is listed more than once (tied weights?); pass each parameter once, e.g. "
+                             "list(dict.fromkeys(model.parameters())) — a shared tensor must own one shard slot")
         self.group, self.config, self.stats = group, config, stats
         self.rank, self.world_size = rank_and_size(group)
         self._reduce = GRAD_REDUCTIONS[config.grad_reduction]

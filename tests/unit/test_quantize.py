@@ -205,3 +205,19 @@ def test_convert_linear_weights_says_which_weights_stay_high_precision():
         report = fp4_dist.convert_linear_weights(model)
     assert report.converted == ["0", "1"] and list(report.skipped) == ["2"]
     assert isinstance(model[0].weight, fp4_dist.NVFP4Tensor) and not isinstance(model[2].weight, fp4_dist.NVFP4Tensor)
+
+
+def test_default_weights_only_torch_load_restores_an_nvfp4_tensor():
+    q = fp4_dist.quantize(torch.randn(32, 48))
+    buf = io.BytesIO()
+    torch.save({"w": q}, buf)
+    buf.seek(0)
+    r = torch.load(buf)["w"]  # weights_only=True is torch's default
+    assert isinstance(r, fp4_dist.NVFP4Tensor)
+    assert_bytes_equal(r.rowwise_data, q.rowwise_data)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float64, torch.uint8])
+def test_nvfp4_tensor_refuses_a_model_dtype_it_cannot_compute_in(dtype):
+    with pytest.raises(TypeError, match="model dtype"):
+        fp4_dist.NVFP4Tensor.empty((16, 16), dtype=dtype)

@@ -89,6 +89,14 @@ def test_weights_without_a_shard_still_get_scales_and_amax():
     assert (ws[1].rowwise_data == 0xA5).all()
 
 
+def test_empty_master_with_no_start_offset_owns_nothing():
+    shapes = [(32, 16), (48, 48)]
+    masters = masters_for(shapes)
+    ws = poisoned_weights(shapes)
+    cast_master_weights_to_nvfp4(ws, [masters[0].view(-1), torch.empty(0)], [0, None])
+    assert (ws[1].rowwise_data == 0xA5).all() and (ws[1].amax == 0).all()
+
+
 def test_manual_false_drops_stale_columnwise_copies():
     (w,) = poisoned_weights([(32, 32)])
     w.make_columnwise()

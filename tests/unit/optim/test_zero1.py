@@ -121,3 +121,9 @@ def test_closure_is_refused():
     opt = Zero1Optimizer(model.parameters(), adam, master_init=init)
     with pytest.raises(ValueError, match="closure"):
         opt.step(lambda: 0.0)
+
+
+def test_a_parameter_listed_twice_is_refused():
+    model, _ = mlp()
+    with pytest.raises(ValueError, match="more than once"):
+        Zero1Optimizer([model[0].weight, model[0].weight], adam)
