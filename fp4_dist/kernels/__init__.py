@@ -12,6 +12,9 @@ or, exchanging only the amaxes of tiles cut by rank boundaries (`fp4_dist.optim.
     partial_amax  ->  (MAX all-reduce of tensor + cut-tile amaxes)  ->  owner_scales  ->  partial_cast
     (byte all-gather + all-gather of the owners' compact scale bytes)  ->  expand_scales  ->  transposes
 
+and, after every change of the bytes, `dequantize` fills each weight's model-dtype compute copy (one launch for
+all weights; `fp4_dist.compute_copy`).
+
 The amax buffer of a list of weights is one fp32 vector (`AmaxLayout`): the n tensor amaxes first, then every
 weight's tiles row-major, so one collective reduces all of it.
 
@@ -41,6 +44,7 @@ __all__ = [
     "scale_transpose",
     "owner_scales",
     "expand_scales",
+    "dequantize",
     "reference",
 ]
 
@@ -225,6 +229,32 @@ def scale_transpose(
         return _cuda_ops().scale_transpose(rowwise_scale_invs, columnwise_scale_invs, shapes)
     for src, dst, (m, k) in zip(rowwise_scale_invs, columnwise_scale_invs, shapes):
         dst.copy_(reference.transpose_scales(src, m, k))
+
+
+def dequantize(
+    rowwise_datas: Sequence[torch.Tensor],
+    scale_invs: Sequence[torch.Tensor],
+    amaxes: Sequence[torch.Tensor],
+    outs: Sequence[torch.Tensor],
+) -> None:
+    """outs[i] [M, K] <- the values of NVFP4 weight i (spec section 3), rounded to outs[i].dtype.
+
+    Args:
+        rowwise_datas: uint8 [M, K/2]; scale_invs: uint8 rowwise_scale_inv (row r uses its own row's bytes);
+        amaxes: fp32 [1]; outs: contiguous bf16, fp16 or fp32 [M, K] (dtypes may differ between weights).
+    Bit-identical to `reference.dequantize` on the same device, one launch for all weights on CUDA.
+    """
+    if _on_cuda(rowwise_datas):
+        return _cuda_ops().dequantize(rowwise_datas, scale_invs, amaxes, outs)
+    dequantize_reference(rowwise_datas, scale_invs, amaxes, outs)
+
+
+def dequantize_reference(rowwise_datas, scale_invs, amaxes, outs) -> None:
+    """CPU/reference body of `dequantize`."""
+    if not (len(rowwise_datas) == len(scale_invs) == len(amaxes) == len(outs)):
+        raise ValueError("dequantize needs one rowwise_data, scale_inv, amax and out per weight")
+    for data, si, amax, out in zip(rowwise_datas, scale_invs, amaxes, outs):
+        out.copy_(reference.dequantize(data, si, amax, out.dtype))
 
 
 def owner_scales(

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 CUDA_DIR = Path(__file__).resolve().parent / "cuda"
-SOURCES = ("amax.cu", "scale.cu", "cast.cu", "transpose.cu")
+SOURCES = ("amax.cu", "scale.cu", "cast.cu", "transpose.cu", "dequant.cu")
 THREADS = 256  # every kernel is written for 256-thread blocks (kThreads in common.cuh)
 
 COMPILE_OPTIONS = ("-std=c++17", "-fmad=false", "-ftz=false", "-prec-div=true", "-prec-sqrt=true")
@@ -46,6 +46,7 @@ KERNELS: dict[tuple[str, str], tuple[str, str]] = {
     ("nibble_transpose", "64x512"): ("transpose.cu", "fp4d::nibble_transpose_kernel<64, 64>"),
     ("nibble_transpose", "128x256"): ("transpose.cu", "fp4d::nibble_transpose_kernel<128, 32>"),
     ("scale_transpose", ""): ("transpose.cu", "fp4d::scale_transpose_kernel"),
+    ("dequantize", ""): ("dequant.cu", "fp4d::dequantize_kernel"),
     **{("e2m1_codes", c): ("cast.cu", f"fp4d::e2m1_codes_kernel<fp4d::{c}>") for c in _E2M1},  # test hooks
     ("e4m3_codes", ""): ("scale.cu", "fp4d::e4m3_codes_kernel"),
 }
@@ -60,7 +61,8 @@ CAST_E2M1 = "E2M1Min"
 # 86/93/95% of copy bandwidth at 2^26/2^28/2^30 elements, the 128x256 nibble transpose from 64/80/78% to 66/81/84%.
 GRID = {"partial_amax": "resident", "fused_scale": "resident", "partial_cast": "units",
         "owner_scales": "resident", "expand_scales": "resident", "nibble_transpose": "units",
-        "scale_transpose": "resident", "e2m1_codes": "resident", "e4m3_codes": "resident"}  # fmt: skip
+        "scale_transpose": "resident", "dequantize": "units", "e2m1_codes": "resident",
+        "e4m3_codes": "resident"}  # fmt: skip
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 
@@ -251,6 +253,12 @@ def launch_nibble_transpose(index, table, unit_begin, n, units, tile: str) -> No
 def launch_scale_transpose(index, table, unit_begin, n, units) -> None:
     _check_ptrs("scale_transpose", table=table, unit_begin=unit_begin)
     _launch(index, ("scale_transpose", ""), units, (table, unit_begin, np.int32(n)))
+
+
+def launch_dequantize(index, table, unit_begin, n, units) -> None:
+    """A dequantize unit is one warp's work: 8 units per 256-thread block."""
+    _check_ptrs("dequantize", table=table, unit_begin=unit_begin)
+    _launch(index, ("dequantize", ""), -(-units // (THREADS // 32)), (table, unit_begin, np.int32(n)))
 
 
 def launch_pointwise(index, key: str, args: tuple, n: int, variant: str = "") -> None:

@@ -24,6 +24,7 @@ from . import (
     _on_cuda,
     amax_reference,
     cast_reference,
+    dequantize_reference,
     reference,
     scale_reference,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "bind_expand_scales",
     "bind_nibble_transpose",
     "bind_scale_transpose",
+    "bind_dequantize",
 ]
 
 
@@ -157,3 +159,13 @@ def bind_scale_transpose(rowwise_scale_invs, columnwise_scale_invs, shapes) -> R
             dst.copy_(reference.transpose_scales(src, m, k))
 
     return run
+
+
+def bind_dequantize(rowwise_datas, scale_invs, amaxes, outs) -> Run:
+    """`dequantize(rowwise_datas, scale_invs, amaxes, outs)`, bound."""
+    lists = [list(rowwise_datas), list(scale_invs), list(amaxes), list(outs)]
+    if len({len(x) for x in lists}) != 1:
+        raise ValueError("dequantize needs one rowwise_data, scale_inv, amax and out per weight")
+    if _on_cuda(lists[0]):
+        return _cuda_ops().bind_dequantize(*lists)
+    return lambda: dequantize_reference(*lists)

@@ -24,6 +24,7 @@ import torch
 from . import _launch
 from . import cuda_plans as P
 from .cuda_plans import (  # noqa: F401  (re-exported: tests compare them with common.cuh)
+    DEQUANT_FIELDS,
     EXPAND_FIELDS,
     OWNER_FIELDS,
     SCALE_FIELDS,
@@ -60,11 +61,11 @@ class PlanCache:
         self._plans.clear()
 
 
-_AMAX, _SCALE, _CAST, _NIBBLE, _SCALET = (PlanCache() for _ in range(5))
+_AMAX, _SCALE, _CAST, _NIBBLE, _SCALET, _DEQUANT = (PlanCache() for _ in range(6))
 
 
 def clear_plans() -> None:
-    for cache in (_AMAX, _SCALE, _CAST, _NIBBLE, _SCALET):
+    for cache in (_AMAX, _SCALE, _CAST, _NIBBLE, _SCALET, _DEQUANT):
         cache.clear()
 
 
@@ -84,22 +85,34 @@ def _shape_tuple(shapes) -> tuple:
         return tuple(tuple(s) for s in shapes)
 
 
+def _wrote(tensors) -> None:
+    """Bump the version counters of tensors a kernel wrote through raw pointers, as a torch op writing them
+    would: autograd then refuses a stale saved tensor, and NVFP4 compute copies see that bytes changed."""
+    written = [t for t in tensors if t is not None]
+    if written:
+        torch.autograd.graph.increment_version(written)
+
+
 class Bound:
     """One stage launch with every address fixed when it was bound: calling it only launches.
 
-    Holds the tensors the launch reads and writes, so their memory outlives it. If a caller replaces one of
+    Holds the tensors the launch reads and writes, so their memory outlives it; ``written`` are the ones it
+    writes, whose version counters each call bumps (one call for all of them). If a caller replaces one of
     those tensors (rather than writing into it), bind again.
     """
 
-    __slots__ = ("plan", "_launch", "_keep")
+    __slots__ = ("plan", "_launch", "_keep", "_written")
 
-    def __init__(self, plan: Optional[Plan], launch: Callable[[], None], keep: tuple):
+    def __init__(self, plan: Optional[Plan], launch: Callable[[], None], keep: tuple, written: tuple = ()):
         self.plan, self._launch, self._keep = plan, launch, keep
+        self._written = [t for t in written if t is not None]
 
     def __call__(self) -> None:
         if self.plan is not None and self.plan.units:
             self.plan.on_current_stream()
             self._launch()
+            if self._written:
+                torch.autograd.graph.increment_version(self._written)
 
 
 def _no_launch() -> None:
@@ -127,6 +140,7 @@ def partial_amax(shards, starts, shapes, *, round_to=torch.bfloat16, out: Option
     plan.on_current_stream()
     _launch.launch_partial_amax(plan.device, round_to, plan.table, plan.unit_begin, plan.n, plan.units,
                                 out.data_ptr(), plan.scratch.data_ptr())  # fmt: skip
+    _wrote((out,))
     return out
 
 
@@ -135,7 +149,7 @@ def bind_partial_amax(shards, starts, shapes, out: torch.Tensor, *, round_to=tor
     P.check_out(out, plan.device, plan.n + plan.tiles, "partial_amax out")
     args = (plan.device, round_to, plan.table, plan.unit_begin, plan.n, plan.units, out.data_ptr(),
             plan.scratch.data_ptr())  # fmt: skip
-    return Bound(plan, lambda: _launch.launch_partial_amax(*args), (tuple(shards), out))
+    return Bound(plan, lambda: _launch.launch_partial_amax(*args), (tuple(shards), out), (out,))
 
 
 def fused_scale(amaxes, shapes, scale_invs, amax_outs, *, numerics="te", check=None) -> torch.Tensor:
@@ -154,6 +168,7 @@ def fused_scale(amaxes, shapes, scale_invs, amax_outs, *, numerics="te", check=N
     plan.on_current_stream()
     _launch.launch_fused_scale(plan.device, numerics, plan.table, plan.unit_begin, plan.n, plan.units,
                                amaxes.data_ptr(), enc.data_ptr())  # fmt: skip
+    _wrote((*scale_invs, *amax_outs))
     return enc
 
 
@@ -162,7 +177,8 @@ def bind_fused_scale(amaxes, shapes, scale_invs, amax_outs, enc: torch.Tensor, *
     P.check_out(amaxes, plan.device, plan.n + plan.tiles, "fused_scale amaxes")
     P.check_out(enc, plan.device, plan.tiles, "fused_scale enc")
     args = (plan.device, numerics, plan.table, plan.unit_begin, plan.n, plan.units, amaxes.data_ptr(), enc.data_ptr())
-    return Bound(plan, lambda: _launch.launch_fused_scale(*args), (amaxes, tuple(scale_invs), tuple(amax_outs), enc))
+    return Bound(plan, lambda: _launch.launch_fused_scale(*args), (amaxes, tuple(scale_invs), tuple(amax_outs), enc),
+                 (*scale_invs, *amax_outs, enc))
 
 
 def partial_cast(shards, starts, shapes, enc, fragments, *, round_to=torch.bfloat16, check=None) -> None:
@@ -181,6 +197,7 @@ def partial_cast(shards, starts, shapes, enc, fragments, *, round_to=torch.bfloa
         return
     plan.on_current_stream()
     _launch.launch_partial_cast(plan.device, round_to, plan.table, plan.unit_begin, plan.n, plan.units, enc.data_ptr())
+    _wrote(fragments)
 
 
 def bind_partial_cast(shards, starts, shapes, enc, fragments, *, round_to=torch.bfloat16) -> Bound:
@@ -189,7 +206,8 @@ def bind_partial_cast(shards, starts, shapes, enc, fragments, *, round_to=torch.
     plan = P.cast_plan(P.device_index(shards, "partial_cast"), shards, starts, _shape_tuple(shapes), fragments)
     P.check_out(enc, plan.device, plan.tiles, "partial_cast enc")
     args = (plan.device, round_to, plan.table, plan.unit_begin, plan.n, plan.units, enc.data_ptr())
-    return Bound(plan, lambda: _launch.launch_partial_cast(*args), (tuple(shards), enc, tuple(fragments)))
+    return Bound(plan, lambda: _launch.launch_partial_cast(*args), (tuple(shards), enc, tuple(fragments)),
+                 tuple(fragments))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -205,7 +223,8 @@ def bind_owner_scales(amaxes, shapes, enc_ranges, own_ranges, compact, enc, amax
     P.same_device(compact, index, "owner_scales compact")
     args = (index, numerics, plan.table, plan.unit_begin, plan.n, plan.units, amaxes.data_ptr(), enc.data_ptr(),
             compact.data_ptr())  # fmt: skip
-    return Bound(plan, lambda: _launch.launch_owner_scales(*args), (amaxes, compact, enc, tuple(amax_outs)))
+    return Bound(plan, lambda: _launch.launch_owner_scales(*args), (amaxes, compact, enc, tuple(amax_outs)),
+                 (compact, enc, *amax_outs))
 
 
 def bind_expand_scales(gathered, shapes, sources, scale_invs) -> Bound:
@@ -213,7 +232,7 @@ def bind_expand_scales(gathered, shapes, sources, scale_invs) -> Bound:
     index = P.device_index([gathered], "expand_scales")
     plan = P.expand_plan(index, _shape_tuple(shapes), sources, scale_invs)
     args = (index, plan.table, plan.unit_begin, plan.n, plan.units, plan.extra, gathered.data_ptr())
-    return Bound(plan, lambda: _launch.launch_expand_scales(*args), (gathered, tuple(scale_invs)))
+    return Bound(plan, lambda: _launch.launch_expand_scales(*args), (gathered, tuple(scale_invs)), tuple(scale_invs))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -235,6 +254,7 @@ def nibble_transpose(rowwise_datas, columnwise_datas, *, check=None) -> None:
     plan = _NIBBLE.get(key, build, check)
     plan.on_current_stream()
     _launch.launch_nibble_transpose(plan.device, plan.table, plan.unit_begin, plan.n, plan.units, plan.variant)
+    _wrote(columnwise_datas)
 
 
 def bind_nibble_transpose(rowwise_datas, columnwise_datas) -> Bound:
@@ -242,7 +262,8 @@ def bind_nibble_transpose(rowwise_datas, columnwise_datas) -> Bound:
         return Bound(None, _no_launch, ())
     plan = P.nibble_plan(P.device_index(rowwise_datas, "nibble_transpose"), rowwise_datas, columnwise_datas)
     args = (plan.device, plan.table, plan.unit_begin, plan.n, plan.units, plan.variant)
-    return Bound(plan, lambda: _launch.launch_nibble_transpose(*args), (tuple(rowwise_datas), tuple(columnwise_datas)))
+    return Bound(plan, lambda: _launch.launch_nibble_transpose(*args), (tuple(rowwise_datas), tuple(columnwise_datas)),
+                 tuple(columnwise_datas))
 
 
 def scale_transpose(rowwise_scale_invs, columnwise_scale_invs, shapes, *, check=None) -> None:
@@ -261,6 +282,7 @@ def scale_transpose(rowwise_scale_invs, columnwise_scale_invs, shapes, *, check=
     plan = _SCALET.get(key, build, check)
     plan.on_current_stream()
     _launch.launch_scale_transpose(plan.device, plan.table, plan.unit_begin, plan.n, plan.units)
+    _wrote(columnwise_scale_invs)
 
 
 def bind_scale_transpose(rowwise_scale_invs, columnwise_scale_invs, shapes) -> Bound:
@@ -270,7 +292,37 @@ def bind_scale_transpose(rowwise_scale_invs, columnwise_scale_invs, shapes) -> B
     plan = P.scalet_plan(index, rowwise_scale_invs, columnwise_scale_invs, _shape_tuple(shapes))
     args = (plan.device, plan.table, plan.unit_begin, plan.n, plan.units)
     keep = (tuple(rowwise_scale_invs), tuple(columnwise_scale_invs))
-    return Bound(plan, lambda: _launch.launch_scale_transpose(*args), keep)
+    return Bound(plan, lambda: _launch.launch_scale_transpose(*args), keep, tuple(columnwise_scale_invs))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Compute copies
+
+
+def dequantize(rowwise_datas, scale_invs, amaxes, outs, *, check=None) -> None:
+    """CUDA `fp4_dist.kernels.dequantize`: every weight's [M, K] values in one launch."""
+    if not (len(rowwise_datas) == len(scale_invs) == len(amaxes) == len(outs)):
+        raise ValueError("dequantize needs one rowwise_data, scale_inv, amax and out per weight")
+    if not outs:
+        return
+    key = (_sig(rowwise_datas), _sig(scale_invs), _sig(amaxes), _sig(outs))
+
+    def build():
+        return P.dequant_plan(P.device_index(rowwise_datas, "dequantize"), rowwise_datas, scale_invs, amaxes, outs)
+
+    plan = _DEQUANT.get(key, build, check)
+    plan.on_current_stream()
+    _launch.launch_dequantize(plan.device, plan.table, plan.unit_begin, plan.n, plan.units)
+    _wrote(outs)
+
+
+def bind_dequantize(rowwise_datas, scale_invs, amaxes, outs) -> Bound:
+    if not outs:
+        return Bound(None, _no_launch, ())
+    plan = P.dequant_plan(P.device_index(rowwise_datas, "dequantize"), rowwise_datas, scale_invs, amaxes, outs)
+    args = (plan.device, plan.table, plan.unit_begin, plan.n, plan.units)
+    keep = (tuple(rowwise_datas), tuple(scale_invs), tuple(amaxes), tuple(outs))
+    return Bound(plan, lambda: _launch.launch_dequantize(*args), keep, tuple(outs))
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -29,9 +29,11 @@ OWNER_FIELDS = ("amax_out", "tile_off", "enc_lo", "enc_hi", "own_lo", "own_hi", 
 EXPAND_FIELDS = (
     "scale_inv", "m", "tiles_m", "tiles_k", "cols_pad", "n_chunks", "seg_begin", "seg_count", "flags", "pad_",
 )  # fmt: skip
+DEQUANT_FIELDS = ("src", "scale", "amax", "dst", "m", "k", "cols_pad", "n_chunks", "flags", "pad_")
 
 # Flag bits and unit sizes of common.cuh.
 FLAG_BF16_SRC, FLAG_VEC_SRC, FLAG_VEC_DST, FLAG_VEC16_DST, FLAG_VEC16_SRC = 1, 2, 4, 8, 16
+FLAG_OUT = {torch.bfloat16: 0, torch.float16: 32, torch.float32: 64}  # dequantize output dtype (kFlagOutFp16/32)
 CHUNK_COLS, ZERO_CHUNK, SCALE_CHUNK, SCALET_WORDS, OWNER_CHUNK = 256, 1024, 1024, 256, 1024
 # Nibble transpose unit shapes (rows x columns of the weight; transpose.cu instantiates each) and the default:
 # 128x256 writes 64-byte columnwise segments (H200: 81/84% of copy at 2^28/2^30 against 77/79% for 64x512).
@@ -295,3 +297,33 @@ def scalet_plan(index, srcs, dsts, shapes) -> Plan:
         rows.append([src.data_ptr(), dst.data_ptr(), k, tm, tk, src.shape[1], dst_cols, dst_rows, flags, 0])
         units.append((dst_rows // TILE) * ceil_div(dst_cols // 4, SCALET_WORDS))
     return Plan(index, rows, len(SCALET_FIELDS), units, tiles=0)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Compute copies
+
+
+def dequant_plan(index, datas, scale_invs, amaxes, outs) -> Plan:
+    """DequantDesc rows: [M, K] outputs (bf16 / fp16 / fp32) from rowwise data, scales and amax; a unit is one
+    16-row band x 256 columns (one warp)."""
+    rows, units = [], []
+    for i, (data, si, amax, out) in enumerate(zip(datas, scale_invs, amaxes, outs)):
+        if data.dim() != 2 or (2 * data.shape[1]) % TILE:
+            raise ValueError(f"rowwise_data {i}: need a 2D [M, K/2] uint8 tensor with K % 16 == 0, got "
+                             f"{list(data.shape)}")
+        m, k = data.shape[0], 2 * data.shape[1]
+        check_u8(data, (m, k // 2), index, f"rowwise_data {i}")
+        check_u8(si, rowwise_scale_shape(m, k), index, f"rowwise_scale_inv {i}")
+        check_amax_out(amax, index, i)
+        same_device(out, index, f"dequantize out {i}")
+        if out.dtype not in FLAG_OUT or tuple(out.shape) != (m, k) or not out.is_contiguous():
+            raise ValueError(f"dequantize out {i}: need a contiguous bf16/fp16/fp32 tensor [{m}, {k}], got "
+                             f"{out.dtype} {list(out.shape)} (contiguous={out.is_contiguous()})")
+        src, dst = data.data_ptr(), out.data_ptr()
+        flags = FLAG_OUT[out.dtype]
+        flags |= FLAG_VEC_SRC if src % 4 == 0 else 0
+        flags |= FLAG_VEC_DST if dst % 16 == 0 else 0
+        n_chunks = ceil_div(k, CHUNK_COLS)
+        rows.append([src, si.data_ptr(), amax.data_ptr(), dst, m, k, si.shape[1], n_chunks, flags, 0])
+        units.append(ceil_div(m, TILE) * n_chunks)
+    return Plan(index, rows, len(DEQUANT_FIELDS), units, tiles=0)

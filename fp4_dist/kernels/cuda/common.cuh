@@ -285,4 +285,22 @@ struct ScaleTDesc {
 };
 
 
+// dequantize: one weight's compute copy [M, K] from its rowwise fields. Units: 16-row band x 256 columns, one
+// warp each.
+struct DequantDesc {
+    i64 src;          // uint8 [M, K/2] rowwise_data
+    i64 scale;        // uint8 [rows_pad, cols_pad] rowwise_scale_inv
+    i64 amax;         // fp32 [1]
+    i64 dst;          // [M, K] output, bf16 (default), fp16 or fp32 (flags)
+    i64 m;
+    i64 k;
+    i64 cols_pad;     // row stride of the scales
+    i64 n_chunks;     // ceil(K / 256)
+    i64 flags;        // kFlagVecSrc: src 4-byte aligned; kFlagVecDst: dst 16-byte aligned; kFlagOutFp16/Fp32
+    i64 pad_;
+};
+
+constexpr i64 kFlagOutFp16 = 32;
+constexpr i64 kFlagOutFp32 = 64;
+
 }  // namespace fp4d

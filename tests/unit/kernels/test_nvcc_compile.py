@@ -76,10 +76,25 @@ def _struct_fields(name: str) -> tuple[str, ...]:
         ("ScaleTDesc", cuda_ops.SCALET_FIELDS),
         ("OwnerDesc", cuda_ops.OWNER_FIELDS),
         ("ExpandDesc", cuda_ops.EXPAND_FIELDS),
+        ("DequantDesc", cuda_ops.DEQUANT_FIELDS),
     ],
 )
 def test_descriptor_struct_fields_match_the_python_table_columns(struct, fields):
     assert _struct_fields(struct) == fields
+
+
+def test_flag_bits_match_common_header():
+    from fp4_dist.kernels import cuda_plans as P
+
+    text = (_launch.CUDA_DIR / "common.cuh").read_text()
+    consts = {name: int(v) for name, v in re.findall(r"constexpr i64 (kFlag\w+) = (\d+);", text)}
+    assert consts["kFlagBf16Src"] == P.FLAG_BF16_SRC and consts["kFlagVecSrc"] == P.FLAG_VEC_SRC
+    assert consts["kFlagVecDst"] == P.FLAG_VEC_DST and consts["kFlagVec16Dst"] == P.FLAG_VEC16_DST
+    assert consts["kFlagVec16Src"] == P.FLAG_VEC16_SRC
+    import torch
+
+    assert (consts["kFlagOutFp16"], consts["kFlagOutFp32"]) == (P.FLAG_OUT[torch.float16], P.FLAG_OUT[torch.float32])
+    assert P.FLAG_OUT[torch.bfloat16] == 0
 
 
 def test_loader_pastes_common_header_under_line_markers():
