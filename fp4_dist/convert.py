@@ -31,6 +31,7 @@ def convert_linear_weights(
     numerics: str = "te",
     dtype: torch.dtype = torch.bfloat16,
     skip: tuple[str, ...] = (),
+    compute_copy: bool = True,
     verbose: bool = False,
 ) -> ConversionReport:
     """Replace every eligible nn.Linear weight (2D, K % 16 == 0) by an NVFP4 parameter, in place.
@@ -40,6 +41,9 @@ def convert_linear_weights(
         numerics: block-scale formula ("te" or "te-2.14").
         dtype: model dtype the NVFP4 weights report (their compute dtype), bf16 by default.
         skip: module names (as in `named_modules`) to leave in high precision, e.g. the output head.
+        compute_copy: keep each weight's values in ``dtype`` between updates, so forward and backward use them
+            without dequantizing (2 bytes per element); False dequantizes on every use instead
+            (`NVFP4Tensor.compute_copy`, settable per weight later).
         verbose: print the report.
     Returns:
         ConversionReport naming converted and skipped weights (with the reason).
@@ -57,6 +61,7 @@ def convert_linear_weights(
             report.skipped[name] = "weight holds non-finite values"
         else:
             q = quantize(w.detach(), numerics=numerics, dtype=dtype, name=f"{name}.weight")
+            q.compute_copy = compute_copy
             module.weight = nn.Parameter(q, requires_grad=w.requires_grad)
             report.converted.append(name)
     if any(why != "listed in skip" for why in report.skipped.values()):

@@ -7,8 +7,9 @@ It reports the logical shape [M, K] and the model dtype (bf16 by default) and ho
   `copy_` from a high-precision tensor re-quantizes in place, keeping every field's storage (the rowwise bytes
   may be a view into a data-parallel all-gather buffer);
 - in-place ops that would reinterpret or mutate the packed bytes: NotImplementedError naming the op;
-- everything else (linear, matmul, t, ...): runs on the dequantized value in the model dtype, so autograd hands
-  a plain [M, K] gradient to the parameter.
+- everything else (linear, matmul, t, ...): runs on the weight's value in the model dtype, so autograd hands a
+  plain [M, K] gradient to the parameter. That value is the weight's compute copy (`fp4_dist.compute_copy`):
+  dequantized once per change of the bytes, not once per use.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Callable, Optional
 import torch
 from torch.utils._pytree import tree_map
 
+from . import kernels
+from .compute_copy import ComputeCopy, refresh_compute_copies
 from .format import (
     check_numerics,
     check_weight_shape,
@@ -32,6 +35,7 @@ aten = torch.ops.aten
 MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 _FIELDS = ("rowwise_data", "rowwise_scale_inv", "amax", "columnwise_data", "columnwise_scale_inv")
+_ROWWISE_FIELDS = frozenset(_FIELDS[:3])  # what a compute copy is made from
 
 
 class NVFP4Tensor(torch.Tensor):
@@ -44,6 +48,8 @@ class NVFP4Tensor(torch.Tensor):
         columnwise_data: uint8 [K, M/2] or None until `make_columnwise()`.
         columnwise_scale_inv: uint8 [roundup(K,128), roundup(ceil(M/16),4)] or None.
         numerics: "te" or "te-2.14" (block-scale formula used when this tensor is re-quantized).
+        compute_copy: keep a model-dtype copy of the values for ops (True, the default) or dequantize on every
+            use (False: 2 bytes per element less memory, one dequantize launch per use). Settable.
     """
 
     rowwise_data: torch.Tensor
@@ -65,6 +71,7 @@ class NVFP4Tensor(torch.Tensor):
         columnwise_scale_inv: Optional[torch.Tensor] = None,
         numerics: str = "te",
         requires_grad: bool = False,
+        compute_copy=True,
     ):
         m, k = check_weight_shape(shape)
         if dtype not in MODEL_DTYPES:
@@ -85,6 +92,8 @@ class NVFP4Tensor(torch.Tensor):
         self.columnwise_data = columnwise_data
         self.columnwise_scale_inv = columnwise_scale_inv
         self.numerics = check_numerics(numerics)
+        # Aliases (nn.Parameter, detach) pass the holder on, so they share one copy.
+        self._compute_copy = compute_copy if isinstance(compute_copy, ComputeCopy) else ComputeCopy(compute_copy)
         return self
 
     # ----------------------------------------------------------------------------------------------- build
@@ -105,16 +114,63 @@ class NVFP4Tensor(torch.Tensor):
     def _fields(self) -> dict:
         return {f: getattr(self, f) for f in _FIELDS}
 
-    def _with_fields(self, fn: Callable[[torch.Tensor], torch.Tensor], requires_grad: bool = False):
+    def _with_fields(self, fn: Callable[[torch.Tensor], torch.Tensor], requires_grad: bool = False, *,
+                     alias: bool = False):  # fmt: skip
+        """A tensor of `fn` applied to every field; `alias`: the result shares this one's compute copy."""
         new = {f: (None if t is None else fn(t)) for f, t in self._fields().items()}
-        return NVFP4Tensor(self.shape, self.dtype, **new, numerics=self.numerics, requires_grad=requires_grad)
+        cc = self._compute_copy if alias else self._compute_copy.enabled
+        return NVFP4Tensor(self.shape, self.dtype, **new, numerics=self.numerics, requires_grad=requires_grad,
+                           compute_copy=cc)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------- numerics
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Plain [M, K] tensor: e2m1_value * ((float(s_t) * amax) * fp32(1/2688))."""
-        from .kernels import reference
+        """A new plain [M, K] tensor: e2m1_value * ((float(s_t) * amax) * fp32(1/2688)) rounded to `dtype`.
 
-        return reference.dequantize(self.rowwise_data, self.rowwise_scale_inv, self.amax, dtype)
+        One kernel launch on CUDA, the reference on other devices; the same bits either way.
+        """
+        if not dtype.is_floating_point:
+            raise TypeError(f"dequantize: dtype must be a floating-point type, got {dtype}")
+        direct = dtype in MODEL_DTYPES  # the kernel's outputs; others are the fp32 values converted
+        out = torch.empty(tuple(self.shape), dtype=dtype if direct else torch.float32, device=self.rowwise_data.device)
+        kernels.dequantize([self.rowwise_data], [self.rowwise_scale_inv], [self.amax], [out])
+        return out if direct else out.to(dtype)
+
+    @property
+    def compute_copy(self) -> bool:
+        """Whether ops read a kept model-dtype copy (True) or dequantize on every use (False); settable."""
+        return self._compute_copy.enabled
+
+    @compute_copy.setter
+    def compute_copy(self, enabled: bool) -> None:
+        cc = self._compute_copy
+        cc.enabled = bool(enabled)
+        cc.epoch += 1
+        if not cc.enabled:
+            cc.drop()  # the memory is what turning it off is for
+
+    def __setattr__(self, name, value) -> None:
+        if name in _ROWWISE_FIELDS:  # a replaced field: bound refreshes of the compute copy must look again
+            cc = self.__dict__.get("_compute_copy")
+            if cc is not None:
+                cc.epoch += 1
+        super().__setattr__(name, value)
+
+    def compute_value(self) -> torch.Tensor:
+        """The [M, K] model-dtype value that ops on this weight use (its compute copy when current).
+
+        Do not modify the result in place: it is the weight's own copy (an in-place change is noticed and
+        undone at the next use, at the cost of a dequantize).
+        """
+        cc = self._compute_copy
+        if cc.fresh_for(self):
+            return cc.value
+        if not cc.enabled:
+            return self.dequantize(self.dtype)
+        if cc.pending:
+            cc.note_pending_use(self)
+            return self.dequantize(self.dtype)
+        refresh_compute_copies([self])
+        return cc.value
 
     def quantize_(self, src: torch.Tensor) -> "NVFP4Tensor":
         """Re-quantize `src` ([M, K], any float dtype) into this tensor's existing buffers.
@@ -154,7 +210,12 @@ class NVFP4Tensor(torch.Tensor):
 
     def set_rowwise_storage(self, view: torch.Tensor) -> None:
         """Copy the rowwise bytes into `view` (uint8, M*K/2 elements, e.g. a slice of an all-gather buffer)
-        and make `rowwise_data` alias it, so a byte all-gather into the buffer updates this weight."""
+        and make `rowwise_data` alias its memory, so a byte all-gather into the buffer updates this weight.
+
+        `rowwise_data` shares the memory but not the version counter of `view` (a view of a buffer shares the
+        buffer's counter): writes to other weights of the buffer then do not look like changes of this one to
+        the compute copy. Call `fp4_dist.post_all_gather_processing` after a gather into the buffer.
+        """
         m, k = self.shape
         want = m * k // 2
         dev = self.rowwise_data.device
@@ -165,9 +226,10 @@ class NVFP4Tensor(torch.Tensor):
                 f"{view.dtype} with {view.numel()} elements on {view.device} (contiguous={view.is_contiguous()}); "
                 "pass a slice of a flat contiguous buffer"
             )
-        view = view.view(rowwise_data_shape(m, k))
-        view.copy_(self.rowwise_data)
-        self.rowwise_data = view
+        view.view(-1).copy_(self.rowwise_data.view(-1))
+        alias = torch.empty(0, dtype=torch.uint8, device=dev)
+        alias.set_(view.untyped_storage(), view.storage_offset(), rowwise_data_shape(m, k))
+        self.rowwise_data = alias
 
     # -------------------------------------------------------------------------------------- torch plumbing
     def __repr__(self, *, tensor_contents=None) -> str:
@@ -179,35 +241,31 @@ class NVFP4Tensor(torch.Tensor):
 
     def __tensor_flatten__(self):
         names = [f for f in _FIELDS if getattr(self, f) is not None]
-        return names, (tuple(self.shape), self.dtype, self.numerics)
+        return names, (tuple(self.shape), self.dtype, self.numerics, self.compute_copy)
 
     @staticmethod
     def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
-        shape, dtype, numerics = ctx
-        return NVFP4Tensor(shape, dtype, **inner, numerics=numerics)
+        shape, dtype, numerics, compute_copy = ctx
+        return NVFP4Tensor(shape, dtype, **inner, numerics=numerics, compute_copy=compute_copy)
 
     def __reduce_ex__(self, protocol):
         fields = {f: (None if t is None else t.detach().clone()) for f, t in self._fields().items()}
-        return _rebuild, (tuple(self.shape), self.dtype, fields, self.numerics, self.requires_grad)
+        return _rebuild, (tuple(self.shape), self.dtype, fields, self.numerics, self.requires_grad, self.compute_copy)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        # Runs for every op on the weight, twice per linear per microbatch: one dict lookup decides.
         handler = _OPS.get(func)
-        if handler is not None:
-            return handler(func, args, kwargs)
-        if func._schema.is_mutable or func.__name__.endswith("_"):
-            raise NotImplementedError(
-                f"{func} would mutate the packed bytes of an NVFP4Tensor in place; update the fp32 master and "
-                "re-quantize with `weight.quantize_(master)` (or copy_ a high-precision tensor into it)"
-            )
-        return func(*_dequantize_args(args), **_dequantize_args(kwargs))
+        if handler is None:
+            handler = _OPS[func] = _refuse if func._schema.is_mutable or func.__name__.endswith("_") else _compute
+        return handler(func, args, kwargs or _NO_KWARGS)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
 
-def _rebuild(shape, dtype, fields, numerics, requires_grad):
-    return NVFP4Tensor(shape, dtype, **fields, numerics=numerics, requires_grad=requires_grad)
+def _rebuild(shape, dtype, fields, numerics, requires_grad, compute_copy=True):
+    return NVFP4Tensor(shape, dtype, **fields, numerics=numerics, requires_grad=requires_grad,
+                       compute_copy=compute_copy)  # fmt: skip
 
 
 # torch.load's default weights_only unpickler calls only allow-listed functions; the rebuild takes plain tensors,
@@ -225,12 +283,42 @@ def is_nvfp4_tensor(t) -> bool:
     return isinstance(t, NVFP4Tensor)
 
 
-def _dequantize_args(tree):
-    return tree_map(lambda t: t.dequantize(t.dtype) if isinstance(t, NVFP4Tensor) else t, tree)
+def _compute(func, args, kwargs):
+    """Any op not in the table that leaves its inputs alone: run it on the weights' compute values."""
+    if kwargs:
+        return func(*_values(args), **dict(zip(kwargs, _values(kwargs.values()))))
+    return func(*_values(args))
+
+
+def _refuse(func, args, kwargs):
+    raise NotImplementedError(
+        f"{func} would mutate the packed bytes of an NVFP4Tensor in place; update the fp32 master and "
+        "re-quantize with `weight.quantize_(master)` (or copy_ a high-precision tensor into it)"
+    )
+
+
+def _values(args) -> list:
+    """Arguments of a compute op with every NVFP4Tensor replaced by its compute value. Ops run in every forward
+    and backward, so the usual shapes (flat arguments, a list of tensors) avoid pytree's generic walk."""
+    out = []
+    for a in args:
+        if isinstance(a, NVFP4Tensor):
+            a = a.compute_value()
+        elif isinstance(a, (list, tuple)):
+            a = type(a)(_values(a)) if not hasattr(a, "_fields") else tree_map(_value, a)
+        elif isinstance(a, dict):
+            a = tree_map(_value, a)
+        out.append(a)
+    return out
+
+
+def _value(t):
+    return t.compute_value() if isinstance(t, NVFP4Tensor) else t
 
 
 # ------------------------------------------------------------------------------------------------ op table
 _OPS: dict = {}
+_NO_KWARGS: dict = {}  # handlers read kwargs, never write them
 
 
 def _implements(*ops):
@@ -244,7 +332,7 @@ def _implements(*ops):
 
 @_implements(aten.detach.default, aten.alias.default)
 def _alias(func, args, kwargs):
-    return args[0]._with_fields(lambda t: t)
+    return args[0]._with_fields(lambda t: t, alias=True)
 
 
 @_implements(aten.clone.default)
@@ -256,8 +344,8 @@ def _clone(func, args, kwargs):
 def _view(func, args, kwargs):
     src, shape = args[0], list(args[1])
     if shape == list(src.shape):
-        return src._with_fields(lambda t: t)
-    return func(src.dequantize(src.dtype), *args[1:], **kwargs)
+        return src._with_fields(lambda t: t, alias=True)
+    return func(src.compute_value(), *args[1:], **kwargs)
 
 
 @_implements(aten._to_copy.default)

@@ -20,18 +20,21 @@ from typing import Optional
 __all__ = ["enable", "disable", "is_enabled"]
 
 
-def enable(*, cpu: Optional[bool] = None, allow_untested_version: bool = False) -> None:
+def enable(*, cpu: Optional[bool] = None, allow_untested_version: bool = False, columnwise: bool = False) -> None:
     """Install the hook table into megatron-core (idempotent).
 
     Args:
         cpu: also install the CPU/gloo compatibility rows; default: when CUDA is unavailable.
         allow_untested_version: accept a megatron-core release outside the tested range.
+        columnwise: build the NVFP4 weights' columnwise copies after every param all-gather (as
+            TransformerEngine does). Off by default: the compute path reads the compute copies, not these.
     Raises:
         RuntimeError for an unsupported megatron-core version or a missing hook target (nothing patched).
     """
     from . import adapter
 
-    adapter.install(cpu=cpu, allow_untested_version=allow_untested_version)
+    adapter.install(cpu=cpu, allow_untested_version=allow_untested_version,
+                    options=adapter.AdapterOptions(columnwise=columnwise))  # fmt: skip
 
 
 def disable() -> None:

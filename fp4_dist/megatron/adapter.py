@@ -110,11 +110,24 @@ def _make_post_all_gather(original):
         if ours:
             from ..optim import post_all_gather_processing as ours_post
 
-            ours_post(ours)
+            ours_post(ours, columnwise=_options.columnwise)
         if others:
             original(others)
 
     return post_all_gather_processing
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdapterOptions:
+    """Choices `install` makes for the whole Megatron run."""
+
+    columnwise: bool = False
+    """Build the columnwise NVFP4 copies after every param all-gather, as TransformerEngine does. Nothing in
+    Megatron's compute path through fp4_dist reads them (linears run on each weight's compute copy), so by
+    default they are not built: ``columnwise_data`` stays None and ``make_columnwise()`` builds it on demand."""
+
+
+_options = AdapterOptions()
 
 
 def _make_pad_bucket_end(original):
@@ -226,8 +239,9 @@ HOOKS: tuple[Hook, ...] = (
          "shard cast of the fp32 masters into the owned nibbles + all scales/amax via "
          "fp4_dist.optim.cast_master_weights_to_nvfp4 instead of TE (DO 2843-2847)"),
     Hook((_FP8, _PGB), "post_all_gather_processing", _make_post_all_gather,
-         "columnwise copies after the byte all-gather, per bucket group in _post_param_sync (pgb 332-337); "
-         "non-fp4_dist params still go to the original"),
+         "after the byte all-gather, per bucket group in _post_param_sync (pgb 332-337): one launch refreshes "
+         "the weights' compute copies (columnwise copies only with AdapterOptions.columnwise); non-fp4_dist "
+         "params still go to the original"),
     Hook((_PGB,), "_ParamAndGradBuffer._compute_nvfp4_packed_layout", _make_packed_layout,
          "packed byte layout derived as element layout / 2 (upstream re-pads in byte space: stale bytes at "
          "dp 3 with 64x64, dp 2 with 40x48; pgb 1431-1516)"),
@@ -310,7 +324,7 @@ def is_installed() -> bool:
 
 
 def install(*, cpu: Optional[bool] = None, allow_untested_version: bool = False,
-            exclude: Sequence[str] = ()) -> None:
+            exclude: Sequence[str] = (), options: AdapterOptions = AdapterOptions()) -> None:
     """Patch every row of `HOOKS` into megatron-core (idempotent).
 
     Args:
@@ -318,13 +332,17 @@ def install(*, cpu: Optional[bool] = None, allow_untested_version: bool = False,
         allow_untested_version: skip the version range check (a missing target still raises).
         exclude: names of rows to leave unpatched, e.g. `UPSTREAM_LAYOUT` to reproduce megatron-core's own
             packed layout (and its stale bytes) with everything else in place.
+        options: `AdapterOptions` for the run (installing again with other options needs `uninstall` first).
     Raises:
         RuntimeError for a megatron-core version outside `SUPPORTED_RANGE` or a missing hook target; nothing
-        is patched then.
+        is patched then. ValueError when already installed with other options.
     """
-    global _installed
+    global _installed, _options
     with _lock:
         if _installed is not None:
+            if options != _options:
+                raise ValueError(f"fp4_dist.megatron is already enabled with {_options}; disable() it before "
+                                 f"enabling with {options}")
             return
         version = installed_megatron_version()
         if not allow_untested_version:
@@ -348,18 +366,19 @@ def install(*, cpu: Optional[bool] = None, allow_untested_version: bool = False,
                 originals[key] = _wrap_like(original, hook.make(_unwrap(original)))
             setattr(owner, attr, originals[key])
             done.append((owner, attr, original))
-        _installed = done
+        _installed, _options = done, options
 
 
 def uninstall() -> None:
     """Put back every original binding and disable `cpu_compat` (idempotent)."""
-    global _installed
+    global _installed, _options
     with _lock:
         if _installed is None:
             return
         for owner, attr, original in reversed(_installed):
             setattr(owner, attr, original)
         _installed = None
+        _options = AdapterOptions()
         cpu_compat.disable()
 
 

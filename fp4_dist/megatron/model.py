@@ -50,6 +50,7 @@ def build_gpt_model(
     position_embedding_type: str = "learned_absolute",
     share_embeddings_and_output_weights: bool = True,
     device: Optional[torch.device] = None,
+    compute_copy: bool = True,
 ) -> nn.Module:
     """GPTModel with the local layer spec, wrapped in Megatron's Float16Module when ``config.bf16``.
 
@@ -58,6 +59,8 @@ def build_gpt_model(
             NVFP4 fake-quantized in the forward).
         device: where the model lives; it is moved there before the NVFP4 conversion (moving an NVFP4
             parameter afterwards would rebuild it without Megatron's parameter attributes).
+        compute_copy: NVFP4 weights keep a model-dtype compute copy between updates (False: dequantize on
+            every use; `fp4_dist.NVFP4Tensor.compute_copy`).
     Raises:
         ValueError naming every linear weight whose K (in_features) is not a multiple of 16, before any
         weight is converted.
@@ -80,7 +83,7 @@ def build_gpt_model(
     if device is not None:
         model = model.to(device)
     if weights == "nvfp4":
-        convert_to_nvfp4(model, config, numerics=numerics)
+        convert_to_nvfp4(model, config, numerics=numerics, compute_copy=compute_copy)
     elif weights == "fake-nvfp4":
         apply_fake_quant(model, config, numerics=numerics)
     return model
@@ -144,15 +147,17 @@ def _clear_init(self) -> None:
         self.__dict__.pop(attr, None)
 
 
-def convert_to_nvfp4(model: nn.Module, config: TransformerConfig, *, numerics: str = "te") -> list[str]:
+def convert_to_nvfp4(model: nn.Module, config: TransformerConfig, *, numerics: str = "te",
+                     compute_copy: bool = True) -> list[str]:  # fmt: skip
     """Replace the NVFP4-eligible linear weights by ``nn.Parameter(NVFP4Tensor)`` in place; returns names."""
     named = _linear_modules(model, config)
     _check_k(named)
     for name, module in named:
         old = module.weight
         init = old.detach().to(config.params_dtype)
-        new = nn.Parameter(quantize(init, numerics=numerics, dtype=config.params_dtype, name=name),
-                           requires_grad=old.requires_grad)
+        q = quantize(init, numerics=numerics, dtype=config.params_dtype, name=name)
+        q.compute_copy = compute_copy
+        new = nn.Parameter(q, requires_grad=old.requires_grad)
         for attr, value in vars(old).items():  # Megatron's TP / DDP attributes (tensor_model_parallel, ...)
             if attr != "_is_param":
                 setattr(new, attr, value)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import io
 import json
 import logging
@@ -89,6 +90,12 @@ def add_fp4_dist_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--fp4-master-digest", action="store_true",
                        help="at the end, hash every full fp32 master (compares runs bit for bit)")
     group.add_argument("--fp4-print-args", action="store_true", help="print Megatron's full argument table")
+    group.add_argument("--fp4-no-compute-copy", action="store_true",
+                       help="dequantize NVFP4 weights on every use instead of keeping a bf16 compute copy per "
+                            "weight between updates (saves 2 bytes per weight element, costs a dequantize per use)")
+    group.add_argument("--fp4-columnwise", action="store_true",
+                       help="also build the columnwise NVFP4 copies after every param all-gather, as "
+                            "TransformerEngine does (nothing in this compute path reads them)")
     return parser
 
 
@@ -238,6 +245,7 @@ def build(args: argparse.Namespace, device: torch.device):
         config, vocab_size=VOCAB_SIZE, max_sequence_length=args.max_position_embeddings, weights=weight_mode(args),
         numerics=args.fp4_numerics, position_embedding_type=args.position_embedding_type,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights, device=device,
+        compute_copy=not args.fp4_no_compute_copy,
     )
     ddp_config = training.get_megatron_ddp_config(args)  # fp4_param_gather flows in by field name
     layout = None
@@ -302,6 +310,8 @@ class RunResult:
     records: list[StepRecord] = field(default_factory=list)
     buffer_bytes: dict[str, int] = field(default_factory=dict)
     nvfp4_weights: int = 0
+    compute_copy_bytes: int = 0
+    """Bytes of the NVFP4 weights' compute copies at the end of the run (next to the param buffers)."""
     checkpoints: list[str] = field(default_factory=list)
     master_digest: Optional[str] = None
 
@@ -362,7 +372,6 @@ def _log(args, result: RunResult, rec: StepRecord) -> None:
 
 
 def train(args, model, optimizer, scheduler, device, start_iteration: int) -> RunResult:
-    from .checkpoint import save_checkpoint
     from .model import nvfp4_parameters
 
     tokens = load_tokens(args.fp4_corpus)
@@ -370,51 +379,71 @@ def train(args, model, optimizer, scheduler, device, start_iteration: int) -> Ru
                      dist.get_rank(), dist.get_world_size(), args.seed)
     result = RunResult(weight_mode(args), dist.get_world_size(), start_iteration,
                        buffer_bytes=param_buffer_bytes(model), nvfp4_weights=len(nvfp4_parameters(model.module)))
-    overlap = model.ddp_config.overlap_param_gather
-    for iteration in range(start_iteration + 1, args.train_iters + 1):
-        t0 = time.perf_counter()
-        loss, grad_norm = train_step(args, iteration, tokens, plan, model, optimizer, scheduler, device)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        rec = StepRecord(iteration, loss, grad_norm, optimizer.param_groups[0]["lr"],
-                         1e3 * (time.perf_counter() - t0))
-        check = args.fp4_check_every and iteration % args.fp4_check_every == 0 and result.nvfp4_weights
-        exiting = bool(args.exit_interval) and iteration % args.exit_interval == 0  # Megatron's --exit-interval
-        saving = bool(args.save) and (exiting or iteration == args.train_iters
-                                      or bool(args.save_interval) and iteration % args.save_interval == 0)
-        if check or saving:
-            if overlap:  # finish the in-flight all-gather so the weights are this step's
-                model.disable_forward_pre_hook(param_sync=True)
-            if check:
-                rec.parity = _check_parity(model, optimizer)
-            if saving:
-                path = save_checkpoint(args.save, iteration, model, optimizer, scheduler, _run_config(args))
-                result.checkpoints.append(str(path))
-            if overlap:
-                model.enable_forward_pre_hook()
-        result.records.append(rec)
-        if iteration % args.log_interval == 0 or iteration == args.train_iters or exiting or (rec.parity or "").startswith("F"):
-            _log(args, result, rec)
-        if rec.parity and not rec.parity.startswith("ok"):
-            raise RuntimeError(f"iteration {iteration}: gathered NVFP4 weights differ from quantize(master): "
-                               + rec.parity)
-        if exiting:
-            break
+    if args.manual_gc:  # Megatron's --manual-gc: no threshold-triggered collections inside steps, on any rank
+        if args.manual_gc_interval < 0:
+            raise ValueError(f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
+        gc.disable()
+        gc.collect()
+    try:
+        for iteration in range(start_iteration + 1, args.train_iters + 1):
+            if not _train_iteration(args, iteration, tokens, plan, model, optimizer, scheduler, device, result):
+                break
+            if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
+                gc.collect()
+    finally:
+        if args.manual_gc:
+            gc.enable()
     if args.fp4_master_digest:
         from .parity import master_digest
 
         result.master_digest = master_digest(model.module, optimizer)
+    from ..compute_copy import compute_copy_bytes
+
+    result.compute_copy_bytes = compute_copy_bytes(model.module)
     return result
+
+
+def _train_iteration(args, iteration, tokens, plan, model, optimizer, scheduler, device, result) -> bool:
+    """One step, its checks, checkpoint and log line; False when Megatron's --exit-interval says stop."""
+    from .checkpoint import save_checkpoint
+
+    t0 = time.perf_counter()
+    loss, grad_norm = train_step(args, iteration, tokens, plan, model, optimizer, scheduler, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    rec = StepRecord(iteration, loss, grad_norm, optimizer.param_groups[0]["lr"], 1e3 * (time.perf_counter() - t0))
+    check = args.fp4_check_every and iteration % args.fp4_check_every == 0 and result.nvfp4_weights
+    exiting = bool(args.exit_interval) and iteration % args.exit_interval == 0  # Megatron's --exit-interval
+    saving = bool(args.save) and (exiting or iteration == args.train_iters
+                                  or bool(args.save_interval) and iteration % args.save_interval == 0)
+    overlap = model.ddp_config.overlap_param_gather
+    if check or saving:
+        if overlap:  # finish the in-flight all-gather so the weights are this step's
+            model.disable_forward_pre_hook(param_sync=True)
+        if check:
+            rec.parity = _check_parity(model, optimizer)
+        if saving:
+            path = save_checkpoint(args.save, iteration, model, optimizer, scheduler, _run_config(args))
+            result.checkpoints.append(str(path))
+        if overlap:
+            model.enable_forward_pre_hook()
+    result.records.append(rec)
+    if iteration % args.log_interval == 0 or iteration == args.train_iters or exiting or (rec.parity or "").startswith("F"):
+        _log(args, result, rec)
+    if rec.parity and not rec.parity.startswith("ok"):
+        raise RuntimeError(f"iteration {iteration}: gathered NVFP4 weights differ from quantize(master): " + rec.parity)
+    return not exiting
 
 
 def _summary(args, result: RunResult) -> str:
     losses = result.losses
     mib = {k: f"{v / 2**20:.3f} MiB" for k, v in result.buffer_bytes.items()}
+    mib["nvfp4 compute copies"] = f"{result.compute_copy_bytes / 2**20:.3f} MiB"
     times = sorted(r.step_ms for r in result.records[1:]) or [r.step_ms for r in result.records]
     median = times[len(times) // 2] if times else float("nan")
     return (f"done: {result.mode} weights ({result.nvfp4_weights} NVFP4), {result.world_size} ranks, "
             f"iterations {result.start_iteration + 1}..{args.train_iters}, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
-            f"median step {median:.1f} ms, DDP buffers {mib}" if losses else "done: nothing to train")
+            f"median step {median:.1f} ms, DDP buffers and compute copies {mib}" if losses else "done: nothing to train")
 
 
 @dataclass
@@ -436,7 +465,8 @@ def setup(argv: Optional[Sequence[str]] = None) -> Session:
     exclude = adapter.UPSTREAM_LAYOUT if args.fp4_upstream_layout else ()
     if adapter.is_installed():
         adapter.uninstall()  # a previous call in this process may have used other rows
-    adapter.install(allow_untested_version=args.fp4_allow_untested_megatron, exclude=exclude)
+    adapter.install(allow_untested_version=args.fp4_allow_untested_megatron, exclude=exclude,
+                    options=adapter.AdapterOptions(columnwise=args.fp4_columnwise))
     device = initialize(args)
     model, optimizer, scheduler, _ = build(args, device)
     session = Session(args, device, model, optimizer, scheduler)

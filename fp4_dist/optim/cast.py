@@ -32,6 +32,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from .. import kernels
+from ..compute_copy import BoundRefresh, mark_pending
 from ..kernels import bound as stages
 from ..format import check_weight_shape
 from ..tensor import NVFP4Tensor, is_nvfp4_tensor
@@ -300,6 +301,7 @@ class BoundCast:
             buf[plan.amax_numel + rank] = 1.0
         _exchange_amaxes(buf, group, stats)
         _raise_if_bad(plan, buf, self.weights, local_error)
+        mark_pending(self.weights)
         for scale, cast in self.cast_runs:
             scale()
             cast()
@@ -352,22 +354,70 @@ def _raise_if_bad(plan: CastPlan, buf: torch.Tensor, model_weights, local_error)
 
 
 # ----------------------------------------------------------------------------------- after the all-gather
-def post_all_gather_processing(model_weights) -> None:
-    """Build the columnwise copies (nibble transpose + scale transpose) of NVFP4 weights after the gather.
+def post_all_gather_processing(model_weights, *, columnwise: bool = True) -> None:
+    """After the byte all-gather: refresh the compute copies and build the columnwise copies of NVFP4 weights.
 
     Args:
-        model_weights: a tensor or a list; entries that are not NVFP4Tensor are ignored (as in TE), and so
-            are NVFP4 weights with an odd M (two rows share a columnwise byte; they stay rowwise-only).
-    One batched launch per stage for all weights. Columnwise buffers are allocated on first use.
+        model_weights: a tensor or a list; entries that are not NVFP4Tensor are ignored (as in TE).
+        columnwise: build the columnwise copies (nibble transpose + scale transpose), as TransformerEngine's
+            function does; weights with an odd M stay rowwise-only (two rows share a columnwise byte). False:
+            drop them instead (set to None, never left stale): nothing in a Hopper or CPU training step reads
+            them, and `make_columnwise()` builds them on demand.
+    One launch per stage for all weights (dequantize, and the two transposes); the launches are bound once per
+    list of weights and reused while the list and its tensors stay the same.
     """
     if isinstance(model_weights, torch.Tensor):
         model_weights = [model_weights]
-    todo = [w for w in model_weights if is_nvfp4_tensor(w) and w.shape[0] % 2 == 0]
-    if not todo:
+    ours = [w for w in model_weights if is_nvfp4_tensor(w)]
+    if not ours:
         return
-    for w in todo:
-        w.alloc_columnwise()
-    kernels.nibble_transpose([w.rowwise_data for w in todo], [w.columnwise_data for w in todo])
-    kernels.scale_transpose([w.rowwise_scale_inv for w in todo], [w.columnwise_scale_inv for w in todo],
-                            [tuple(w.shape) for w in todo])
+    _post_gather_for(ours, columnwise)()
 
+
+class _PostGather:
+    """post_all_gather_processing of one list of weights, bound: transposes (or drop), then the refresh."""
+
+    def __init__(self, weights, columnwise: bool):
+        self.weights, self.columnwise = weights, columnwise
+        self.refresh = BoundRefresh(weights)
+        self._transposes, self._bound = [], None
+
+    def _columnwise_fields(self, todo) -> tuple:
+        return tuple((w.rowwise_data, w.rowwise_scale_inv, w.columnwise_data, w.columnwise_scale_inv) for w in todo)
+
+    def __call__(self) -> None:
+        if self.columnwise:
+            todo = [w for w in self.weights if w.shape[0] % 2 == 0]
+            for w in todo:
+                w.alloc_columnwise()
+            fields = self._columnwise_fields(todo)
+            if self._bound is None or len(fields) != len(self._bound) or any(
+                    a is not b for x, y in zip(fields, self._bound) for a, b in zip(x, y)):
+                self._transposes = [
+                    stages.bind_nibble_transpose([w.rowwise_data for w in todo], [w.columnwise_data for w in todo]),
+                    stages.bind_scale_transpose([w.rowwise_scale_inv for w in todo],
+                                                [w.columnwise_scale_inv for w in todo], [tuple(w.shape) for w in todo])]
+                self._bound = fields
+            for run in self._transposes:
+                run()
+        else:
+            for w in self.weights:
+                if w.columnwise_data is not None or w.columnwise_scale_inv is not None:
+                    w.columnwise_data = w.columnwise_scale_inv = None
+        self.refresh()
+
+
+_POST: "OrderedDict[tuple, _PostGather]" = OrderedDict()
+_POST_SIZE = 16  # Megatron calls it once per bucket group, with the same lists every step
+
+
+def _post_gather_for(weights, columnwise: bool) -> _PostGather:
+    key = (tuple(map(id, weights)), columnwise)
+    post = _POST.get(key)
+    if post is None:
+        post = _POST[key] = _PostGather(weights, columnwise)  # holds the weights, so the ids stay theirs
+        if len(_POST) > _POST_SIZE:
+            _POST.popitem(last=False)
+    else:
+        _POST.move_to_end(key)
+    return post

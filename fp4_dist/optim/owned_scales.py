@@ -33,6 +33,7 @@ import torch
 from ..buffers import ShardBuffer
 from ..buffers.layout import BufferLayout
 from ..buffers.tile_owners import TileExchange, tile_exchange
+from ..compute_copy import BoundRefresh, mark_pending
 from ..kernels import bound
 from ..tensor import NVFP4Tensor
 from .cast import CastPlan, _name, plan_for
@@ -71,6 +72,7 @@ class ShardedCast:
         self._expand = bound.bind_expand_scales(self.gathered, shapes, self.exchange.sources,
                                                 [w.rowwise_scale_inv for w in self.weights])
         self._columnwise = self._bind_columnwise() if columnwise else []
+        self._refresh = BoundRefresh(self.weights)
 
     @classmethod
     def from_buffer(cls, weights: Sequence[NVFP4Tensor], buf: ShardBuffer, *, columnwise: bool = True):
@@ -126,6 +128,7 @@ class ShardedCast:
         """
         self.local_amaxes()
         self.exchange_amaxes(group, stats)
+        mark_pending(self.weights)
         self.owner_scales()
         self.cast_shards()
 
@@ -159,21 +162,32 @@ class ShardedCast:
         all_gather_inplace(self.gathered, group, stats)
 
     def after_gather(self) -> None:
-        """Every weight's rowwise_scale_inv from the gathered bytes, then the columnwise copies (if bound)."""
+        """Every weight's rowwise_scale_inv from the gathered bytes, the columnwise copies (if bound), and the
+        compute copies (one dequantize launch)."""
         self.expand_scales()
         self.columnwise()
+        self.refresh_compute_copies()
+
+    def refresh_compute_copies(self) -> None:
+        self._refresh()
 
     def expand_scales(self) -> None:
         self._expand()
 
     def columnwise(self) -> None:
-        """Nibble and scale transposes of the weights with an even M (nothing if built without columnwise)."""
+        """Nibble and scale transposes of the weights with an even M; built without columnwise, drop any
+        columnwise copy instead (a `make_columnwise()` since the last step would be stale now)."""
         for run in self._columnwise:
             run()
+        if not self._columnwise:
+            for w in self.weights:
+                if w.columnwise_data is not None or w.columnwise_scale_inv is not None:
+                    w.columnwise_data = w.columnwise_scale_inv = None
 
     def launches_per_step(self) -> int:
         """Stage kernel launches of `cast` + `after_gather` (torch's index ops and the collectives aside)."""
-        return 3 * len(self._steps) + 1 + len(self._columnwise)
+        refresh = any(w.compute_copy for w in self.weights)
+        return 3 * len(self._steps) + 1 + len(self._columnwise) + refresh
 
     # ------------------------------------------------------------------------------------------ reporting
     def message_bytes(self) -> int:

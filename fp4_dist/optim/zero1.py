@@ -56,8 +56,11 @@ class Zero1Config:
     equal to single-process gradient accumulation over the ranks' micro-batches for any world size."""
     average_grads: bool = True
     """Divide the summed grads by the world size (DDP semantics)."""
-    columnwise: bool = True
-    """Build the columnwise NVFP4 copies after each gather (needed by transposed GEMMs)."""
+    columnwise: bool = False
+    """Also build the columnwise NVFP4 copies (nibble + scale transpose) after each gather. Only consumers of
+    the packed columnwise layout read them (FP4 GEMMs on Blackwell, TransformerEngine interop); training
+    through fp4_dist computes on the compute copies, so by default they are not built (each weight's
+    ``columnwise_data`` stays None; ``make_columnwise()`` builds one on demand)."""
 
     def __post_init__(self):
         if self.grad_reduction not in GRAD_REDUCTIONS:
@@ -250,6 +253,16 @@ class Zero1Optimizer:
         bf16 = sum(sec.buf.layout.total * 2 for sec in self._sections)
         scales = self._cast.gathered.numel() if self.nvfp4_params else 0
         return {"nvfp4": nbytes[True], "nvfp4_scales": scales, "dense": nbytes[False], "bf16_equivalent": bf16}
+
+    def param_memory_bytes(self) -> Dict[str, int]:
+        """Bytes this rank holds for the model's parameters: {"nvfp4": the packed gather buffer, "dense": the
+        dense params' buffers, "compute_copies": the NVFP4 weights' model-dtype compute copies}."""
+        from ..compute_copy import compute_copy_bytes
+
+        nbytes = {True: 0, False: 0}
+        for sec in self._sections:
+            nbytes[sec.packed] += sec.buf.param.numel() * sec.buf.param.element_size()
+        return {"nvfp4": nbytes[True], "dense": nbytes[False], "compute_copies": compute_copy_bytes(self.nvfp4_params)}
 
     def full_masters(self) -> List[torch.Tensor]:
         """Every parameter's full fp32 master value (shape of the parameter), assembled from all ranks.

@@ -1,0 +1,207 @@
+"""The compute copy of an NVFP4 weight: its values in the model dtype, made once per change of its bytes.
+
+Every op on an NVFP4Tensor (linear, matmul, t, ...) runs on the weight's dequantized value. A training step
+uses each weight twice per microbatch (forward, and backward for the input gradient) but changes it once (the
+optimizer step, the cast and the all-gather), so each weight keeps one [M, K] copy in its model dtype::
+
+    cast, all-gather, copy_, quantize_, load_state_dict   bytes change
+    post_all_gather_processing / ShardedCast.after_gather  ONE dequantize launch refreshes every copy
+    forward and backward of every microbatch               read the copy (no dequantize at all)
+
+Cost: 2 bytes per element of memory (bf16) next to the packed 0.5; `NVFP4Tensor.compute_copy = False` trades
+it back for a dequantize launch on every use (`compute_copy_bytes` reports what the copies hold).
+
+A copy is never stale. It remembers the field tensors it was made from and their version counters (every
+kernel of this package bumps the counters of what it writes, as a torch op does), its own version and the
+weight's (an in-place op on a view of the value bumps the weight's counter), and the next use re-dequantizes
+on any difference. A cast marks its weights *pending* until the post-all-gather refresh: the gather writes
+through the all-gather buffer, which the weights' own counters do not see (`NVFP4Tensor.set_rowwise_storage`
+gives each weight counters of its own), so until the refresh every use gets a fresh dequantization instead
+of a copy the gather would silently outdate. A refresh overwrites the copy in place and bumps the weight's
+version counter, so a backward through a graph recorded with the previous values raises, as it does for a
+plain parameter changed in place.
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from typing import Optional, Sequence
+
+import torch
+
+from . import kernels
+
+
+class ComputeCopy:
+    """State of one weight's compute copy, shared by all aliases of the weight (nn.Parameter, detach, ...).
+
+    Attributes:
+        enabled: keep a copy (True) or dequantize on every use (False).
+        value: the [M, K] model-dtype tensor, or None before the first refresh / when disabled.
+        pending: set by a cast, cleared by a refresh: the bytes are between a cast and their all-gather.
+    """
+
+    __slots__ = ("enabled", "value", "pending", "epoch", "_src", "_versions", "_pending_uses")
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = bool(enabled)
+        self.value: Optional[torch.Tensor] = None
+        self.pending = False
+        self.epoch = 0
+        """Bumped whenever a rowwise field of the weight, the value or `enabled` is replaced: bound refreshes
+        compare epochs (one int per weight) instead of every tensor they hold."""
+        self._src: tuple = ()
+        self._versions: Optional[tuple] = None
+        self._pending_uses = 0
+
+    def fresh_for(self, w) -> bool:
+        """True when `value` holds the values of `w`'s current bytes."""
+        v, src = self.value, self._src
+        if v is None or self.pending or not src:
+            return False
+        if src[0] is not w.rowwise_data or src[1] is not w.rowwise_scale_inv or src[2] is not w.amax:
+            return False
+        return self._versions == _versions(w, v)
+
+    def record(self, w) -> None:
+        """`value` was just made from `w`'s fields."""
+        self._src = (w.rowwise_data, w.rowwise_scale_inv, w.amax)
+        self._versions = _versions(w, self.value)
+        self.pending = False
+        self._pending_uses = 0
+
+    def drop(self) -> None:
+        self.value, self._src, self._versions = None, (), None
+        self.epoch += 1
+
+    def note_pending_use(self, w) -> None:
+        self._pending_uses += 1
+        if self._pending_uses == 3:
+            warnings.warn(
+                f"NVFP4 weight {list(w.shape)} was used 3 times between a cast and post_all_gather_processing: "
+                "each use dequantizes it afresh. After all-gathering the cast bytes, call "
+                "fp4_dist.post_all_gather_processing(weights) (TransformerEngine's contract) so that one launch "
+                "refreshes the compute copies",
+                stacklevel=4,
+            )
+
+
+def _versions(w, value) -> Optional[tuple]:
+    try:
+        return (w.rowwise_data._version, w.rowwise_scale_inv._version, w.amax._version, value._version, w._version)
+    except RuntimeError:  # inference tensors have no version counter: nothing can prove a copy current
+        return None
+
+
+def _allocate(w) -> torch.Tensor:
+    cc = w._compute_copy
+    v = cc.value
+    dev = w.rowwise_data.device
+    if v is None or v.shape != w.shape or v.dtype != w.dtype or v.device != dev:
+        v = cc.value = torch.empty(tuple(w.shape), dtype=w.dtype, device=dev)
+        cc.epoch += 1
+    return v
+
+
+def refresh_compute_copies(weights: Sequence) -> None:
+    """Re-dequantize the compute copies of `weights` (NVFP4Tensors; other entries ignored) in one launch.
+
+    Clears the weights' pending state; weights with `compute_copy = False` only get that. Call after the bytes
+    of many weights changed at once (an all-gather); a single changed weight refreshes itself on its next use.
+    For the same list every step, `BoundRefresh` skips the per-call plan lookup.
+    """
+    from .tensor import is_nvfp4_tensor
+
+    todo = []
+    for w in weights:
+        if not is_nvfp4_tensor(w):
+            continue
+        cc = w._compute_copy
+        cc.pending = False
+        if cc.enabled:
+            todo.append(w)
+    if not todo:
+        return
+    values = [_allocate(w) for w in todo]
+    kernels.dequantize([w.rowwise_data for w in todo], [w.rowwise_scale_inv for w in todo],
+                       [w.amax for w in todo], values)  # fmt: skip
+    _mark_refreshed(todo, _fields(todo))
+
+
+def _fields(weights) -> list:
+    """What a copy is made from and into, flat: rowwise_data, rowwise_scale_inv, amax, value of each weight."""
+    return [t for w in weights for t in (w.rowwise_data, w.rowwise_scale_inv, w.amax, w._compute_copy.value)]
+
+
+def _mark_refreshed(weights, fields: list, counted: Optional[list] = None) -> None:
+    """`ComputeCopy.record` for every weight just refreshed from `fields` (`_fields(weights)`), in bulk: it runs
+    every step for every weight."""
+    # The weights' own version counters first: views of a copy made by ops on a weight share the weight's
+    # counter, so this is what makes autograd refuse a graph recorded with the previous values.
+    torch.autograd.graph.increment_version(counted if counted is not None
+                                           else [w for w in weights if not w.is_inference()])  # fmt: skip
+    try:
+        v = [t._version for t in fields]
+        wv = [w._version for w in weights]
+    except RuntimeError:  # an inference tensor has no version counter: record() makes that copy never fresh
+        for w in weights:
+            w._compute_copy.record(w)
+        return
+    for j, w in enumerate(weights):
+        cc, i = w._compute_copy, 4 * j
+        cc._src = fields[i:i + 3]
+        cc._versions = (v[i], v[i + 1], v[i + 2], v[i + 3], wv[j])
+        cc._pending_uses = 0
+
+
+class BoundRefresh:
+    """`refresh_compute_copies` of a fixed list of weights, bound once: a call is one launch plus a check per
+    weight that nothing it was bound to has been replaced (then it binds again) and the bookkeeping."""
+
+    def __init__(self, weights: Sequence):
+        from .tensor import is_nvfp4_tensor
+
+        self.weights = [w for w in weights if is_nvfp4_tensor(w)]
+        self._ccs = [w._compute_copy for w in self.weights]
+        self._run, self._todo, self._bound, self._counted, self._epochs = None, [], [], [], None
+
+    def _bind(self, todo) -> None:
+        values = [_allocate(w) for w in todo]
+        self._run = kernels.bound.bind_dequantize([w.rowwise_data for w in todo], [w.rowwise_scale_inv for w in todo],
+                                                  [w.amax for w in todo], values)  # fmt: skip
+        self._todo, self._bound = todo, _fields(todo)
+        self._counted = [w for w in todo if not w.is_inference()]
+
+    def __call__(self) -> None:
+        for cc in self._ccs:
+            cc.pending = False
+        if [cc.epoch for cc in self._ccs] != self._epochs:  # something was replaced: check what, bind again
+            todo = [w for w, cc in zip(self.weights, self._ccs) if cc.enabled]
+            if len(todo) != len(self._todo) or not all(map(operator.is_, _fields(todo), self._bound)):
+                self._bind(todo)
+            self._epochs = [cc.epoch for cc in self._ccs]
+        if self._todo:
+            self._run()
+            _mark_refreshed(self._todo, self._bound, self._counted)
+
+
+def mark_pending(weights: Sequence) -> None:
+    """The bytes of `weights` are being rewritten (a cast): uses dequantize afresh until the next refresh."""
+    for w in weights:
+        w._compute_copy.pending = True
+
+
+def compute_copy_bytes(weights) -> int:
+    """Bytes held by the compute copies of the NVFP4 weights in `weights` (a module or an iterable)."""
+    from .tensor import is_nvfp4_tensor
+
+    if isinstance(weights, torch.nn.Module):
+        weights = weights.parameters()
+    seen, total = set(), 0
+    for w in weights:
+        if is_nvfp4_tensor(w) and w._compute_copy.value is not None and id(w._compute_copy) not in seen:
+            seen.add(id(w._compute_copy))
+            v = w._compute_copy.value
+            total += v.numel() * v.element_size()
+    return total
