@@ -2,7 +2,8 @@
 
     PYTHONPATH=. python bench/kernels.py [--max-log2 30] [--variants] [--out DIR]
 
-Per stage and size (one [N/4096, 4096] weight, 2^20 .. 2^30 elements, fp32 master, whole tensor owned):
+Per stage and size (one [N/4096, 4096] weight, 2^20 .. 2^30 elements, fp32 master, whole tensor owned; the
+dequantize stage writes the bf16 compute copy, 0.5 + 2 + 1/16 bytes per element):
 device time (CUDA events, median, L2 flushed before each run), GB/s of the minimal bytes, and % of the
 device-to-device copy bandwidth measured in the same run (bytes read + written). Then, for a list of 1,000
 weights of mixed shapes: kernel launches per stage, host time per call (plan cached; the cuda_ops layer and the
@@ -75,6 +76,8 @@ def stage_runs(numel: int):
     csi = torch.empty(columnwise_scale_shape(m, k), dtype=torch.uint8, device=DEV)
     cuda_ops.partial_amax([master], [0], shapes, out=amax_buf)
     enc = cuda_ops.fused_scale(amax_buf, shapes, [si], [ao])
+    cuda_ops.partial_cast([master], [0], shapes, enc, [data.view(-1)])
+    values = torch.empty(m, k, dtype=torch.bfloat16, device=DEV)
     tiles = numel // 256
     return [
         ("partial_amax", lambda: cuda_ops.partial_amax([master], [0], shapes, out=amax_buf), 4 * numel + 4 * tiles),
@@ -83,6 +86,8 @@ def stage_runs(numel: int):
          4 * numel + numel // 2 + 4 * tiles),
         ("nibble_transpose", lambda: cuda_ops.nibble_transpose([data], [cols]), numel),
         ("scale_transpose", lambda: cuda_ops.scale_transpose([si], [csi], shapes), csi.numel() + tiles),
+        ("dequantize (bf16)", lambda: cuda_ops.dequantize([data], [si], [ao], [values]),
+         numel // 2 + 2 * numel + numel // 16),
     ]  # fmt: skip
 
 
@@ -117,6 +122,17 @@ def variant_runs(numel: int):
                 _launch.GRID["nibble_transpose"] = "resident"
 
             runs.append((f"nibble_transpose [{tile}, grid {grid}]", run_t, numel))
+        si = torch.full(rowwise_scale_shape(m, k), 0x38, dtype=torch.uint8, device=DEV)
+        amax = torch.ones(1, device=DEV)
+        values = torch.empty(m, k, dtype=torch.bfloat16, device=DEV)
+        dq = cuda_plans.dequant_plan(0, [data], [si], [amax], [values])
+
+        def run_d(plan=dq, grid=grid):
+            _launch.GRID["dequantize"] = grid
+            _launch.launch_dequantize(0, plan.table, plan.unit_begin, 1, plan.units)
+            _launch.GRID["dequantize"] = "units"
+
+        runs.append((f"dequantize [grid {grid}]", run_d, numel // 2 + 2 * numel + numel // 16))
     return runs
 
 
@@ -150,12 +166,14 @@ def many_weights(count: int, reps: int) -> list[dict]:
     csi = [torch.empty(columnwise_scale_shape(m, k), dtype=torch.uint8, device=DEV) for m, k in shapes]
     amax = torch.empty(K.amax_layout(shapes).total, device=DEV)
     enc = cuda_ops.fused_scale(cuda_ops.partial_amax(masters, starts, shapes, out=amax), shapes, si, ao)
+    values = [torch.empty(m, k, dtype=torch.bfloat16, device=DEV) for m, k in shapes]
     stages = {
         "partial_amax": (lambda m: m.partial_amax(masters, starts, shapes, out=amax)),
         "fused_scale": (lambda m: m.fused_scale(amax, shapes, si, ao)),
         "partial_cast": (lambda m: m.partial_cast(masters, starts, shapes, enc, frags)),
         "nibble_transpose": (lambda m: m.nibble_transpose(data, cols)),
         "scale_transpose": (lambda m: m.scale_transpose(si, csi, shapes)),
+        "dequantize": (lambda m: m.dequantize(data, si, ao, values)),
     }
     binds = {
         "partial_amax": bound.bind_partial_amax(masters, starts, shapes, amax),
@@ -163,6 +181,7 @@ def many_weights(count: int, reps: int) -> list[dict]:
         "partial_cast": bound.bind_partial_cast(masters, starts, shapes, enc, frags),
         "nibble_transpose": bound.bind_nibble_transpose(data, cols),
         "scale_transpose": bound.bind_scale_transpose(si, csi, shapes),
+        "dequantize": bound.bind_dequantize(data, si, ao, values),
     }
     rows = []
     for name, call in stages.items():

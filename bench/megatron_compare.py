@@ -2,19 +2,24 @@
 
     torchrun --nproc-per-node 2 bench/megatron_compare.py [--steps 200] [--tiny] [-- extra Megatron args]
 
-Runs the same GPT (same seed, data, LR schedule, no gradient clipping) four times in this process:
+Runs the same GPT (same seed, data, LR schedule, no gradient clipping) five times in this process, in this order:
 
-    fp4       --fp4-param-gather: NVFP4 weights, 4-bit all-gather; gathered bytes checked every --check-every
-    fp4 #2    the same again                            -> determinism: losses and masters bit-identical
+    bf16      plain bf16 model (no quantization at all) -> what NVFP4 does to the loss (information)
+    fp4       --fp4-param-gather: NVFP4 weights, 4-bit all-gather       -> the step time that must stay within
+    bf16 #2   the same as bf16                             1.05x of the bf16 runs' (GPUs): fp4 runs between
+              the two, so drift over the job hits both sides, and runs no checks between its steps
+    fp4 #2    fp4 again, its gathered bytes checked against quantize(full master) every --check-every steps
+                                                        -> determinism: losses and masters bit-identical to fp4
     bf16-gather  --fp4-fake-quant: bf16 weights and bf16 param gather, the weights NVFP4-quantized in the forward
               every step. This is Megatron's "--fp4-param-gather off" run (NVFP4 compute, bf16 gather; its
               test_fp4_param.py asks for loss within 1e-2) and the per-step fake-quantization reference at once
                                                         -> fp4 loss within 1e-2 at every step, and in fact
                                                            bit-identical losses and fp32 masters
-    bf16      plain bf16 model (no quantization at all) -> information only: what NVFP4 does to the loss
 
 Gradient clipping is off (--clip-grad 0): the global grad norm sums shards in a buffer-layout-dependent
-order, which would let fp32 rounding differ between runs whose buffers are laid out differently.
+order, which would let fp32 rounding differ between runs whose buffers are laid out differently. Python's
+garbage collector runs between steps only (Megatron's --manual-gc), so its pauses do not land in the step times
+of whichever run happens to allocate more Python objects.
 Prints a short table on rank 0 and writes it (with every loss) to --json when given.
 """
 
@@ -26,24 +31,33 @@ import statistics
 import sys
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fp4_dist.megatron import pretrain_gpt  # noqa: E402
 
-GPU_MODEL = ("--num-layers 4 --hidden-size 256 --num-attention-heads 4 --ffn-hidden-size 1024 "
-             "--seq-length 256 --max-position-embeddings 256 --micro-batch-size 8 --global-batch-size 16")
-TINY_MODEL = ("--num-layers 2 --hidden-size 48 --num-attention-heads 4 --group-query-attention "
-              "--num-query-groups 1 --kv-channels 12 --ffn-hidden-size 64 --seq-length 32 "
-              "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8")
+MODELS = {
+    "gpt256": ("--num-layers 4 --hidden-size 256 --num-attention-heads 4 --ffn-hidden-size 1024 "
+               "--seq-length 256 --max-position-embeddings 256 --micro-batch-size 8 --global-batch-size 16"),
+    "gpt2048": ("--num-layers 8 --hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 8192 "
+                "--seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 4 --global-batch-size 16"),
+    "tiny": ("--num-layers 2 --hidden-size 48 --num-attention-heads 4 --group-query-attention "
+             "--num-query-groups 1 --kv-channels 12 --ffn-hidden-size 64 --seq-length 32 "
+             "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8"),
+}
+STEP_RATIO_LIMIT = 1.05  # fp4 param gather's median step over the plain bf16 run's
 COMMON = ("--bf16 --use-distributed-optimizer --lr 6e-4 --min-lr 6e-5 --lr-decay-style cosine "
-          "--clip-grad 0 --seed 1234 --deterministic-mode --fp4-master-digest")
+          "--clip-grad 0 --seed 1234 --deterministic-mode --fp4-master-digest --manual-gc")
 
 
 def parse() -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
+    p.add_argument("--model", default="gpt256", choices=sorted(MODELS),
+                   help="gpt256: hidden 256 x 4 layers, seq 256; gpt2048: hidden 2048 x 8 layers, seq 1024, "
+                        "micro-batch 4; tiny: a CPU smoke run")
+    p.add_argument("--tiny", action="store_true", help="same as --model tiny")
     p.add_argument("--check-every", type=int, default=20, help="parity check of the gathered NVFP4 bytes")
     p.add_argument("--log-interval", type=int, default=50)
     p.add_argument("--json", default=None, help="write the table and all losses here (rank 0)")
@@ -57,9 +71,13 @@ def run(name: str, argv: list[str], what: str) -> pretrain_gpt.RunResult:
     return pretrain_gpt.main(argv)
 
 
-def median_ms(result: pretrain_gpt.RunResult) -> float:
-    times = [r.step_ms for r in result.records[5:]] or [r.step_ms for r in result.records]
-    return statistics.median(times)
+def step_times(result: pretrain_gpt.RunResult) -> list[float]:
+    """Step times after the first 5 (compilation, allocator warm-up)."""
+    return [r.step_ms for r in result.records[5:]] or [r.step_ms for r in result.records]
+
+
+def median_ms(*results: pretrain_gpt.RunResult) -> float:
+    return statistics.median([t for r in results for t in step_times(r)])
 
 
 def table(runs: dict[str, pretrain_gpt.RunResult]) -> tuple[list[tuple[str, str, str]], bool]:
@@ -100,22 +118,34 @@ def table(runs: dict[str, pretrain_gpt.RunResult]) -> tuple[list[tuple[str, str,
     rows.append(("param all-gather bytes per step, fp4 / bf16 gather",
                  f"{gather_fp4 / 2**20:.3f} / {gather_bf16 / 2**20:.3f} MiB "
                  f"({gather_bf16 / max(gather_fp4, 1):.2f}x less)", ""))
-    return rows, ok
+    rows.append(("fp4 NVFP4 compute copies (bf16, next to the param buffers)",
+                 f"{fp4.compute_copy_bytes / 2**20:.2f} MiB", ""))
+    ratio = median_ms(fp4) / median_ms(bf16, runs["bf16 #2"])
+    if torch.cuda.is_available():
+        step_ok = ratio <= STEP_RATIO_LIMIT
+        rows.append(("fp4 param gather vs plain bf16: median step (fp4 / bf16 and bf16 #2)",
+                     f"{median_ms(fp4):.1f} / {median_ms(bf16, runs['bf16 #2']):.1f} ms = {ratio:.3f} "
+                     f"(limit {STEP_RATIO_LIMIT})", "PASS" if step_ok else "FAIL"))
+    else:  # CPU ranks: a smoke run, its step times say nothing about a GPU's
+        step_ok = True
+        rows.append(("(info) fp4 param gather vs plain bf16: median step ratio on CPU ranks", f"{ratio:.3f}", ""))
+    return rows, ok and step_ok
 
 
 def main() -> int:
     args, extra = parse()
-    model = (TINY_MODEL if args.tiny else GPU_MODEL).split()
+    model = MODELS["tiny" if args.tiny else args.model].split()
     base = model + COMMON.split() + ["--train-iters", str(args.steps), "--log-interval", str(args.log_interval),
                                      "--lr-warmup-iters", str(max(1, args.steps // 10))]
     base += extra
     fp4 = ["--fp4-param-gather", "--fp4-check-every", str(args.check_every)]
     runs = {
-        "fp4": run("fp4", base + fp4, "NVFP4 weights, 4-bit param all-gather"),
-        "fp4 #2": run("fp4 #2", base + fp4, "the same again (determinism)"),
+        "bf16": run("bf16", base, "plain bf16 model, no quantization"),
+        "fp4": run("fp4", base + ["--fp4-param-gather"], "NVFP4 weights, 4-bit param all-gather"),
+        "bf16 #2": run("bf16 #2", base, "the same as bf16 again (step time drift)"),
+        "fp4 #2": run("fp4 #2", base + fp4, "the same as fp4, gathered bytes checked (determinism, parity)"),
         "bf16-gather": run("bf16-gather", base + ["--fp4-fake-quant"],
                            "bf16 weights and gather, NVFP4-quantized forward (fake quant)"),
-        "bf16": run("bf16", base, "plain bf16 model, no quantization (information)"),
     }
     rows, ok = table(runs)
     if dist.get_rank() == 0:

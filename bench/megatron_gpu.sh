@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Megatron-Core --fp4-param-gather on 2 GPUs with NCCL, in one command (device kind nvidia-h200-x2):
 #   bash bench/megatron_gpu.sh                  # GPT hidden 256 x 4 layers, 200 steps; results under ${OUT:-bench/out}
+#   NPROC=1 bash bench/megatron_gpu.sh --model gpt2048 --steps 30   # GPT hidden 2048 x 8 layers on one GPU
 #   CPU=1 bash bench/megatron_gpu.sh            # the same on 2 CPU ranks (gloo) with a tiny model, 20 steps
 # Runs bench/megatron_compare.py under torchrun: fp4 param gather vs bf16 gather (loss within 1e-2 at every
 # step), fp4 vs the fake-quant reference (bitwise), fp4 twice (bitwise), gathered bytes == quantize(master),
-# median step time and DDP param-buffer bytes; prints a table and exits non-zero on any FAIL.
+# median step time against plain bf16 (limit 1.05x on GPUs), DDP param-buffer and compute-copy bytes; prints a
+# table and exits non-zero on any FAIL.
 # Extra arguments go to megatron_compare.py (e.g. --steps 50, or `-- --overlap-param-gather --overlap-grad-reduce`).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -9,15 +9,18 @@ Weights: the linear weights of a GPT (per layer qkv [3h, h], proj [h, h], fc1 [4
 buckets, align 64), random fp32 masters. Our path is `ShardedCast` (Zero1Optimizer's cast):
 
     partial_amax | amax all-reduce (tensor + cut-tile amaxes, check, scatter back) | scales (owner_scales) |
-    partial_cast | byte all-gather (per bucket) + compact scale all-gather | expand scales | transposes
+    partial_cast | byte all-gather (per bucket) + compact scale all-gather | expand scales |
+    compute copies (one dequantize launch: the bf16 values every forward and backward use)
+    [| transposes (columnwise copies; only with --columnwise, Zero1Optimizer's default is off)]
 
 Each stage is timed alone and the whole step in one piece: device events, median of --reps runs after warm-up.
 Compared in the same run with
   (a) the byte floor: minimal device bytes (spec section 5) / measured copy bandwidth + all-gather bytes /
       measured all-gather bandwidth;
-  (b) Megatron's default bf16 param gather: fp32 -> bf16 copy of the shard + 2-byte all-gather per bucket;
+  (b) Megatron's default bf16 param gather: fp32 -> bf16 copy of the shard + 2-byte all-gather per bucket
+      (which also ends with bf16 weights to compute on);
   (c) the same kernels launched one tensor at a time (as TransformerEngine loops), with its full exchange of
-      every tile amax (one all-reduce here; TE issues two);
+      every tile amax (one all-reduce here; TE issues two), compute copies one weight at a time too;
   (d) the PyTorch reference quantizer under torch.compile (a speed baseline only: compiled code may give
       other bytes), timed on one layer's weights and scaled to the rank's share of all layers.
 Also: all-gather bytes vs bf16, amax all-reduce payload vs TE's scheme, stage launches per step (for each list
@@ -128,7 +131,7 @@ class Model:
     layout: object = None
     weights: list = field(default_factory=list)
 
-    def build(self, bucket: int) -> "Model":
+    def build(self, bucket: int, columnwise: bool = False) -> "Model":
         numels = [m * k for m, k in self.shapes]
         self.layout = build_layout(numels, self.world, bucket_numel=bucket, align=64)
         self.param = torch.zeros(self.layout.total // 2, dtype=torch.uint8, device=self.device)
@@ -143,7 +146,9 @@ class Model:
             w.set_rowwise_storage(self.param[self.layout.weights[i].span.packed().start:
                                              self.layout.weights[i].span.packed().end])  # fmt: skip
             self.weights.append(w)
-        self.cast = ShardedCast(self.weights, self.layout, self.rank, self.masters, self.starts)
+        self.cast = ShardedCast(self.weights, self.layout, self.rank, self.masters, self.starts,
+                                columnwise=columnwise)
+        self.columnwise = columnwise
         return self
 
     @property
@@ -181,8 +186,10 @@ def time_our_stages(model: Model, clock: Clock) -> list[dict]:
         ("partial_cast", c.cast_shards, 4.5 * shard, "copy"),
         ("byte all-gather", lambda: (c.gather_scales(), model.gather_data()), gather_bytes, "gather"),
         ("expand scales", c.expand_scales, scale_bytes, "copy"),
-        ("transposes", c.columnwise, total + scale_bytes + col_scale_bytes, "copy"),
+        ("compute copies (dequantize)", c.refresh_compute_copies, 2.5 * total + scale_bytes, "copy"),
     ]
+    if model.columnwise:
+        rows.append(("transposes", c.columnwise, total + scale_bytes + col_scale_bytes, "copy"))
     out = []
     for name, fn, nbytes, bound_by in rows:
         with _launch.LaunchCounter() as lc:
@@ -230,7 +237,9 @@ def per_tensor_path(model: Model):
         amax.append(bound.bind_partial_amax([shard], [start], [shape], blocks[i]))
         scale.append(bound.bind_fused_scale(blocks[i], [shape], [w.rowwise_scale_inv], [w.amax], enc))
         cast.append(bound.bind_partial_cast([shard], [start], [shape], enc, [frag]))
-        if shape[0] % 2 == 0:
+        post.append(bound.bind_dequantize([w.rowwise_data], [w.rowwise_scale_inv], [w.amax],
+                                          [w._compute_copy.value]))  # fmt: skip
+        if model.columnwise and shape[0] % 2 == 0:
             post.append(bound.bind_nibble_transpose([w.rowwise_data], [w.columnwise_data]))
             post.append(bound.bind_scale_transpose([w.rowwise_scale_inv], [w.columnwise_scale_inv], [shape]))
 
@@ -265,12 +274,12 @@ def compiled_reference(model: Model, clock: Clock):
 
 
 # ------------------------------------------------------------------------------------------------ host time
-def thousand_weights(device, rank: int, world: int, clock: Clock) -> dict:
+def thousand_weights(device, rank: int, world: int, clock: Clock, columnwise: bool) -> dict:
     """Host time and launches per step of ShardedCast and of cast_master_weights_to_nvfp4 for 1,000 weights."""
     g = torch.Generator().manual_seed(0)
     shapes = [(int(m), int(k)) for m, k in zip(torch.randint(1, 17, (1000,), generator=g) * 32,
                                                 torch.randint(1, 17, (1000,), generator=g) * 64)]  # fmt: skip
-    model = Model("1000 weights", shapes, rank, world, device).build(BUCKET)
+    model = Model("1000 weights", shapes, rank, world, device).build(BUCKET, columnwise)
     with _launch.LaunchCounter() as lc:
         model.step()
     host = clock.host_ms(model.step)
@@ -283,7 +292,7 @@ def thousand_weights(device, rank: int, world: int, clock: Clock) -> dict:
 
 # ------------------------------------------------------------------------------------------------ report
 def bench_model(name, shapes, info, clock, bw, args) -> dict:
-    model = Model(name, shapes, info.rank, info.world_size, info.device).build(BUCKET)
+    model = Model(name, shapes, info.rank, info.world_size, info.device).build(BUCKET, args.columnwise)
     stats = CommStats()
     model.step(stats)  # warm-up, and one step's collective payloads
     stages = time_our_stages(model, clock)
@@ -321,7 +330,9 @@ def bench_model(name, shapes, info, clock, bw, args) -> dict:
 def floors(res, bw, model) -> dict:
     shard, total = res["shard_elements"], res["elements"]
     cast_bytes = 8.5 * shard  # amax reads 4 B, cast reads 4 B and writes 0.5 B per owned element
-    post_bytes = 1.0 * total  # nibble transpose: 0.5 B read + 0.5 B written per element
+    post_bytes = 2.5 * total  # compute copies: 0.5 B read + 2 B (bf16) written per element
+    if model.columnwise:
+        post_bytes += 1.0 * total  # nibble transpose: 0.5 B read + 0.5 B written per element
     out = dict(cast_path_ms=cast_bytes / bw["copy_gbs"] / 1e6, post_ms=post_bytes / bw["copy_gbs"] / 1e6)
     out["gather_ms"] = res["gather_bytes"] / bw["gather_gbs"] / 1e6 if bw["gather_gbs"] else 0.0
     out["step_ms"] = out["cast_path_ms"] + out["post_ms"] + out["gather_ms"]
@@ -405,6 +416,7 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="small models (CPU smoke test)")
     p.add_argument("--models", default=None, help="comma-separated subset of the model names")
     p.add_argument("--no-compile-baseline", dest="compile_baseline", action="store_false")
+    p.add_argument("--columnwise", action="store_true", help="also build the columnwise copies every step")
     args = p.parse_args()
     info = init_distributed()
     clock = Clock(info.device, args.reps)
@@ -415,7 +427,7 @@ def main() -> None:
     bw = dict(copy_gbs=copy_bandwidth(clock, info.device, size),
               gather_gbs=all_gather_bandwidth(clock, info.device, size, info.world_size))  # fmt: skip
     results = [bench_model(name, linear_shapes(*hl), info, clock, bw, args) for name, hl in models.items()]
-    host = thousand_weights(info.device, info.rank, info.world_size, clock)
+    host = thousand_weights(info.device, info.rank, info.world_size, clock, args.columnwise)
     if info.rank == 0:
         name = torch.cuda.get_device_name() if info.device.type == "cuda" else "cpu"
         text = render(results, bw, host, name, info.world_size)

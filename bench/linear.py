@@ -1,0 +1,151 @@
+"""A linear layer's forward + backward with an NVFP4 weight against the same layer with a bf16 weight.
+
+    PYTHONPATH=. python bench/linear.py [--tokens 4096] [--out DIR]
+
+For each weight [M, K] (out_features x in_features): y = x @ W^T with x bf16 [tokens, K], then backward with
+a fixed upstream gradient (input and weight gradients). Device time per iteration: CUDA events around 20
+back-to-back iterations (so host work overlaps device work as in training); the variants take turns, round
+after round (so clock and temperature drift hit them alike), and each reports its median over the rounds.
+Host time: wall time of one iteration's Python call, median. Variants:
+
+    bf16               plain bf16 nn.Parameter
+    nvfp4              NVFP4 weight, compute copy current (steady state: every microbatch of a step)
+    nvfp4 + refresh    the same, plus one refresh of the copy per iteration (one microbatch per weight update)
+    nvfp4 per use      compute_copy = False: a dequantize launch in forward and again in backward
+    (old) reference    the plain-torch reference dequantize on every use (what every forward ran before)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import fp4_dist
+from fp4_dist.compute_copy import refresh_compute_copies
+from fp4_dist.kernels import reference
+
+DEV = torch.device("cuda")
+SHAPES = ((2048, 2048), (8192, 2048), (2048, 8192))
+
+
+def timed(step, iters: int = 20, repeats: int = 7) -> tuple[float, float]:
+    """(device ms per iteration, host ms per iteration), medians."""
+    return interleaved({"x": step}, iters, repeats)["x"]
+
+
+def interleaved(steps: dict, iters: int = 20, rounds: int = 9) -> dict:
+    """{name: (device ms per iteration, host ms per iteration)}: medians over rounds in which every step runs
+    `iters` times in turn."""
+    for step in steps.values():
+        for _ in range(5):
+            step()
+    torch.cuda.synchronize()
+    device = {k: [] for k in steps}
+    host = {k: [] for k in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                step()
+                host[name].append(time.perf_counter() - t0)
+            b.record()
+            b.synchronize()
+            device[name].append(a.elapsed_time(b) / iters)
+    return {k: (statistics.median(device[k]), 1e3 * statistics.median(host[k])) for k in steps}
+
+
+def variants(m: int, k: int, tokens: int):
+    g = torch.Generator(device=DEV).manual_seed(m * 7 + k)
+    w32 = torch.randn(m, k, device=DEV, generator=g) * 0.02
+    x = torch.randn(tokens, k, device=DEV, generator=g, dtype=torch.float32).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn(tokens, m, device=DEV, generator=g, dtype=torch.float32).to(torch.bfloat16)
+    plain = torch.nn.Parameter(w32.to(torch.bfloat16))
+    q = torch.nn.Parameter(fp4_dist.quantize(w32))
+    per_use = torch.nn.Parameter(fp4_dist.quantize(w32))
+    per_use.compute_copy = False
+
+    def fwd_bwd(w):
+        def step():
+            w.grad = x.grad = None
+            F.linear(x, w).backward(dy)
+        return step
+
+    def with_refresh():
+        refresh_compute_copies([q])
+        fwd_bwd(q)()
+
+    class _Reference(torch.autograd.Function):  # the old compute path: plain-torch dequantize on each use
+        @staticmethod
+        def forward(ctx, w):
+            return reference.dequantize(w.rowwise_data, w.rowwise_scale_inv, w.amax, torch.bfloat16)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    def old():
+        q.grad = x.grad = None
+        F.linear(x, _Reference.apply(q)).backward(dy)
+
+    return {"bf16": fwd_bwd(plain), "nvfp4": fwd_bwd(q), "nvfp4 + refresh": with_refresh,
+            "nvfp4 per use": fwd_bwd(per_use), "(old) reference": old}  # fmt: skip
+
+
+def dequantize_vs_copy(m: int, k: int) -> dict:
+    """One weight's dequantize launch against a bf16 device copy of the same weight (2 + 2 bytes/element)."""
+    q = fp4_dist.quantize(torch.randn(m, k, device=DEV))
+    src = torch.empty(m, k, dtype=torch.bfloat16, device=DEV)
+    dst = torch.empty_like(src)
+    out = torch.empty_like(src)
+    deq = timed(lambda: fp4_dist.kernels.dequantize([q.rowwise_data], [q.rowwise_scale_inv], [q.amax], [out]))[0]
+    copy = timed(lambda: dst.copy_(src))[0]
+    ref = timed(lambda: reference.dequantize(q.rowwise_data, q.rowwise_scale_inv, q.amax, torch.bfloat16), 5, 3)[0]
+    return {"dequantize_ms": deq, "bf16_copy_ms": copy, "reference_ms": ref}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--out", default=os.environ.get("OUT"))
+    args = p.parse_args()
+    name = torch.cuda.get_device_name()
+    rows = []
+    for m, k in SHAPES:
+        res = interleaved(variants(m, k, args.tokens))
+        rows.append(dict(shape=[m, k], **{label: {"device_ms": d, "host_ms": h} for label, (d, h) in res.items()},
+                         **dequantize_vs_copy(m, k)))  # fmt: skip
+    labels = ["bf16", "nvfp4", "nvfp4 + refresh", "nvfp4 per use", "(old) reference"]
+    lines = [f"device: {name}; linear forward + backward, {args.tokens} tokens, bf16 activations", "",
+             "| weight [M, K] | " + " | ".join(f"{lb} ms (x bf16)" for lb in labels) + " | host ms bf16 / nvfp4 |",
+             "|---|" + "---|" * (len(labels) + 1)]  # fmt: skip
+    for r in rows:
+        base = r["bf16"]["device_ms"]
+        cells = [f"{r[lb]['device_ms']:.3f} ({r[lb]['device_ms'] / base:.3f}x)" for lb in labels]
+        lines.append(f"| {r['shape']} | " + " | ".join(cells) +
+                     f" | {r['bf16']['host_ms']:.3f} / {r['nvfp4']['host_ms']:.3f} |")
+    lines += ["", "| weight [M, K] | dequantize kernel ms | bf16 copy of the weight ms | kernel / copy | "
+              "reference (torch) ms | reference / copy |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['dequantize_ms']:.4f} | {r['bf16_copy_ms']:.4f} | "
+                     f"{r['dequantize_ms'] / r['bf16_copy_ms']:.2f}x | {r['reference_ms']:.3f} | "
+                     f"{r['reference_ms'] / r['bf16_copy_ms']:.1f}x |")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_linear.md"), "w") as f:
+            f.write(text + "\n")
+        with open(os.path.join(args.out, "bench_linear.json"), "w") as f:
+            json.dump(dict(device=name, tokens=args.tokens, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
