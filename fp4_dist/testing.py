@@ -62,3 +62,27 @@ def shard_cuts(numel: int, parts: int, rng: random.Random, even: bool = True) ->
     bounds = [0, *cuts, numel]
     for a, b in zip(bounds, bounds[1:]):
         yield a, b
+
+
+def numerics_sensitive_weight(m: int = 32, k: int = 32) -> torch.Tensor:
+    """fp32 [m, k] (bf16 values) on which the two numerics, "te" and "te-2.14", give different scale bytes: one
+    element is the tensor amax A, another a tile amax where a_t * (S * fp32(1/6)) and (a_t / 6) * S round to
+    different E4M3 codes (found by search, as in the reference tests)."""
+    import numpy as np
+
+    from .kernels import reference as R
+
+    def bf16(v):
+        return torch.tensor(np.asarray(v, dtype=np.float32)).to(torch.bfloat16).float()
+
+    rng = np.random.default_rng(0)
+    for a in bf16(rng.uniform(1, 100, 2000)).tolist():
+        tiles = torch.unique(bf16(np.geomspace(a / 1024, a, 4000)))
+        amax = torch.tensor([a])
+        new, old = R.tile_scales(tiles, amax, "te"), R.tile_scales(tiles, amax, "te-2.14")
+        diff = (new != old).nonzero()
+        if diff.numel():
+            w = torch.zeros(m, k)
+            w[0, 0], w[min(5, m - 1), min(17, k - 1)] = a, float(tiles[int(diff[0])])
+            return w
+    raise AssertionError("no tile amax found on which the numerics differ")

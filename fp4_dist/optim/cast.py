@@ -202,12 +202,14 @@ _BOUND_SIZE = 4
 
 
 def _bound_key(model_weights, master_weights, start_offsets, fragments, group) -> Optional[tuple]:
-    """Everything the checks of a call look at, cheaply: the weights by identity (the cache holds them, so an id
-    is never reused) and the addresses of the buffers the cast writes, the signature (address, dtype, shape,
-    strides) of each master and fragment, the offsets with their types, and the group. None if unhashable."""
+    """Everything the checks of a call and the bound launches depend on, cheaply: the weights by identity (the
+    cache holds them, so an id is never reused), their numerics (settable; dtype and shape are fixed per tensor),
+    the addresses of the buffers the cast writes, the signature (address, dtype, shape, strides) of each master
+    and fragment, the offsets with their types, and the group. None if unhashable."""
     try:
         return (
             tuple(map(id, model_weights)),
+            tuple([w.numerics for w in model_weights]),
             tuple([(w.rowwise_data.data_ptr(), w.rowwise_scale_inv.data_ptr(), w.amax.data_ptr())
                    for w in model_weights]),
             _signature(master_weights), tuple(start_offsets), tuple(map(type, start_offsets)),

@@ -57,7 +57,12 @@ class ShardedCast:
     def __init__(self, weights: Sequence[NVFP4Tensor], layout: BufferLayout, rank: int,
                  masters: Sequence[Optional[torch.Tensor]], starts: Sequence[Optional[int]], *,
                  columnwise: bool = True):  # fmt: skip
+        self._bind_all(weights, layout, rank, masters, starts, columnwise)
+
+    def _bind_all(self, weights, layout, rank, masters, starts, columnwise) -> None:
+        self._args = (weights, layout, rank, masters, starts, columnwise)  # to bind again (`_rebind_if_changed`)
         self.weights = list(weights)
+        self._numerics = [w.numerics for w in self.weights]
         self.plan: CastPlan = plan_for(self.weights)
         shapes = [tuple(int(s) for s in w.shape) for w in self.weights]
         order = [i for g in self.plan.groups for i in g.indices]
@@ -126,11 +131,17 @@ class ShardedCast:
 
         Raises ValueError (on every rank, before any weight byte is written) if a master value is not finite.
         """
+        self._rebind_if_changed()
         self.local_amaxes()
         self.exchange_amaxes(group, stats)
         mark_pending(self.weights)
         self.owner_scales()
         self.cast_shards()
+
+    def _rebind_if_changed(self) -> None:
+        """A weight's numerics is settable and the scale launches were bound with the old one: bind again."""
+        if [w.numerics for w in self.weights] != self._numerics:
+            self._bind_all(*self._args)
 
     # The stages of `cast`, in order (public so that benchmarks can time each one).
     def local_amaxes(self) -> None:

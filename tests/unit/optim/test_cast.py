@@ -203,3 +203,17 @@ def test_post_all_gather_processing_builds_columnwise_like_make_columnwise():
         assert_bytes_equal(w.columnwise_data, ref.columnwise_data, "columnwise_data")
         assert_bytes_equal(w.columnwise_scale_inv, ref.columnwise_scale_inv, "columnwise_scale_inv")
     assert ws[2].columnwise_data is None
+
+
+def test_a_call_after_a_numerics_change_casts_with_the_new_numerics_not_the_cached_binding():
+    from fp4_dist.testing import numerics_sensitive_weight
+
+    master = numerics_sensitive_weight()
+    (w,) = poisoned_weights([tuple(master.shape)])
+    cast_master_weights_to_nvfp4([w], [master.view(-1)], [0])  # binds the launches with numerics "te"
+    w.numerics = "te-2.14"
+    cast_master_weights_to_nvfp4([w], [master.view(-1)], [0])
+    ref = fp4_dist.quantize(master.to(torch.bfloat16), numerics="te-2.14")
+    assert not torch.equal(ref.rowwise_scale_inv, fp4_dist.quantize(master.to(torch.bfloat16)).rowwise_scale_inv)
+    for f in FIELDS:
+        assert_bytes_equal(getattr(w, f), getattr(ref, f), f"{f} after te -> te-2.14")

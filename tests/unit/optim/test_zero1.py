@@ -127,3 +127,19 @@ def test_a_parameter_listed_twice_is_refused():
     model, _ = mlp()
     with pytest.raises(ValueError, match="more than once"):
         Zero1Optimizer([model[0].weight, model[0].weight], adam)
+
+
+def test_a_step_after_a_numerics_change_casts_with_the_new_numerics():
+    from fp4_dist.testing import numerics_sensitive_weight
+
+    master = numerics_sensitive_weight()
+    model = nn.Sequential(nn.Linear(32, 32, bias=False)).to(torch.bfloat16)
+    fp4_dist.convert_linear_weights(model)
+    opt = Zero1Optimizer(model.parameters(), lambda g: torch.optim.SGD(g, lr=0.0), master_init=[master])
+    w = model[0].weight
+    w.numerics = "te-2.14"
+    model(torch.ones(2, 32, dtype=torch.bfloat16)).float().sum().backward()
+    opt.step()
+    ref = fp4_dist.quantize(master.to(torch.bfloat16), numerics="te-2.14")
+    for f in ("rowwise_data", "rowwise_scale_inv", "amax"):
+        assert torch.equal(getattr(w, f), getattr(ref, f)), f"{f} after te -> te-2.14"
