@@ -189,10 +189,9 @@ class LaunchCounter:
 
 def _launch(index: int, key: tuple[str, str], units: int, args: tuple) -> None:
     """Launch kernel `key` with min(units, resident blocks) blocks on torch's current stream of `index`."""
-    import cupy
-
     if units <= 0:
         raise ValueError(f"{key[0]}: launch with {units} work units")
+    import cupy  # here, not at module import: CuPy is optional where nothing runs on a GPU
     k = device_kernels(index)
     fn = k.functions.get(key)
     if fn is None:

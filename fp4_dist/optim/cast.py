@@ -36,7 +36,7 @@ from ..compute_copy import BoundRefresh, mark_pending
 from ..kernels import bound as stages
 from ..format import check_weight_shape
 from ..tensor import NVFP4Tensor, is_nvfp4_tensor
-from .collectives import CommStats, all_reduce_max_, rank_and_size
+from .collectives import CommStats, all_reduce_max_, dist_backend, rank_and_size
 
 MASTER_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -91,11 +91,22 @@ def _name(i: int, w) -> str:
 
 
 def _check_weights(model_weights, master_weights, start_offsets, fsdp_shard_model_weights) -> None:
-    """Structure errors: the same on every rank (the model is replicated), so raising at once is safe."""
+    """The call's structure: arguments of the right kinds, one entry of each per weight, NVFP4 weights.
+
+    Raised on one rank only (a rank-local bug), these still reach every rank: `_validate_and_run` joins the
+    all-reduce with this rank's error flag set (see `_shape_plan`)."""
     n = len(model_weights)
+    for arg, value in (("master_weights", master_weights), ("start_offsets", start_offsets)):
+        if value is None or isinstance(value, torch.Tensor) or not hasattr(value, "__len__"):
+            raise TypeError(f"{arg} must be a list with one entry per weight (None entries where this rank owns "
+                            f"nothing), got {type(value).__name__}")
     if len(master_weights) != n or len(start_offsets) != n:
         raise ValueError(f"got {n} model_weights, {len(master_weights)} master_weights and "
                          f"{len(start_offsets)} start_offsets; pass one of each per weight (None where not owned)")
+    if fsdp_shard_model_weights is not None and (isinstance(fsdp_shard_model_weights, torch.Tensor)
+                                                 or not hasattr(fsdp_shard_model_weights, "__len__")):  # fmt: skip
+        raise TypeError("fsdp_shard_model_weights must be None or a list with one byte fragment (or None) per "
+                        f"weight, got {type(fsdp_shard_model_weights).__name__}")
     if fsdp_shard_model_weights is not None and len(fsdp_shard_model_weights) != n:
         raise ValueError(f"got {len(fsdp_shard_model_weights)} fsdp_shard_model_weights for {n} model_weights")
     for i, w in enumerate(model_weights):
@@ -104,6 +115,27 @@ def _check_weights(model_weights, master_weights, start_offsets, fsdp_shard_mode
                             "cast_master_weights_to_nvfp4 only casts into NVFP4Tensor weights "
                             "(convert them with fp4_dist.convert_linear_weights or fp4_dist.quantize)")
         check_weight_shape(w.shape, _name(i, w))
+
+
+def _shape_plan(model_weights) -> CastPlan:
+    """The amax-buffer layout of `model_weights` from what every entry reports (shape, dtype, numerics), also
+    for entries that are not NVFP4 weights: a rank whose call is malformed can still join the all-reduce with a
+    buffer of the length the other ranks use, and say so there. Raises TypeError when even that is impossible
+    (``model_weights`` is not a list of 2D tensors): then this rank cannot join, and the others stop at the
+    collective's timeout or when this process ends."""
+    if model_weights is None or isinstance(model_weights, torch.Tensor) or not hasattr(model_weights, "__len__"):
+        raise TypeError(f"model_weights must be a list of NVFP4Tensor weights (the same on every rank), got "
+                        f"{type(model_weights).__name__}; this rank cannot join the other ranks' cast")
+    shapes, dtypes, numerics = [], [], []
+    for i, w in enumerate(model_weights):
+        shape = tuple(getattr(w, "shape", ()))
+        if len(shape) != 2:
+            raise TypeError(f"model_weights[{i}] is a {type(w).__name__} of shape {list(shape)}, not a 2D weight; "
+                            "this rank cannot join the other ranks' cast")
+        shapes.append((int(shape[0]), int(shape[1])))
+        dtypes.append(w.dtype if is_nvfp4_tensor(w) else torch.bfloat16)
+        numerics.append(w.numerics if is_nvfp4_tensor(w) else "te")
+    return make_cast_plan(tuple(shapes), tuple(dtypes), tuple(numerics))
 
 
 def _check_shard(i: int, w: NVFP4Tensor, master, start, fragment) -> None:
@@ -185,7 +217,7 @@ def cast_master_weights_to_nvfp4(
     devices, or non-finite master values.
     """
     key = _bound_key(model_weights, master_weights, start_offsets, fsdp_shard_model_weights, group)
-    bound = _BOUND.get(key)
+    bound = None if key is None else _BOUND.get(key)
     if bound is not None:  # the same tensors as a call that passed every check: skip the per-weight checks
         _BOUND.move_to_end(key)
         bound.run(group, stats)
@@ -224,20 +256,18 @@ def _signature(tensors) -> tuple:
 
 
 def _validate_and_run(model_weights, master_weights, start_offsets, group, fsdp_shard_model_weights, key, stats):
-    """First call with these tensors: every check, then bind (and cache) the cast, then run it."""
-    _check_weights(model_weights, master_weights, start_offsets, fsdp_shard_model_weights)
-    frags = fsdp_shard_model_weights or [None] * len(model_weights)
-    local_error = None
+    """First call with these tensors: every check, then bind (and cache) the cast, then run it. A rank whose
+    checks fail still joins the one all-reduce, with its error flag set, so every rank raises (none hangs)."""
+    plan = _shape_plan(model_weights)
     try:
+        _check_weights(model_weights, master_weights, start_offsets, fsdp_shard_model_weights)
+        frags = fsdp_shard_model_weights or [None] * len(model_weights)
         for i, (w, m, s, f) in enumerate(zip(model_weights, master_weights, start_offsets, frags)):
             _check_shard(i, w, m, s, f)
     except (TypeError, ValueError) as e:
-        local_error = e
-    if local_error is not None:  # still joins the collective (with its error flag), then raises
-        run_cast(plan_for(model_weights), model_weights, None, None, group=group, stats=stats, local_error=local_error)
-        return
+        _join_with_error(plan, model_weights, group, stats, e)
     pairs = [_normalise(m, s) for m, s in zip(master_weights, start_offsets)]
-    bound = BoundCast(plan_for(model_weights), model_weights, [p[0] for p in pairs], [p[1] for p in pairs], frags,
+    bound = BoundCast(plan, model_weights, [p[0] for p in pairs], [p[1] for p in pairs], frags,
                       world_size=rank_and_size(group)[1])  # fmt: skip
     if key is not None:
         _BOUND[key] = bound
@@ -287,22 +317,18 @@ class BoundCast:
                                        enc, numerics=g.numerics),
                 stages.bind_partial_cast(g_shards, g_starts, g.shapes, enc, frags, round_to=g.round_to)))  # fmt: skip
 
-    def run(self, group=None, stats: Optional[CommStats] = None, local_error: Optional[Exception] = None) -> None:
+    def run(self, group=None, stats: Optional[CommStats] = None) -> None:
         """amax -> one MAX all-reduce -> check (one scalar read) -> scales -> cast. Raises before any write."""
-        rank, size = rank_and_size(group)
+        _, size = rank_and_size(group)
         buf, plan = self.buf, self.plan
         if buf.numel() != plan.amax_numel + size:
             raise ValueError(f"this BoundCast was built for a group of {buf.numel() - plan.amax_numel} ranks but runs "
                              f"on a group of {size}; build one per process group")
-        if local_error is None:
-            buf[plan.amax_numel:].zero_()  # partial_amax writes every other entry
-            for amax in self.amax_runs:
-                amax()
-        else:
-            buf.zero_()
-            buf[plan.amax_numel + rank] = 1.0
+        buf[plan.amax_numel:].zero_()  # partial_amax writes every other entry
+        for amax in self.amax_runs:
+            amax()
         _exchange_amaxes(buf, group, stats)
-        _raise_if_bad(plan, buf, self.weights, local_error)
+        _raise_if_bad(plan, buf, self.weights)
         mark_pending(self.weights)
         for scale, cast in self.cast_runs:
             scale()
@@ -315,13 +341,35 @@ def _exchange_amaxes(buf: torch.Tensor, group, stats) -> None:
     all_reduce_max_(buf, group, stats)
 
 
+def _join_with_error(plan: CastPlan, model_weights, group, stats, error: Exception) -> None:
+    """This rank's call is invalid: contribute zeros and its error flag to the all-reduce the other ranks run
+    (they then raise RuntimeError naming this rank), and raise `error` here. Writes nothing."""
+    rank, size = rank_and_size(group)
+    buf = torch.zeros(plan.amax_numel + size, dtype=torch.float32, device=_error_device(model_weights, group))
+    buf[plan.amax_numel + rank] = 1.0
+    _exchange_amaxes(buf, group, stats)
+    raise error
+
+
+def _error_device(model_weights, group) -> torch.device:
+    """Where the all-reduce buffer must live: the weights' device, or the GPU an NCCL group needs."""
+    for w in model_weights:
+        t = getattr(w, "rowwise_data", w)
+        if isinstance(t, torch.Tensor):
+            if t.device.type == "cpu" and rank_and_size(group)[1] > 1 and dist_backend(group) == "nccl":
+                break
+            return t.device
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def run_cast(plan: CastPlan, model_weights, shards, starts, *, group=None, fragments=None,
              stats: Optional[CommStats] = None, local_error: Optional[Exception] = None) -> None:
-    """The cast with a prebuilt plan: shards/starts already valid (or ``local_error`` set, shards None)."""
+    """The cast with a prebuilt plan: shards/starts already valid; or, with ``local_error``, this rank's part in
+    the other ranks' cast (its error flag) and then that error raised."""
     if local_error is not None:
-        shards = starts = None
+        _join_with_error(plan, model_weights, group, stats, local_error)
     bound = BoundCast(plan, model_weights, shards, starts, fragments, world_size=rank_and_size(group)[1])
-    bound.run(group, stats, local_error)
+    bound.run(group, stats)
 
 
 def _fragment(w: NVFP4Tensor, shard, start: int, fsdp_fragment):
@@ -332,7 +380,7 @@ def _fragment(w: NVFP4Tensor, shard, start: int, fsdp_fragment):
     return w.rowwise_data.view(-1)[start >> 1:(start + shard.numel() + 1) >> 1]
 
 
-def _raise_if_bad(plan: CastPlan, buf: torch.Tensor, model_weights, local_error) -> None:
+def _raise_if_bad(plan: CastPlan, buf: torch.Tensor, model_weights) -> None:
     """One scalar read decides; the error path may read more (it is about to raise anyway)."""
     flags = buf[plan.amax_numel:]
     ok = (flags == 0).all()
@@ -340,8 +388,6 @@ def _raise_if_bad(plan: CastPlan, buf: torch.Tensor, model_weights, local_error)
         ok = ok & torch.isfinite(buf[g.offset:g.offset + g.layout.n]).all()
     if bool(ok.item()):  # the only device-to-host read of a successful call
         return
-    if local_error is not None:
-        raise local_error
     bad_ranks = flags.nonzero().flatten().tolist()
     if bad_ranks:
         raise RuntimeError(f"rank(s) {bad_ranks} rejected their master shards (see the error on those ranks); "
@@ -370,6 +416,9 @@ def post_all_gather_processing(model_weights, *, columnwise: bool = True) -> Non
     """
     if isinstance(model_weights, torch.Tensor):
         model_weights = [model_weights]
+    if model_weights is None or not hasattr(model_weights, "__iter__"):
+        raise TypeError(f"post_all_gather_processing: model_weights must be a tensor or a list of them, got "
+                        f"{type(model_weights).__name__}")
     ours = [w for w in model_weights if is_nvfp4_tensor(w)]
     if not ours:
         return

@@ -52,6 +52,13 @@ def rank_and_size(group=None) -> Tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def dist_backend(group=None) -> Optional[str]:
+    """The backend name of ``group`` ("gloo", "nccl", ...), or None without torch.distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.get_backend(group)
+
+
 # torch 2.13 renamed the tensor forms of all-gather / reduce-scatter; older releases only have the old names.
 # Looked up at call time, so a profiler or test that wraps torch.distributed sees every call.
 def _all_gather_single(out, inp, group):

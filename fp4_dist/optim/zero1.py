@@ -81,7 +81,28 @@ class _Section:
         self.buf = ShardBuffer(layout, rank, packed=packed, param_dtype=first.dtype, device=first.device)
 
 
+class _ParamStorage:
+    """Which tensors back each parameter (an NVFP4 weight's fields, a dense parameter's data), to put back."""
+
+    _FIELDS = ("rowwise_data", "rowwise_scale_inv", "amax", "columnwise_data", "columnwise_scale_inv")
+
+    def __init__(self, params):
+        self.saved = [(p, {f: getattr(p, f) for f in self._FIELDS}) if is_nvfp4_tensor(p) else (p, p.data)
+                      for p in params]  # fmt: skip
+
+    def restore(self) -> None:
+        for p, old in self.saved:
+            if isinstance(old, dict):
+                for f, t in old.items():
+                    setattr(p, f, t)
+            else:
+                p.data = old
+
+
 def _normalise_groups(params) -> List[dict]:
+    if params is None or isinstance(params, torch.Tensor):
+        raise TypeError("Zero1Optimizer params must be an iterable of parameters or of param-group dicts (as for "
+                        f"torch.optim), got {type(params).__name__}; e.g. model.parameters()")
     params = list(params)
     if not params:
         raise ValueError("Zero1Optimizer got an empty parameter list")
@@ -121,13 +142,18 @@ class Zero1Optimizer:
         self.optimizer = make_optimizer(self._inner_groups(groups))
         fp4 = self._fp4_section()
         self.nvfp4_params = [self.params[i] for i in fp4.indices] if fp4 else []
-        if fp4:
-            for j, w in enumerate(self.nvfp4_params):
-                w.set_rowwise_storage(fp4.buf.param_view(j))
-            # Built once: plans, bound launches (views into the buffers), the amax and scale exchange buffers.
-            self._cast = ShardedCast.from_buffer(self.nvfp4_params, fp4.buf, columnwise=config.columnwise)
-        self._bind_dense_params()
-        self._publish_params()
+        saved = _ParamStorage(self.params)  # a construction that raises leaves every parameter as it was
+        try:
+            if fp4:
+                for j, w in enumerate(self.nvfp4_params):
+                    w.set_rowwise_storage(fp4.buf.param_view(j))
+                # Built once: plans, bound launches (views into the buffers), the amax and scale exchange buffers.
+                self._cast = ShardedCast.from_buffer(self.nvfp4_params, fp4.buf, columnwise=config.columnwise)
+            self._bind_dense_params()
+            self._publish_params()
+        except BaseException:
+            saved.restore()
+            raise
 
     # --------------------------------------------------------------------------------------- construction
     def _build_sections(self) -> List[_Section]:

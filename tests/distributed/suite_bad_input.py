@@ -4,6 +4,9 @@
 * one rank's master has the wrong dtype -> TypeError there, RuntimeError naming that rank elsewhere
 * one rank's master has a NaN           -> ValueError naming the weight on every rank (the reduced amax is inf)
 * a master shard that does not match the buffer layout -> ShardBuffer.check_shards raises naming the weight
+* a malformed call on the last rank only (one master too few, master_weights=None, start_offsets=None, a plain
+  bf16 tensor among the weights) -> a named error there, RuntimeError naming that rank everywhere else, within
+  the collective's round trip (the bad rank joins the all-reduce with its error flag instead of raising first)
 Afterwards a good cast on the same group still works and matches quantize (the group is not wedged).
 """
 
@@ -36,11 +39,13 @@ def layout_shards(ctx, full):
     return buf
 
 
-def expect_error(ctx, label, weights, shards, starts, want):
-    """Run the cast, expect `want` = {exception type: text in message}; check nothing changed."""
+def expect_error(ctx, label, weights, shards, starts, want, call_weights=None):
+    """Run the cast, expect `want` = {exception type: text in message}; check nothing changed.
+
+    ``call_weights``: what this rank passes as model_weights (default ``weights``)."""
     before = [{f: getattr(w, f).clone() for f in FIELDS} for w in weights]
     try:
-        cast_master_weights_to_nvfp4(weights, shards, starts)
+        cast_master_weights_to_nvfp4(weights if call_weights is None else call_weights, shards, starts)
         ctx.check(False, f"{label}: no error raised")
     except Exception as e:  # noqa: BLE001 - the type is what is checked
         text = want.get(type(e))
@@ -74,6 +79,18 @@ def run(ctx) -> dict:
         nan[1][-1] = float("nan")
     expect_error(ctx, "NaN on the last rank", weights, nan, starts, {ValueError: "model_weights[1] (33x80)"})
 
+    last = r == ws - 1
+    others = {RuntimeError: f"rank(s) [{ws - 1}]"}
+    expect_error(ctx, "one master too few on the last rank", weights, shards[:-1] if last else shards, starts,
+                 {ValueError: "master_weights", **others} if last else others)
+    expect_error(ctx, "master_weights=None on the last rank", weights, None if last else shards, starts,
+                 {TypeError: "master_weights must be a list", **others} if last else others)
+    expect_error(ctx, "start_offsets=None on the last rank", weights, shards, None if last else starts,
+                 {TypeError: "start_offsets must be a list", **others} if last else others)
+    plain = [weights[0].dequantize(torch.bfloat16), weights[1]] if last else weights
+    expect_error(ctx, "a plain tensor among the weights on the last rank", weights, shards, starts,
+                 {TypeError: "model_weights[0] is a Tensor", **others} if last else others, call_weights=plain)
+
     wrong_len = [s[:-2] if s is not None and s.numel() > 2 else s for s in shards]
     try:
         buf.check_shards(wrong_len, starts, names=["w0", "w1"])
@@ -86,4 +103,4 @@ def run(ctx) -> dict:
         ref = fp4_dist.quantize(m.view(SHAPES[i]).cpu())
         ctx.same_bytes(w.amax, ref.amax, f"after errors: weight {i} amax")
         ctx.same_bytes(w.rowwise_scale_inv, ref.rowwise_scale_inv, f"after errors: weight {i} scales")
-    return {"cases": 4}
+    return {"cases": 8}

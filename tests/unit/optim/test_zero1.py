@@ -143,3 +143,29 @@ def test_a_step_after_a_numerics_change_casts_with_the_new_numerics():
     ref = fp4_dist.quantize(master.to(torch.bfloat16), numerics="te-2.14")
     for f in ("rowwise_data", "rowwise_scale_inv", "amax"):
         assert torch.equal(getattr(w, f), getattr(ref, f)), f"{f} after te -> te-2.14"
+
+
+def test_a_construction_that_raises_leaves_every_parameter_as_it_was():
+    model, init = mlp()
+    params = list(model.parameters())
+    before = [{f: getattr(p, f) for f in ("rowwise_data", "rowwise_scale_inv", "amax", "columnwise_data")}
+              if fp4_dist.is_nvfp4_tensor(p) else p.data for p in params]
+    copies = [{f: (t.clone() if t is not None else None) for f, t in b.items()} if isinstance(b, dict) else b.clone()
+              for b in before]
+    bad = [t.clone() for t in init]
+    bad[2][1, 1] = float("nan")  # the second NVFP4 weight's master
+    with pytest.raises(ValueError, match="not finite"):
+        Zero1Optimizer(model.parameters(), adam, master_init=bad)
+    for p, b, c in zip(params, before, copies):
+        if isinstance(b, dict):
+            for f, t in b.items():
+                assert getattr(p, f) is t, f"{f} was replaced"
+                if t is not None:
+                    assert torch.equal(t, c[f]), f"{f} bytes changed"
+        else:
+            assert p.data.data_ptr() == b.data_ptr() and torch.equal(p.data, c)
+
+
+def test_none_arguments_are_named():
+    with pytest.raises(TypeError, match="params must be an iterable"):
+        Zero1Optimizer(None, adam)
