@@ -295,7 +295,9 @@ def installed_megatron_version() -> str:
         from megatron.core import package_info
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise RuntimeError(
-            "fp4_dist.megatron needs megatron-core (pip install 'fp4_dist[megatron]'); import failed: " + str(e)
+            "fp4_dist.megatron needs megatron-core 0.19.x: pip install 'fp4_dist[megatron]' (Python 3.12+); on "
+            "Python 3.11 first pip install --ignore-requires-python --no-binary megatron-core "
+            f"'megatron-core=={TESTED_VERSIONS[-1]}'. Import failed: {e}"
         ) from e
     return package_info.__version__
 
