@@ -34,6 +34,8 @@ from .collectives import (
     CommStats,
     all_gather_inplace,
     all_gather_into,
+    all_reduce_max_,
+    all_reduce_sum_,
     rank_and_size,
     reduce_scatter_ordered,
     reduce_scatter_sum,
@@ -111,8 +113,14 @@ def _normalise_groups(params) -> List[dict]:
     return [dict(g, params=list(g["params"])) for g in params]
 
 
-class Zero1Optimizer:
+class Zero1Optimizer(torch.optim.Optimizer):
     """ZeRO-1 over any ``torch.optim`` optimizer, gathering NVFP4 weights as packed 4-bit bytes.
+
+    A ``torch.optim.Optimizer``: ``param_groups`` holds the model's parameters with the inner optimizer's
+    hyperparameters (an LR scheduler or a manual ``group["lr"] = ...`` reaches the inner optimizer at the next
+    `step`), `state_dict` / `load_state_dict` are sharded per parameter for ``torch.distributed.checkpoint``
+    (save and load at any world size; `fp4_dist.optim.zero1_state`), and `clip_grad_norm_` clips the reduced
+    gradients. ``add_param_group`` is refused: the shard buffers are laid out once, at construction.
 
     Args:
         params: parameters or param-group dicts (as for torch.optim); the same list on every rank.
@@ -140,6 +148,16 @@ class Zero1Optimizer:
         self._sections = self._build_sections()
         self._init_masters(master_init)
         self.optimizer = make_optimizer(self._inner_groups(groups))
+        if len(self.optimizer.param_groups) != len(groups):
+            raise ValueError(f"make_optimizer returned an optimizer with {len(self.optimizer.param_groups)} param "
+                             f"groups for the {len(groups)} it was given; build it from exactly those groups")
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._grads_reduced = False
+        self._constructing = True
+        # torch.optim bookkeeping over the model's parameters, with the hyperparameters the inner optimizer chose.
+        super().__init__([dict({k: v for k, v in inner.items() if k != "params"}, params=g["params"])
+                          for g, inner in zip(groups, self.optimizer.param_groups)], dict(self.optimizer.defaults))
+        self._constructing = False
         fp4 = self._fp4_section()
         self.nvfp4_params = [self.params[i] for i in fp4.indices] if fp4 else []
         saved = _ParamStorage(self.params)  # a construction that raises leaves every parameter as it was
@@ -194,6 +212,7 @@ class Zero1Optimizer:
             for j, i in enumerate(sec.indices):
                 where[i] = (sec, j)
         out, k = [], 0
+        self._master_pieces: Dict[int, torch.Tensor] = {}  # parameter index -> the inner optimizer's tensor
         for g in groups:
             pieces = []
             for _ in g["params"]:
@@ -202,6 +221,7 @@ class Zero1Optimizer:
                 if piece is not None:
                     piece.grad = sec.buf.grad_shard_piece(j)
                     pieces.append(piece)
+                    self._master_pieces[k] = piece
                 k += 1
             # torch.optim refuses empty groups; a rank may own nothing of a small group.
             out.append(dict(g, params=pieces or [torch.zeros(0, device=self.params[0].device)]))
@@ -215,8 +235,26 @@ class Zero1Optimizer:
                 p = self.params[i]
                 p.data = sec.buf.param_view(j).view(p.shape)
 
+    def add_param_group(self, param_group: dict) -> None:
+        if not self._constructing:
+            raise NotImplementedError(
+                "Zero1Optimizer lays out its shard and gather buffers once, for the parameters it was built with; "
+                "it cannot take a param group later. Build it with every group (param-group dicts) from the start")
+        super().add_param_group(param_group)
+
+    def _device(self) -> torch.device:
+        return self._sections[0].buf.master.device
+
+    def _sync_hyperparameters(self) -> None:
+        """This optimizer's param_groups are the ones users and LR schedulers change; the inner optimizer steps."""
+        for outer, inner in zip(self.param_groups, self.optimizer.param_groups):
+            for k, v in outer.items():
+                if k != "params":
+                    inner[k] = v
+
     # ----------------------------------------------------------------------------------------------- step
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._grads_reduced = False
         for p in self.params:
             if set_to_none:
                 p.grad = None
@@ -225,13 +263,62 @@ class Zero1Optimizer:
 
     @torch.no_grad()
     def step(self, closure=None) -> None:
-        """Reduce grads, step the inner optimizer on the master shard, re-quantize and gather the params."""
+        """Reduce grads (unless `clip_grad_norm_` did), step the inner optimizer on the master shard with this
+        optimizer's hyperparameters, re-quantize and gather the params."""
         if closure is not None:
             raise ValueError("Zero1Optimizer.step does not take a closure; run forward/backward before step()")
-        for sec in self._sections:
-            self._reduce_grads(sec)
+        self._reduce_all_grads()
+        self._sync_hyperparameters()
         self.optimizer.step()
+        self._grads_reduced = False
         self._publish_params()
+
+    def _reduce_all_grads(self) -> None:
+        if not self._grads_reduced:
+            for sec in self._sections:
+                self._reduce_grads(sec)
+            self._grads_reduced = True
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the gradients by their global norm, as ``torch.nn.utils.clip_grad_norm_`` over all parameters.
+
+        Call it between ``backward()`` and `step`: it reduces the gradients now (step then uses them as they
+        are) and scales this rank's reduced shard. Same formulas as torch: each parameter's norm, the norm of
+        those norms, ``coef = min(max_norm / (total + 1e-6), 1)``. Bitwise equal to torch's on the same fp32
+        gradients for every parameter a single rank holds whole (one process: all); a parameter split between
+        ranks gets its norm from the ranks' partial norms (``(sum n_r^p)^(1/p)``), which can differ in the last
+        bit. One all-reduce of one float per parameter.
+
+        Returns:
+            the total norm (fp32 scalar tensor, the same on every rank).
+        """
+        self._reduce_all_grads()
+        norm_type = float(norm_type)
+        dev = self._device()
+        partial = torch.zeros(len(self.params), dtype=torch.float32, device=dev)
+        pieces, where = [], []
+        for sec in self._sections:
+            for j, i in enumerate(sec.indices):
+                g = sec.buf.grad_shard_piece(j)
+                if g is not None:
+                    pieces.append(g)
+                    where.append(i)
+        if pieces:
+            norms = torch.stack(torch._foreach_norm(pieces, norm_type))
+            idx = torch.tensor(where, dtype=torch.int64, device=dev)
+            partial.index_copy_(0, idx, norms if norm_type == float("inf") else norms.pow(norm_type))
+        if self.world_size > 1:
+            (all_reduce_max_ if norm_type == float("inf") else all_reduce_sum_)(partial, self.group, self.stats)
+        per_param = partial if norm_type == float("inf") else partial.pow(1.0 / norm_type)
+        total = torch.linalg.vector_norm(per_param, norm_type)
+        if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):
+            raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite, so it cannot be "
+                               "clipped; pass error_if_nonfinite=False to clip anyway")
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for sec in self._sections:
+            sec.buf.grad_shard.mul_(coef)
+        return total
 
     def _reduce_grads(self, sec: _Section) -> None:
         buf = sec.buf
@@ -307,10 +394,25 @@ class Zero1Optimizer:
         return out
 
     def state_dict(self) -> dict:
-        """This rank's state: the inner optimizer's state and its fp32 master shards (per buffer)."""
+        """Masters, inner optimizer state and hyperparameters, sharded per parameter for
+        ``torch.distributed.checkpoint`` (save at one world size, load at any; a collective when distributed).
+        See `fp4_dist.optim.zero1_state`."""
+        from .zero1_state import sharded_state_dict
+
+        return sharded_state_dict(self)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a `state_dict` (after ``torch.distributed.checkpoint.load`` filled it), then cast and gather."""
+        from .zero1_state import load_sharded_state_dict
+
+        load_sharded_state_dict(self, state_dict)
+
+    def local_state_dict(self) -> dict:
+        """This rank's state alone (inner optimizer state and its master shards), for ``torch.save`` per rank
+        and `load_local_state_dict` at the same world size and layout."""
         return {"optimizer": self.optimizer.state_dict(), "masters": [s.buf.master.clone() for s in self._sections]}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_local_state_dict(self, state: dict) -> None:
         masters = state["masters"]
         if len(masters) != len(self._sections) or any(
                 m.shape != s.buf.master.shape for m, s in zip(masters, self._sections)):
@@ -318,4 +420,6 @@ class Zero1Optimizer:
         for m, s in zip(masters, self._sections):
             s.buf.master.copy_(m)
         self.optimizer.load_state_dict(state["optimizer"])
+        for outer, inner in zip(self.param_groups, self.optimizer.param_groups):
+            outer.update({k: v for k, v in inner.items() if k != "params"})
         self._publish_params()

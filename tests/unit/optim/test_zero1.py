@@ -78,14 +78,14 @@ def test_state_dict_round_trip_restores_masters_and_weights():
     opt = Zero1Optimizer(model.parameters(), adam, master_init=init)
     loss_of(model, data(0)).backward()
     opt.step()
-    state = {k: v for k, v in opt.state_dict().items()}
+    state = {k: v for k, v in opt.local_state_dict().items()}
     state = {"optimizer": state["optimizer"], "masters": [m.clone() for m in state["masters"]]}
     saved = [w.rowwise_data.clone() for w in opt.nvfp4_params]
     for step in range(1, 3):
         loss_of(model, data(step)).backward()
         opt.step()
         opt.zero_grad()
-    opt.load_state_dict(state)
+    opt.load_local_state_dict(state)
     for w, s in zip(opt.nvfp4_params, saved):
         assert torch.equal(w.rowwise_data, s)
 
@@ -169,3 +169,123 @@ def test_a_construction_that_raises_leaves_every_parameter_as_it_was():
 def test_none_arguments_are_named():
     with pytest.raises(TypeError, match="params must be an iterable"):
         Zero1Optimizer(None, adam)
+
+
+# ------------------------------------------------------------------------------------- torch.optim citizen
+def test_it_is_a_torch_optimizer_whose_param_groups_hold_the_model_parameters():
+    model, init = mlp()
+    opt = Zero1Optimizer(model.parameters(), adam, master_init=init)
+    assert isinstance(opt, torch.optim.Optimizer)
+    assert [id(p) for g in opt.param_groups for p in g["params"]] == [id(p) for p in model.parameters()]
+    assert opt.param_groups[0]["lr"] == 1e-2 and opt.defaults["lr"] == 1e-2
+    with pytest.raises(NotImplementedError, match="param group"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+
+
+def test_an_lr_scheduler_drives_the_inner_optimizer_like_a_plain_torch_optimizer():
+    """Zero1 + StepLR over 6 steps == one process: AdamW + StepLR on the fp32 masters, quantized each step."""
+    model, init = mlp()
+    opt = Zero1Optimizer(model.parameters(), lambda g: torch.optim.AdamW(g, lr=1e-2, foreach=False), master_init=init)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    ref_model, _ = mlp()
+    masters = [t.clone() for t in init]
+    ref_opt = torch.optim.AdamW([{"params": masters}], lr=1e-2, foreach=False)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
+    for step in range(6):
+        _reference_step(ref_model, masters, ref_opt, data(step))
+        ref_sched.step()
+        loss_of(model, data(step)).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
+    for got, want in zip(opt.full_masters(), masters):
+        assert torch.equal(got, want)
+
+
+def _reference_step(ref_model, masters, ref_opt, x):
+    for (name, p), m in zip(list(ref_model.named_parameters()), masters):
+        mod = ref_model.get_submodule(name.rsplit(".", 1)[0])
+        if fp4_dist.is_nvfp4_tensor(p):
+            setattr(mod, "weight", nn.Parameter(fp4_dist.quantize(m.to(torch.bfloat16))))
+        else:
+            p.data = m.to(torch.bfloat16)
+    for m, g in zip(masters, torch.autograd.grad(loss_of(ref_model, x), list(ref_model.parameters()))):
+        m.grad = g.float()
+    ref_opt.step()
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf"), 1.0])
+def test_clip_grad_norm_matches_torch_on_the_same_fp32_grads(norm_type):
+    model, init = mlp()
+    opt = Zero1Optimizer(model.parameters(), lambda g: torch.optim.SGD(g, lr=1.0), master_init=init)
+    ref = [t.clone().requires_grad_() for t in init]
+    grads = []
+    loss_of(model, data(0)).backward()
+    for p, r in zip(opt.params, ref):
+        r.grad = p.grad.float().clone()  # what the optimizer reduces into its fp32 grad shard (one rank)
+        grads.append(r.grad)
+    want = torch.nn.utils.clip_grad_norm_(ref, max_norm=0.05, norm_type=norm_type)
+    got = opt.clip_grad_norm_(0.05, norm_type=norm_type)
+    assert torch.equal(got, want), f"total norm {got} != torch's {want}"
+    for sec in opt._sections:
+        for j, i in enumerate(sec.indices):
+            assert torch.equal(sec.buf.grad_shard_piece(j), ref[i].grad.reshape(-1)), f"clipped grad {i}"
+    opt.step()  # uses the clipped grads: masters moved by exactly -lr * clipped grad
+    for m, r, i0 in zip(opt.full_masters(), ref, init):
+        assert torch.equal(m, i0 - r.grad)
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+def test_dcp_round_trip_in_one_process_restores_masters_state_and_hyperparameters(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    model, init = mlp()
+    opt = Zero1Optimizer(model.parameters(), adam, master_init=init)
+    for step in range(2):
+        loss_of(model, data(step)).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.param_groups[0]["lr"] = 3e-3
+    dcp.save({"optim": opt}, checkpoint_id=str(tmp_path / "ck"))
+    want_masters = [m.clone() for m in opt.full_masters()]
+    want_state = {k: v.clone() for k, v in opt.optimizer.state[opt.optimizer.param_groups[0]["params"][0]].items()}
+    want_bytes = [w.rowwise_data.clone() for w in opt.nvfp4_params]
+
+    model2, _ = mlp(seed=1)
+    opt2 = Zero1Optimizer(model2.parameters(), adam)
+    loss_of(model2, data(5)).backward()
+    opt2.step()  # some state of its own, overwritten by the load
+    dcp.load({"optim": opt2}, checkpoint_id=str(tmp_path / "ck"))
+    for got, want in zip(opt2.full_masters(), want_masters):
+        assert torch.equal(got, want)
+    got_state = opt2.optimizer.state[opt2.optimizer.param_groups[0]["params"][0]]
+    for k, v in want_state.items():
+        assert torch.equal(got_state[k], v), k
+    assert opt2.param_groups[0]["lr"] == 3e-3
+    for w, b in zip(opt2.nvfp4_params, want_bytes):
+        assert torch.equal(w.rowwise_data, b), "weights re-cast from the loaded masters"
+
+
+def test_a_fresh_optimizer_says_how_to_load_state_it_cannot_ask_for_and_load_checkpoint_does(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from fp4_dist.optim.zero1_state import load_checkpoint, save_checkpoint
+
+    model, init = mlp()
+    opt = Zero1Optimizer(model.parameters(), adam, master_init=init)
+    loss_of(model, data(0)).backward()
+    opt.step()
+    save_checkpoint(opt, str(tmp_path / "ck"))
+    want = [m.clone() for m in opt.full_masters()]
+    fresh, _ = mlp(seed=3)
+    opt2 = Zero1Optimizer(fresh.parameters(), adam)
+    with pytest.raises(ValueError, match="load_checkpoint"):
+        sd = {"optimizer": opt2.state_dict()}
+        dcp.load(sd, checkpoint_id=str(tmp_path / "ck"))
+        opt2.load_state_dict(sd["optimizer"])
+    load_checkpoint(opt2, str(tmp_path / "ck"))
+    assert all(torch.equal(a, b) for a, b in zip(opt2.full_masters(), want))
+    p0 = opt.optimizer.param_groups[0]["params"][0]
+    q0 = opt2.optimizer.param_groups[0]["params"][0]
+    assert torch.equal(opt2.optimizer.state[q0]["exp_avg_sq"], opt.optimizer.state[p0]["exp_avg_sq"])

@@ -1,0 +1,233 @@
+"""Zero1Optimizer's checkpoint state: per-parameter sharded tensors that `torch.distributed.checkpoint` (DCP)
+saves at one world size and loads at another.
+
+Each rank owns one contiguous range of each parameter's flat elements, or none: its fp32 master piece and the
+inner optimizer's per-element state of that piece (Adam's ``exp_avg``, ...). `sharded_state_dict` describes
+every parameter's master and per-element state as a ShardedTensor of the parameter's full numel whose local
+shard is this rank's piece at its element offset; the other ranks' pieces are in the global metadata, computed
+from the buffer layout (no collective per tensor). Scalar state (Adam's ``step``) and hyperparameters are plain
+values, the same on every rank. DCP writes each element once and, at load, reads the range the loading rank
+owns, whatever the world size, bucket size or alignment of either run::
+
+    {"state": {parameter index: {"master": ShardedTensor[numel], key: ShardedTensor[numel] or a tensor}},
+     "param_groups": JSON text [{hyperparameters..., "params": [parameter index, ...]}, ...],
+     "fp4_dist": JSON text {"format": 1, "state_keys": {parameter index: [per-element keys]}}}
+
+The non-tensor parts are JSON strings, single leaves: DCP flattens nested lists and dicts of plain values
+differently when it saves and when it loads (a load then asks for keys the checkpoint does not have).
+
+Why not plain tensors: DCP treats a plain tensor with the same key on every rank as replicated and keeps one
+copy, so per-rank master shards saved that way come back as some other rank's shard (the corruption this
+replaces). A fresh optimizer has no per-element state yet, so its state dict cannot ask DCP for it:
+`load_checkpoint` builds that part from the checkpoint's own metadata, and `load_sharded_state_dict` refuses a
+state dict that lacks keys the checkpoint has (rather than silently starting from zero moments).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+FORMAT = 1
+_PieceMap = Dict[int, List[Tuple[int, int, int]]]  # parameter index -> [(group rank, start, numel)]
+
+
+def _distributed(opt) -> bool:
+    return dist.is_available() and dist.is_initialized() and opt.world_size > 1
+
+
+def _all_pieces(opt) -> _PieceMap:
+    """Every rank's piece of every parameter, from the (shared) layouts."""
+    out: _PieceMap = {i: [] for i in range(len(opt.params))}
+    for sec in opt._sections:
+        for r in range(opt.world_size):
+            for j, piece in enumerate(sec.buf.layout.pieces(r)):
+                if piece is not None:
+                    out[sec.indices[j]].append((r, piece.span.start, piece.span.numel))
+    return out
+
+
+def _local_pieces(opt) -> Dict[int, torch.Tensor]:
+    """parameter index -> this rank's master piece: the tensor the inner optimizer keys its state by."""
+    return opt._master_pieces
+
+
+def _per_element_keys(state: dict, piece: torch.Tensor) -> List[str]:
+    return sorted(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() == 1
+                  and v.numel() == piece.numel())  # fmt: skip
+
+
+class _Sharder:
+    """Builds ShardedTensors of full parameters from this rank's pieces (global metadata from the layout)."""
+
+    def __init__(self, opt, devices: List[str]):
+        from torch.distributed._shard.metadata import ShardMetadata
+
+        self.opt, self.pieces = opt, _all_pieces(opt)
+        group_ranks = [dist.get_global_rank(opt.group, r) if opt.group is not None else r
+                       for r in range(opt.world_size)]  # fmt: skip
+        self.meta = {i: [ShardMetadata([start], [n], f"rank:{group_ranks[r]}/{devices[r]}") for r, start, n in ps]
+                     for i, ps in self.pieces.items()}  # fmt: skip
+
+    def __call__(self, i: int, local: Optional[torch.Tensor], dtype: torch.dtype):
+        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+        from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+        numel = self.opt.params[i].numel()
+        mine = [(md, local) for (r, _, _), md in zip(self.pieces[i], self.meta[i]) if r == self.opt.rank]
+        shards = [Shard(t.reshape(-1), md) for md, t in mine if t is not None]
+        props = TensorProperties(dtype=dtype, layout=torch.strided, requires_grad=False)
+        meta = ShardedTensorMetadata(self.meta[i], torch.Size([numel]), props)
+        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta, process_group=self.opt.group)
+
+
+def sharded_state_dict(opt) -> dict:
+    """The optimizer's state as described in the module docstring (a collective when distributed: one small
+    all-gather of every rank's device and state keys)."""
+    local = _local_pieces(opt)
+    inner = opt.optimizer.state
+    keys = {i: _per_element_keys(inner.get(piece, {}), piece) for i, piece in local.items()}
+    device = str(opt._device())
+    if _distributed(opt):
+        gathered: List = [None] * opt.world_size
+        dist.all_gather_object(gathered, (device, keys), group=opt.group)
+        devices = [d for d, _ in gathered]
+        union: Dict[int, set] = {}
+        for _, k in gathered:
+            for i, names in k.items():
+                union.setdefault(i, set()).update(names)
+        keys = {i: sorted(v) for i, v in union.items()}
+        make = _Sharder(opt, devices)
+    else:
+        make = None
+    state = {}
+    for i in range(len(opt.params)):
+        piece = local.get(i)
+        st = inner.get(piece, {}) if piece is not None else {}
+        entry = {"master": piece if make is None else make(i, piece, torch.float32)}
+        for k in keys.get(i, []):
+            v = st.get(k)
+            if piece is not None and v is None:
+                raise ValueError(f"parameter {i}: other ranks hold optimizer state {k!r} for it, this rank does not "
+                                 "for its piece (was the inner optimizer stepped on every rank?)")
+            entry[k] = v if make is None else make(i, v, v.dtype if v is not None else torch.float32)
+        for k, v in st.items():  # scalars (Adam's step): plain, the same on every rank that steps this parameter
+            if k not in entry:
+                entry[k] = v
+        state[i] = entry
+    groups = [dict({k: _plain(v) for k, v in outer.items() if k != "params"},
+                   params=[opt._index[id(p)] for p in outer["params"]]) for outer in opt.param_groups]  # fmt: skip
+    info = {"format": FORMAT, "state_keys": {str(i): k for i, k in keys.items()}}
+    return {"state": state, "param_groups": json.dumps(groups), "fp4_dist": json.dumps(info)}
+
+
+def _plain(v):
+    """A hyperparameter as JSON can hold it (a tensor LR becomes its number; tuples become lists)."""
+    if isinstance(v, torch.Tensor):
+        return v.item()
+    if isinstance(v, tuple):
+        return [_plain(x) for x in v]
+    return v
+
+
+def _restore(new, old):
+    """A JSON-loaded hyperparameter in the type the optimizer holds it in."""
+    if isinstance(old, torch.Tensor):
+        return old.fill_(new)
+    if isinstance(old, tuple):
+        return tuple(new)
+    return new
+
+
+def _local_tensor(v) -> Optional[torch.Tensor]:
+    """This rank's data of a loaded entry: a ShardedTensor's local shard, or the tensor itself."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    if isinstance(v, ShardedTensor):
+        shards = v.local_shards()
+        return shards[0].tensor if shards else None
+    return v
+
+
+@torch.no_grad()
+def load_sharded_state_dict(opt, sd: dict) -> None:
+    """Put a (DCP-loaded) `sharded_state_dict` back: masters, the inner optimizer's state, hyperparameters; then
+    cast and gather the parameters. Raises ValueError if it cannot restore everything the checkpoint holds."""
+    try:
+        info, saved_groups = json.loads(sd["fp4_dist"]), json.loads(sd["param_groups"])
+    except (KeyError, TypeError, ValueError):
+        info, saved_groups = {}, []
+    if not isinstance(info, dict) or info.get("format") != FORMAT or "state" not in sd:
+        raise ValueError("not a Zero1Optimizer state dict (fp4_dist format 1); Zero1Optimizer.local_state_dict() "
+                         "output goes to load_local_state_dict()")
+    if len(sd["state"]) != len(opt.params) or len(saved_groups) != len(opt.param_groups):
+        raise ValueError(f"the state dict has {len(sd['state'])} parameters in {len(saved_groups)} groups; "
+                         f"this optimizer has {len(opt.params)} in {len(opt.param_groups)}")
+    saved_keys = info.get("state_keys", {})
+    local = _local_pieces(opt)
+    inner = opt.optimizer.state
+    for i, entry in sd["state"].items():
+        i = int(i)
+        piece = local.get(i)
+        if piece is None:
+            continue
+        want = set(saved_keys.get(str(i), []))
+        missing = sorted(k for k in want if _local_tensor(entry.get(k)) is None)
+        if missing:
+            raise ValueError(
+                f"parameter {i}: the checkpoint holds optimizer state {missing} that this state dict could not "
+                "take (this optimizer has no state yet, so its state_dict() did not ask for it); load with "
+                "fp4_dist.optim.zero1_state.load_checkpoint(optimizer, path), which builds it from the checkpoint")
+        piece.copy_(_local_tensor(entry["master"]))
+        st = inner.setdefault(piece, {})
+        for k, v in entry.items():
+            if k == "master":
+                continue
+            t = _local_tensor(v)
+            if k in want:
+                st[k] = t.to(piece.device).clone()
+            elif t is not None:
+                st[k] = t.clone() if isinstance(t, torch.Tensor) else t
+    for outer, saved in zip(opt.param_groups, saved_groups):
+        for k, v in saved.items():
+            if k != "params":
+                outer[k] = _restore(v, outer.get(k))
+    opt._sync_hyperparameters()
+    opt._publish_params()
+
+
+def save_checkpoint(opt, path) -> None:
+    """``torch.distributed.checkpoint.save`` of the optimizer's sharded state dict to ``path`` (collective)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"optimizer": sharded_state_dict(opt)}, checkpoint_id=path)
+
+
+def load_checkpoint(opt, path) -> None:
+    """Load a `save_checkpoint` (or DCP) checkpoint saved at any world size into ``opt`` (collective): builds
+    the per-element optimizer state the checkpoint holds (an optimizer that has not stepped has none yet) from
+    the checkpoint's metadata, loads, and restores as `load_sharded_state_dict`."""
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    prefix = "optimizer.state."
+    local = _local_pieces(opt)
+    for fqn, md in meta.items():
+        if not fqn.startswith(prefix) or not hasattr(md, "size"):
+            continue
+        index, key = fqn[len(prefix):].split(".", 1)
+        piece = local.get(int(index))
+        if piece is None or key == "master":
+            continue
+        st = opt.optimizer.state.setdefault(piece, {})
+        if key not in st:
+            shape = tuple(md.size)
+            dtype = md.properties.dtype
+            st[key] = torch.zeros(piece.shape if shape == (opt.params[int(index)].numel(),) else shape,
+                                  dtype=dtype, device=piece.device)  # fmt: skip
+    sd = {"optimizer": sharded_state_dict(opt)}
+    dcp.load(sd, checkpoint_id=path)
+    load_sharded_state_dict(opt, sd["optimizer"])
