@@ -63,6 +63,8 @@ def convert_linear_weights(
             q = quantize(w.detach(), numerics=numerics, dtype=dtype, name=f"{name}.weight")
             q.compute_copy = compute_copy
             module.weight = nn.Parameter(q, requires_grad=w.requires_grad)
+            # An optimizer built before this call still holds `w`, which no longer gets gradients: let it say so.
+            w._fp4_dist_replaced_by = f"{name}.weight"
             report.converted.append(name)
     if any(why != "listed in skip" for why in report.skipped.values()):
         warnings.warn(str(report), stacklevel=2)

@@ -326,6 +326,12 @@ class Zero1Optimizer(torch.optim.Optimizer):
         for j, i in enumerate(sec.indices):
             g = self.params[i].grad
             if g is None:
+                replaced = getattr(self.params[i], "_fp4_dist_replaced_by", None)
+                if replaced is not None:
+                    raise ValueError(
+                        f"parameter {i} of this Zero1Optimizer was replaced by the NVFP4 weight {replaced!r} "
+                        "(fp4_dist.convert_linear_weights) after the optimizer was built, so it gets no gradient and "
+                        "the new weight is not optimized: convert the model first, then build the optimizer")
                 buf.grad_view(j).zero_()
             else:
                 dst.append(buf.grad_view(j))

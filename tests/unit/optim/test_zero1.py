@@ -289,3 +289,13 @@ def test_a_fresh_optimizer_says_how_to_load_state_it_cannot_ask_for_and_load_che
     p0 = opt.optimizer.param_groups[0]["params"][0]
     q0 = opt2.optimizer.param_groups[0]["params"][0]
     assert torch.equal(opt2.optimizer.state[q0]["exp_avg_sq"], opt.optimizer.state[p0]["exp_avg_sq"])
+
+
+def test_converting_after_building_the_optimizer_is_refused_at_the_first_step():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(48, 80), nn.GELU(), nn.Linear(80, 40, bias=False)).to(torch.bfloat16)
+    opt = Zero1Optimizer(model.parameters(), adam)
+    fp4_dist.convert_linear_weights(model)  # too late: opt holds the old bf16 weights
+    loss_of(model, data(0)).backward()
+    with pytest.raises(ValueError, match=r"replaced by the NVFP4 weight '0.weight'.*build the optimizer"):
+        opt.step()
