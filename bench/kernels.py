@@ -6,8 +6,8 @@ Per stage and size (one [N/4096, 4096] weight, 2^20 .. 2^30 elements, fp32 maste
 dequantize stage writes the bf16 compute copy, 0.5 + 2 + 1/16 bytes per element):
 device time (CUDA events, median, L2 flushed before each run), GB/s of the minimal bytes, and % of the
 device-to-device copy bandwidth measured in the same run (bytes read + written). Then, for a list of 1,000
-weights of mixed shapes: kernel launches per stage, host time per call (plan cached; the cuda_ops layer and the
-public fp4_dist.kernels API, which adds the argument checks), and device time.
+weights of mixed shapes: kernel launches per stage, host time per call (the call form, plan cached, and the
+bound form), and device time.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 import fp4_dist.kernels as K
 from fp4_dist.format import columnwise_data_shape, columnwise_scale_shape, rowwise_scale_shape
-from fp4_dist.kernels import _launch, bound, cuda_ops
+from fp4_dist.kernels import _launch
 
 DEV = torch.device("cuda")
 
@@ -74,19 +74,19 @@ def stage_runs(numel: int):
     data = torch.empty(m, k // 2, dtype=torch.uint8, device=DEV)
     cols = torch.empty(columnwise_data_shape(m, k), dtype=torch.uint8, device=DEV)
     csi = torch.empty(columnwise_scale_shape(m, k), dtype=torch.uint8, device=DEV)
-    cuda_ops.partial_amax([master], [0], shapes, out=amax_buf)
-    enc = cuda_ops.fused_scale(amax_buf, shapes, [si], [ao])
-    cuda_ops.partial_cast([master], [0], shapes, enc, [data.view(-1)])
+    K.partial_amax([master], [0], shapes, out=amax_buf)
+    enc = K.fused_scale(amax_buf, shapes, [si], [ao])
+    K.partial_cast([master], [0], shapes, enc, [data.view(-1)])
     values = torch.empty(m, k, dtype=torch.bfloat16, device=DEV)
     tiles = numel // 256
     return [
-        ("partial_amax", lambda: cuda_ops.partial_amax([master], [0], shapes, out=amax_buf), 4 * numel + 4 * tiles),
-        ("fused_scale", lambda: cuda_ops.fused_scale(amax_buf, shapes, [si], [ao]), si.numel() + 8 * tiles),
-        ("partial_cast", lambda: cuda_ops.partial_cast([master], [0], shapes, enc, [data.view(-1)]),
+        ("partial_amax", lambda: K.partial_amax([master], [0], shapes, out=amax_buf), 4 * numel + 4 * tiles),
+        ("fused_scale", lambda: K.fused_scale(amax_buf, shapes, [si], [ao]), si.numel() + 8 * tiles),
+        ("partial_cast", lambda: K.partial_cast([master], [0], shapes, enc, [data.view(-1)]),
          4 * numel + numel // 2 + 4 * tiles),
-        ("nibble_transpose", lambda: cuda_ops.nibble_transpose([data], [cols]), numel),
-        ("scale_transpose", lambda: cuda_ops.scale_transpose([si], [csi], shapes), csi.numel() + tiles),
-        ("dequantize (bf16)", lambda: cuda_ops.dequantize([data], [si], [ao], [values]),
+        ("nibble_transpose", lambda: K.nibble_transpose([data], [cols]), numel),
+        ("scale_transpose", lambda: K.scale_transpose([si], [csi], shapes), csi.numel() + tiles),
+        ("dequantize (bf16)", lambda: K.dequantize([data], [si], [ao], [values]),
          numel // 2 + 2 * numel + numel // 16),
     ]  # fmt: skip
 
@@ -108,8 +108,7 @@ def variant_runs(numel: int):
         for e2m1 in _launch._E2M1:
             def run_cast(grid=grid, e2m1=e2m1):
                 _launch.GRID["partial_cast"] = grid
-                _launch.launch_partial_cast(0, torch.bfloat16, cast.table, cast.unit_begin, 1, cast.units,
-                                            enc.data_ptr(), e2m1)  # fmt: skip
+                _launch.launch_partial_cast(cast, torch.bfloat16, enc, e2m1)
                 _launch.GRID["partial_cast"] = "resident"
 
             runs.append((f"partial_cast [{e2m1}, grid {grid}]", run_cast, 4 * numel + numel // 2 + 4 * (numel // 256)))
@@ -118,7 +117,7 @@ def variant_runs(numel: int):
 
             def run_t(plan=plan, tile=tile, grid=grid):
                 _launch.GRID["nibble_transpose"] = grid
-                _launch.launch_nibble_transpose(0, plan.table, plan.unit_begin, 1, plan.units, tile)
+                _launch.launch_nibble_transpose(plan)
                 _launch.GRID["nibble_transpose"] = "resident"
 
             runs.append((f"nibble_transpose [{tile}, grid {grid}]", run_t, numel))
@@ -129,7 +128,7 @@ def variant_runs(numel: int):
 
         def run_d(plan=dq, grid=grid):
             _launch.GRID["dequantize"] = grid
-            _launch.launch_dequantize(0, plan.table, plan.unit_begin, 1, plan.units)
+            _launch.launch_dequantize(plan)
             _launch.GRID["dequantize"] = "units"
 
         runs.append((f"dequantize [grid {grid}]", run_d, numel // 2 + 2 * numel + numel // 16))
@@ -165,7 +164,7 @@ def many_weights(count: int, reps: int) -> list[dict]:
     cols = [torch.empty(columnwise_data_shape(m, k), dtype=torch.uint8, device=DEV) for m, k in shapes]
     csi = [torch.empty(columnwise_scale_shape(m, k), dtype=torch.uint8, device=DEV) for m, k in shapes]
     amax = torch.empty(K.amax_layout(shapes).total, device=DEV)
-    enc = cuda_ops.fused_scale(cuda_ops.partial_amax(masters, starts, shapes, out=amax), shapes, si, ao)
+    enc = K.fused_scale(K.partial_amax(masters, starts, shapes, out=amax), shapes, si, ao)
     values = [torch.empty(m, k, dtype=torch.bfloat16, device=DEV) for m, k in shapes]
     stages = {
         "partial_amax": (lambda m: m.partial_amax(masters, starts, shapes, out=amax)),
@@ -176,16 +175,16 @@ def many_weights(count: int, reps: int) -> list[dict]:
         "dequantize": (lambda m: m.dequantize(data, si, ao, values)),
     }
     binds = {
-        "partial_amax": bound.bind_partial_amax(masters, starts, shapes, amax),
-        "fused_scale": bound.bind_fused_scale(amax, shapes, si, ao, torch.empty_like(enc)),
-        "partial_cast": bound.bind_partial_cast(masters, starts, shapes, enc, frags),
-        "nibble_transpose": bound.bind_nibble_transpose(data, cols),
-        "scale_transpose": bound.bind_scale_transpose(si, csi, shapes),
-        "dequantize": bound.bind_dequantize(data, si, ao, values),
+        "partial_amax": K.bind_partial_amax(masters, starts, shapes, amax),
+        "fused_scale": K.bind_fused_scale(amax, shapes, si, ao, torch.empty_like(enc)),
+        "partial_cast": K.bind_partial_cast(masters, starts, shapes, enc, frags),
+        "nibble_transpose": K.bind_nibble_transpose(data, cols),
+        "scale_transpose": K.bind_scale_transpose(si, csi, shapes),
+        "dequantize": K.bind_dequantize(data, si, ao, values),
     }
     rows = []
     for name, call in stages.items():
-        variants = {"cuda_ops": lambda: call(cuda_ops), "api": lambda: call(K), "bound": binds[name]}
+        variants = {"call": lambda: call(K), "bound": binds[name]}
         host = {}
         for label, fn in variants.items():
             fn()  # builds and caches the plan
@@ -198,10 +197,10 @@ def many_weights(count: int, reps: int) -> list[dict]:
             torch.cuda.synchronize()
             host[label] = 1e3 * statistics.median(samples)
         with _launch.LaunchCounter() as c:
-            call(cuda_ops)
-        ms = timed(lambda: call(cuda_ops), reps, None)
-        rows.append(dict(stage=name, weights=count, launches=c.calls, host_ms_cuda_ops=host["cuda_ops"],
-                         host_ms_api=host["api"], host_ms_bound=host["bound"], device_ms=ms))  # fmt: skip
+            call(K)
+        ms = timed(lambda: call(K), reps, None)
+        rows.append(dict(stage=name, weights=count, launches=c.calls, host_ms_call=host["call"],
+                         host_ms_bound=host["bound"], device_ms=ms))  # fmt: skip
     return rows
 
 
@@ -228,10 +227,10 @@ def main() -> None:
                   "|---|---|---|---|"]  # fmt: skip
         lines += [f"| {r['stage']} | 2^{r['log2']} | {1e3 * r['ms']:.1f} | {r['pct_copy']:.0f}% |" for r in tried]
     lines += ["", f"{args.weights} weights of mixed shapes in one call:", "",
-              "| stage | launches | host ms (cuda_ops) | host ms (fp4_dist.kernels API) | host ms (bound) | device ms |",
-              "|---|---|---|---|---|---|"]  # fmt: skip
-    lines += [f"| {r['stage']} | {r['launches']} | {r['host_ms_cuda_ops']:.3f} | {r['host_ms_api']:.3f} | "
-              f"{r['host_ms_bound']:.3f} | {r['device_ms']:.3f} |" for r in many]  # fmt: skip
+              "| stage | launches | host ms (call form, plan cached) | host ms (bound form) | device ms |",
+              "|---|---|---|---|---|"]  # fmt: skip
+    lines += [f"| {r['stage']} | {r['launches']} | {r['host_ms_call']:.3f} | {r['host_ms_bound']:.3f} | "
+              f"{r['device_ms']:.3f} |" for r in many]  # fmt: skip
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -40,14 +40,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+import fp4_dist.kernels as K
 from fp4_dist.buffers.layout import build_layout
 from fp4_dist.format import columnwise_scale_shape, num_tiles, rowwise_scale_shape
-from fp4_dist.kernels import _launch, bound
+from fp4_dist.kernels import _launch
 from fp4_dist.kernels import reference as R
 from fp4_dist.launch import init_distributed
 from fp4_dist.optim.cast import cast_master_weights_to_nvfp4
 from fp4_dist.optim.collectives import CommStats, all_gather_inplace, all_reduce_max_
-from fp4_dist.optim.owned_scales import ShardedCast
+from fp4_dist.optim.sharded_cast import ShardedCast
 from fp4_dist.tensor import NVFP4Tensor
 
 MODELS = {"gpt-h2048-l24": (2048, 24), "gpt-h4096-l32": (4096, 32)}
@@ -234,14 +235,14 @@ def per_tensor_path(model: Model):
         shard, start = model.masters[i], model.starts[i] or 0
         frag = None if shard is None else w.rowwise_data.view(-1)[start >> 1:(start + shard.numel() + 1) >> 1]
         enc = torch.zeros(sizes[i] - 1, dtype=torch.float32, device=model.device)
-        amax.append(bound.bind_partial_amax([shard], [start], [shape], blocks[i]))
-        scale.append(bound.bind_fused_scale(blocks[i], [shape], [w.rowwise_scale_inv], [w.amax], enc))
-        cast.append(bound.bind_partial_cast([shard], [start], [shape], enc, [frag]))
-        post.append(bound.bind_dequantize([w.rowwise_data], [w.rowwise_scale_inv], [w.amax],
+        amax.append(K.bind_partial_amax([shard], [start], [shape], blocks[i]))
+        scale.append(K.bind_fused_scale(blocks[i], [shape], [w.rowwise_scale_inv], [w.amax], enc))
+        cast.append(K.bind_partial_cast([shard], [start], [shape], enc, [frag]))
+        post.append(K.bind_dequantize([w.rowwise_data], [w.rowwise_scale_inv], [w.amax],
                                           [w._compute_copy.value]))  # fmt: skip
         if model.columnwise and shape[0] % 2 == 0:
-            post.append(bound.bind_nibble_transpose([w.rowwise_data], [w.columnwise_data]))
-            post.append(bound.bind_scale_transpose([w.rowwise_scale_inv], [w.columnwise_scale_inv], [shape]))
+            post.append(K.bind_nibble_transpose([w.rowwise_data], [w.columnwise_data]))
+            post.append(K.bind_scale_transpose([w.rowwise_scale_inv], [w.columnwise_scale_inv], [shape]))
 
     def stages():
         for run in amax:

@@ -7,7 +7,7 @@ Public API (everything else is internal and may change)::
 """
 
 from .convert import ConversionReport, convert_linear_weights
-from .optim.cast import cast_master_weights_to_nvfp4, post_all_gather_processing, quantize_master_weights
+from .optim import cast_master_weights_to_nvfp4, post_all_gather_processing, quantize_master_weights
 from .quantize import quantize
 from .tensor import NVFP4Tensor, is_nvfp4_tensor
 

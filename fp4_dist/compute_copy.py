@@ -87,6 +87,11 @@ class ComputeCopy:
             )
 
 
+def _has_copy(w) -> bool:
+    """Whether `w` is an NVFP4 weight (anything else in a list of weights is skipped)."""
+    return isinstance(getattr(w, "_compute_copy", None), ComputeCopy)
+
+
 def _versions(w, value) -> Optional[tuple]:
     try:
         return (w.rowwise_data._version, w.rowwise_scale_inv._version, w.amax._version, value._version, w._version)
@@ -111,11 +116,9 @@ def refresh_compute_copies(weights: Sequence) -> None:
     of many weights changed at once (an all-gather); a single changed weight refreshes itself on its next use.
     For the same list every step, `BoundRefresh` skips the per-call plan lookup.
     """
-    from .tensor import is_nvfp4_tensor
-
     todo = []
     for w in weights:
-        if not is_nvfp4_tensor(w):
+        if not _has_copy(w):
             continue
         cc = w._compute_copy
         cc.pending = False
@@ -160,15 +163,13 @@ class BoundRefresh:
     weight that nothing it was bound to has been replaced (then it binds again) and the bookkeeping."""
 
     def __init__(self, weights: Sequence):
-        from .tensor import is_nvfp4_tensor
-
-        self.weights = [w for w in weights if is_nvfp4_tensor(w)]
+        self.weights = [w for w in weights if _has_copy(w)]
         self._ccs = [w._compute_copy for w in self.weights]
         self._run, self._todo, self._bound, self._counted, self._epochs = None, [], [], [], None
 
     def _bind(self, todo) -> None:
         values = [_allocate(w) for w in todo]
-        self._run = kernels.bound.bind_dequantize([w.rowwise_data for w in todo], [w.rowwise_scale_inv for w in todo],
+        self._run = kernels.bind_dequantize([w.rowwise_data for w in todo], [w.rowwise_scale_inv for w in todo],
                                                   [w.amax for w in todo], values)  # fmt: skip
         self._todo, self._bound = todo, _fields(todo)
         self._counted = [w for w in todo if not w.is_inference()]
@@ -194,13 +195,11 @@ def mark_pending(weights: Sequence) -> None:
 
 def compute_copy_bytes(weights) -> int:
     """Bytes held by the compute copies of the NVFP4 weights in `weights` (a module or an iterable)."""
-    from .tensor import is_nvfp4_tensor
-
     if isinstance(weights, torch.nn.Module):
         weights = weights.parameters()
     seen, total = set(), 0
     for w in weights:
-        if is_nvfp4_tensor(w) and w._compute_copy.value is not None and id(w._compute_copy) not in seen:
+        if _has_copy(w) and w._compute_copy.value is not None and id(w._compute_copy) not in seen:
             seen.add(id(w._compute_copy))
             v = w._compute_copy.value
             total += v.numel() * v.element_size()

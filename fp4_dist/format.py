@@ -49,6 +49,42 @@ def num_tiles(m: int, k: int) -> int:
     return tm * tk
 
 
+def tile_offsets(shapes) -> tuple[tuple[int, ...], int]:
+    """(offset of each weight's tile (0, 0) when the tiles of `shapes` are packed row-major one weight after the
+    other, total tiles): the layout of every per-tile array of a list of weights (amaxes, encode multipliers)."""
+    offsets, acc = [], 0
+    for m, k in shapes:
+        offsets.append(acc)
+        acc += num_tiles(m, k)
+    return tuple(offsets), acc
+
+
+# ----------------------------------------------------------------------------------------------- packing
+# Two E2M1 values share a byte (even element in the low nibble), so element ranges map to byte ranges and
+# ranges owned by different ranks must meet at even element offsets.
+
+
+def byte_window(start: int, numel: int) -> tuple[int, int]:
+    """[lo, hi): the bytes of a weight's flat `rowwise_data` that hold elements [start, start + numel) (the
+    fragment a partial cast of that shard writes)."""
+    return start >> 1, (start + numel + 1) >> 1
+
+
+def check_even_boundary(name: str, start: int, end: int, *, end_may_be_odd: bool = False) -> None:
+    """Raise ValueError unless the shard [start, end) of a weight starts (and ends) on a whole byte.
+
+    `end_may_be_odd`: the stage kernels write nibbles exactly, so a shard may end mid-byte; it is the caller's
+    byte exchange (all-gather) that needs both ends even.
+    """
+    odd = [b for b in ((start,) if end_may_be_odd else (start, end)) if b % 2]
+    if odd and end > start:
+        raise ValueError(
+            f"{name}: shard [{start}, {end}) has an odd boundary at element {odd[0]}, which splits a byte (two FP4 "
+            "values share one); shard boundaries must be even element offsets (fp4_dist.buffers.build_layout keeps "
+            "them even)"
+        )
+
+
 def rowwise_data_shape(m: int, k: int) -> tuple[int, int]:
     return m, k // 2
 

@@ -177,15 +177,20 @@ class NVFP4Tensor(torch.Tensor):
 
         Values are rounded to this tensor's dtype first. The columnwise copy, if present, is rebuilt.
         """
-        from .quantize import quantize_into
-
-        quantize_into(src, self)
+        flat, shape = kernels.checks.quantize_source(src, "source")
+        if shape != tuple(self.shape):
+            raise ValueError(f"cannot quantize a {list(shape)} tensor into an NVFP4Tensor of shape {list(self.shape)}")
+        if src.device != self.rowwise_data.device:
+            raise ValueError(f"source is on {src.device} but the NVFP4Tensor is on {self.rowwise_data.device}")
+        kernels.quantize_rowwise(flat, shape, round_to=self.dtype, numerics=self.numerics,
+                                 rowwise_data=self.rowwise_data, scale_inv=self.rowwise_scale_inv, amax=self.amax,
+                                 name="source")  # fmt: skip
+        if self.columnwise_data is not None:
+            self.make_columnwise()
         return self
 
     def make_columnwise(self) -> "NVFP4Tensor":
         """Build columnwise_data / columnwise_scale_inv from the rowwise copy (spec section 3); needs M even."""
-        from . import kernels
-
         self.alloc_columnwise()
         kernels.nibble_transpose([self.rowwise_data], [self.columnwise_data])
         kernels.scale_transpose([self.rowwise_scale_inv], [self.columnwise_scale_inv], [tuple(self.shape)])

@@ -7,6 +7,8 @@ from typing import Iterator
 
 import torch
 
+from .compare import bytes_mismatch  # noqa: F401  (re-exported for tests)
+
 POISON_BYTE = 0xA5
 """Written into outputs before a kernel runs: a byte the kernel should have written but did not shows up."""
 
@@ -18,19 +20,6 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
     if t.dtype.is_floating_point:
         return t.fill_(float("nan"))
     return t.fill_(-0x5A5A5A5A)
-
-
-def bytes_mismatch(got: torch.Tensor, ref: torch.Tensor, label: str = "") -> str | None:
-    """None when `got` and `ref` have the same shape and bits, else 'label: k/n bytes differ at first index i'."""
-    if tuple(got.shape) != tuple(ref.shape):
-        return f"{label}: shape {list(got.shape)} != expected {list(ref.shape)}"
-    g = got.detach().contiguous().view(torch.uint8).reshape(-1).cpu()
-    r = ref.detach().contiguous().view(torch.uint8).reshape(-1).cpu()
-    diff = (g != r).nonzero()
-    if diff.numel() == 0:
-        return None
-    i = int(diff[0])
-    return f"{label}: {diff.numel()}/{g.numel()} bytes differ, first at byte {i} (got {int(g[i]):#04x}, want {int(r[i]):#04x})"
 
 
 def assert_bytes_equal(got: torch.Tensor, ref: torch.Tensor, label: str = "") -> None:

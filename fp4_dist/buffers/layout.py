@@ -31,7 +31,7 @@ import operator
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
-from ..format import TILE, round_up, tile_grid
+from ..format import TILE, check_even_boundary, round_up, tile_grid
 
 DEFAULT_ALIGN = 64
 
@@ -60,9 +60,8 @@ class Span:
         return Span(self.start - offset, self.end - offset)
 
     def packed(self) -> "Span":
-        """Byte range of the packed (2 elements per byte) buffer; both ends must be even."""
-        assert self.start % 2 == 0 and self.end % 2 == 0, (
-            f"span [{self.start}, {self.end}) splits a byte; the layout keeps all boundaries even")
+        """Byte range of the packed (2 elements per byte) buffer: the element range / 2 (both ends even)."""
+        check_even_boundary("span", self.start, self.end)
         return Span(self.start // 2, self.end // 2)
 
 

@@ -205,59 +205,51 @@ def _launch(index: int, key: tuple[str, str], units: int, args: tuple) -> None:
         fn((grid,), (THREADS,), args, stream=stream)
 
 
-def _check_ptrs(stage: str, **ptrs: int) -> None:
-    for name, p in ptrs.items():
-        if not p:
-            raise ValueError(f"{stage}: {name} is a null pointer")
+# One launcher per stage. A plan (`cuda_plans.Plan`) holds the device, the descriptor table, the prefix sum of
+# work units and their count; the other arguments are the per-call device buffers.
 
 
-# One launcher per stage. Pointers are device addresses (int); `table` is a ShardDesc/ScaleDesc/... array and
-# `unit_begin` its int64 [n + 1] prefix sum of work units (see common.cuh).
+def launch_partial_amax(plan, round_to, out) -> None:
+    _launch(plan.device, ("partial_amax", _ROUND[round_to]), plan.units,
+            (plan.table, plan.unit_begin, np.int32(plan.n), out.data_ptr(), plan.scratch.data_ptr()))  # fmt: skip
 
 
-def launch_partial_amax(index, round_to, table, unit_begin, n, units, out, scratch) -> None:
-    _check_ptrs("partial_amax", table=table, unit_begin=unit_begin, out=out, scratch=scratch)
-    _launch(index, ("partial_amax", _ROUND[round_to]), units, (table, unit_begin, np.int32(n), out, scratch))
+def launch_fused_scale(plan, numerics, amaxes, enc) -> None:
+    _launch(plan.device, ("fused_scale", _NUMERICS[numerics]), plan.units,
+            (plan.table, plan.unit_begin, np.int32(plan.n), amaxes.data_ptr(), enc.data_ptr()))  # fmt: skip
 
 
-def launch_fused_scale(index, numerics, table, unit_begin, n, units, amaxes, enc) -> None:
-    _check_ptrs("fused_scale", table=table, unit_begin=unit_begin, amaxes=amaxes, enc=enc)
-    _launch(index, ("fused_scale", _NUMERICS[numerics]), units, (table, unit_begin, np.int32(n), amaxes, enc))
-
-
-def launch_partial_cast(index, round_to, table, unit_begin, n, units, enc, e2m1: str | None = None) -> None:
+def launch_partial_cast(plan, round_to, enc, e2m1: str | None = None) -> None:
     """`e2m1`: the rounding variant (default CAST_E2M1); both give the same bits."""
-    _check_ptrs("partial_cast", table=table, unit_begin=unit_begin, enc=enc)
     key = ("partial_cast", f"{_ROUND[round_to]}:{e2m1 or CAST_E2M1}")
-    _launch(index, key, units, (table, unit_begin, np.int32(n), enc))
+    _launch(plan.device, key, plan.units, (plan.table, plan.unit_begin, np.int32(plan.n), enc.data_ptr()))
 
 
-def launch_owner_scales(index, numerics, table, unit_begin, n, units, amaxes, enc, compact) -> None:
-    _check_ptrs("owner_scales", table=table, unit_begin=unit_begin, amaxes=amaxes, enc=enc, compact=compact)
-    _launch(index, ("owner_scales", _NUMERICS[numerics]), units,
-            (table, unit_begin, np.int32(n), amaxes, enc, compact))  # fmt: skip
+def launch_owner_scales(plan, numerics, amaxes, enc, compact) -> None:
+    _launch(plan.device, ("owner_scales", _NUMERICS[numerics]), plan.units,
+            (plan.table, plan.unit_begin, np.int32(plan.n), amaxes.data_ptr(), enc.data_ptr(),
+             compact.data_ptr()))  # fmt: skip
 
 
-def launch_expand_scales(index, table, unit_begin, n, units, segments, gathered) -> None:
-    _check_ptrs("expand_scales", table=table, unit_begin=unit_begin, segments=segments, gathered=gathered)
-    _launch(index, ("expand_scales", ""), units, (table, unit_begin, np.int32(n), segments, gathered))
+def launch_expand_scales(plan, gathered) -> None:
+    _launch(plan.device, ("expand_scales", ""), plan.units,
+            (plan.table, plan.unit_begin, np.int32(plan.n), plan.extra, gathered.data_ptr()))  # fmt: skip
 
 
-def launch_nibble_transpose(index, table, unit_begin, n, units, tile: str) -> None:
-    """`tile`: the unit shape (rows x columns of the weight) the plan was built for (cuda_plans.NIBBLE_TILES)."""
-    _check_ptrs("nibble_transpose", table=table, unit_begin=unit_begin)
-    _launch(index, ("nibble_transpose", tile), units, (table, unit_begin, np.int32(n)))
+def launch_nibble_transpose(plan) -> None:
+    """The unit shape (rows x columns of the weight) is the one the plan was laid out for (`plan.variant`)."""
+    _launch(plan.device, ("nibble_transpose", plan.variant), plan.units,
+            (plan.table, plan.unit_begin, np.int32(plan.n)))  # fmt: skip
 
 
-def launch_scale_transpose(index, table, unit_begin, n, units) -> None:
-    _check_ptrs("scale_transpose", table=table, unit_begin=unit_begin)
-    _launch(index, ("scale_transpose", ""), units, (table, unit_begin, np.int32(n)))
+def launch_scale_transpose(plan) -> None:
+    _launch(plan.device, ("scale_transpose", ""), plan.units, (plan.table, plan.unit_begin, np.int32(plan.n)))
 
 
-def launch_dequantize(index, table, unit_begin, n, units) -> None:
+def launch_dequantize(plan) -> None:
     """A dequantize unit is one warp's work: 8 units per 256-thread block."""
-    _check_ptrs("dequantize", table=table, unit_begin=unit_begin)
-    _launch(index, ("dequantize", ""), -(-units // (THREADS // 32)), (table, unit_begin, np.int32(n)))
+    _launch(plan.device, ("dequantize", ""), -(-plan.units // (THREADS // 32)),
+            (plan.table, plan.unit_begin, np.int32(plan.n)))  # fmt: skip
 
 
 def launch_pointwise(index, key: str, args: tuple, n: int, variant: str = "") -> None:

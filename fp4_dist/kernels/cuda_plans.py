@@ -3,10 +3,10 @@
 A *plan* is an int64 descriptor table (one row per weight, field order of the structs in cuda/common.cuh,
 mirrored by the *_FIELDS tuples below; a CPU test compares the two), the prefix sum of each weight's work
 units, and optionally a side table; all uploaded once from pinned memory with a non-blocking copy (no host
-sync). A plan holds addresses, not tensors: whoever keeps a plan keeps the tensors alive (cuda_ops does).
+sync). A plan holds addresses, not tensors: it is valid for any tensors at those addresses with the same
+dtypes, shapes and strides, which is what `fp4_dist.kernels.stages` caches plans by.
 
-The builders check what only the CUDA path needs (one device, output sizes and dtypes, odd starts); the
-shared argument checks of `fp4_dist.kernels` (shapes, shard ranges, dtypes) run before them.
+Builders take arguments that `fp4_dist.kernels.checks` has accepted and only lay them out.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..format import TILE, ceil_div, columnwise_data_shape, columnwise_scale_shape, rowwise_scale_shape, tile_grid
+from ..format import TILE, ceil_div, columnwise_scale_shape, rowwise_scale_shape, tile_grid, tile_offsets
 
 SHARD_FIELDS = (
     "src", "dst", "start", "end", "m", "k", "tiles_k", "tile_off", "band_lo", "n_chunks", "owned_units",
@@ -82,58 +82,6 @@ class Plan:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Helpers
-
-
-def device_index(tensors, what: str) -> int:
-    """Device of the first non-empty tensor (else of any CUDA tensor); non-empty ones must all be CUDA."""
-    fallback = None
-    for t in tensors:
-        if t is None:
-            continue
-        if t.numel():
-            if not t.is_cuda:
-                raise ValueError(f"{what}: CUDA path got a {t.device} tensor; put every tensor on one CUDA device")
-            return t.device.index
-        if fallback is None and t.is_cuda:
-            fallback = t.device.index
-    if fallback is None:
-        raise ValueError(f"{what}: no CUDA tensor to take the device from")
-    return fallback
-
-
-def same_device(t: torch.Tensor, index: int, label: str) -> None:
-    if not t.is_cuda or t.device.index != index:
-        raise ValueError(f"{label} is on {t.device}, the other tensors on cuda:{index}; put them on one device")
-
-
-def check_out(t: torch.Tensor, index: int, numel: int, label: str) -> None:
-    same_device(t, index, label)
-    if t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != numel:
-        raise ValueError(
-            f"{label}: need a contiguous fp32 tensor of {numel} entries, got {t.dtype} {list(t.shape)} "
-            f"(contiguous={t.is_contiguous()})"
-        )
-
-
-def check_u8(t: torch.Tensor, shape, index: int, label: str) -> None:
-    same_device(t, index, label)
-    if t.dtype != torch.uint8 or tuple(t.shape) != tuple(shape) or not t.is_contiguous():
-        raise ValueError(
-            f"{label}: need a contiguous uint8 tensor {list(shape)}, got {t.dtype} {list(t.shape)} "
-            f"(contiguous={t.is_contiguous()})"
-        )
-
-
-def tile_offsets(shapes: Sequence[Shape]) -> tuple[list[int], int]:
-    offsets, acc = [], 0
-    for m, k in shapes:
-        offsets.append(acc)
-        acc += ceil_div(m, TILE) * ceil_div(k, TILE)
-    return offsets, acc
-
-
-# --------------------------------------------------------------------------------------------------------------
 # partial_amax / partial_cast: shard descriptors
 
 
@@ -154,43 +102,29 @@ def _shard_row(shard, start: int, m: int, k: int, tile_off: int, dst: int, with_
     flags = FLAG_BF16_SRC if bf16 else 0
     if (src - start * shard.element_size()) % 16 == 0:  # element e % 8 == 0 sits on a 16-byte boundary
         flags |= FLAG_VEC_SRC
-    if dst and (dst - (start >> 1)) % 4 == 0:
+    if dst and (dst - (start >> 1)) % 4 == 0:  # the weight's byte 0 is 4-byte aligned
         flags |= FLAG_VEC_DST
     row = [src, dst, start, end, m, k, tk, tile_off, band_lo, n_chunks, owned, zero_lo, zero_hi, zero_units, flags, 0]
     return row, owned + zero_units
 
 
-def amax_plan(index, shards, starts, shapes) -> Plan:
+def amax_plan(index: int, shards, starts, shapes) -> Plan:
     offsets, tiles = tile_offsets(shapes)
     n = len(shapes)
     rows, units = [], []
-    for i, (shard, start, (m, k)) in enumerate(zip(shards, starts, shapes)):
-        if shard is not None and shard.numel():
-            same_device(shard, index, f"shard {i}")
-        row, u = _shard_row(shard, int(start), m, k, n + offsets[i], 0, with_zeros=True)
+    for shard, start, (m, k), off in zip(shards, starts, shapes, offsets):
+        row, u = _shard_row(shard, int(start), m, k, n + off, 0, with_zeros=True)
         rows.append(row)
         units.append(u)
     return Plan(index, rows, len(SHARD_FIELDS), units, tiles=tiles, scratch_words=2 * n)
 
 
-def cast_plan(index, shards, starts, shapes, fragments) -> Plan:
+def cast_plan(index: int, shards, starts, shapes, fragments) -> Plan:
     offsets, tiles = tile_offsets(shapes)
     rows, units = [], []
-    for i, (shard, start, (m, k), frag) in enumerate(zip(shards, starts, shapes, fragments)):
-        start, dst = int(start), 0
-        if shard is not None and shard.numel():
-            same_device(shard, index, f"shard {i}")
-            if start % 2:
-                raise ValueError(
-                    f"shard {i}: start {start} is odd, so its first byte would be shared with another rank's "
-                    "shard; shard boundaries must be even element offsets"
-                )
-            want = ((start + shard.numel() + 1) >> 1) - (start >> 1)
-            if frag is None or frag.dtype != torch.uint8 or frag.numel() != want or not frag.is_contiguous():
-                raise ValueError(f"fragment {i}: need a contiguous uint8 tensor of {want} bytes for shard {i}")
-            same_device(frag, index, f"fragment {i}")
-            dst = frag.data_ptr()
-        row, u = _shard_row(shard, start, m, k, offsets[i], dst, with_zeros=False)
+    for shard, start, (m, k), frag, off in zip(shards, starts, shapes, fragments, offsets):
+        owned = shard is not None and shard.numel()
+        row, u = _shard_row(shard, int(start), m, k, off, frag.data_ptr() if owned else 0, with_zeros=False)
         rows.append(row)
         units.append(u)
     return Plan(index, rows, len(SHARD_FIELDS), units, tiles=tiles)
@@ -200,60 +134,47 @@ def cast_plan(index, shards, starts, shapes, fragments) -> Plan:
 # fused_scale, owner_scales, expand_scales
 
 
-def _check_scale_out(si: torch.Tensor, ao, index: int, i: int, m: int, k: int) -> tuple[int, int]:
-    same_device(si, index, f"scale_inv {i}")
-    want = rowwise_scale_shape(m, k)
-    if si.dtype != torch.uint8 or tuple(si.shape) != want or not si.is_contiguous():
-        raise ValueError(f"scale_inv {i}: need contiguous uint8 {list(want)}, got {si.dtype} {list(si.shape)}")
-    if ao is not None:
-        check_amax_out(ao, index, i)
-    return want
+def _scale_rows(si: torch.Tensor, m: int, k: int) -> tuple[int, int, int]:
+    """(units, n_chunks, flags) of one weight's row-expanded scale array: a unit is a 16-row band x 1024 columns."""
+    rows_pad, cols_pad = rowwise_scale_shape(m, k)
+    n_chunks = ceil_div(cols_pad, SCALE_CHUNK)
+    return (rows_pad // TILE) * n_chunks, n_chunks, FLAG_VEC_DST if si.data_ptr() % 4 == 0 else 0
 
 
-def check_amax_out(ao: torch.Tensor, index: int, i: int) -> None:
-    same_device(ao, index, f"amax_out {i}")
-    if ao.dtype != torch.float32 or ao.numel() < 1:
-        raise ValueError(f"amax_out {i}: need an fp32 tensor of 1 entry, got {ao.dtype} {list(ao.shape)}")
-
-
-def scale_plan(index, shapes, scale_invs, amax_outs) -> Plan:
+def scale_plan(index: int, shapes, scale_invs, amax_outs) -> Plan:
     offsets, tiles = tile_offsets(shapes)
     rows, units = [], []
-    for i, ((m, k), si, ao) in enumerate(zip(shapes, scale_invs, amax_outs)):
-        rows_pad, cols_pad = _check_scale_out(si, ao, index, i, m, k)
+    for (m, k), si, ao, off in zip(shapes, scale_invs, amax_outs, offsets):
+        u, n_chunks, flags = _scale_rows(si, m, k)
         tm, tk = tile_grid(m, k)
-        n_chunks = ceil_div(cols_pad, SCALE_CHUNK)
-        flags = FLAG_VEC_DST if si.data_ptr() % 4 == 0 else 0
-        rows.append([si.data_ptr(), ao.data_ptr(), m, tm, tk, cols_pad, offsets[i], n_chunks, flags, 0])
-        units.append((rows_pad // TILE) * n_chunks)
+        rows.append([si.data_ptr(), ao.data_ptr(), m, tm, tk, rowwise_scale_shape(m, k)[1], off, n_chunks, flags, 0])
+        units.append(u)
     return Plan(index, rows, len(SCALE_FIELDS), units, tiles=tiles)
 
 
-def owner_plan(index, shapes, enc_ranges, own_ranges, amax_outs) -> Plan:
+def owner_plan(index: int, shapes, enc_ranges, own_ranges, amax_outs) -> Plan:
     """OwnerDesc rows: encode multipliers of tiles [enc_lo, enc_hi), compact scale bytes of [own_lo, own_hi)
     at own_base (bases are consecutive in weight order), amax_out of every weight (so >= 1 unit each)."""
     offsets, tiles = tile_offsets(shapes)
     rows, units, base = [], [], 0
-    for i, ((lo, hi), (a, b), ao) in enumerate(zip(enc_ranges, own_ranges, amax_outs)):
-        check_amax_out(ao, index, i)
-        rows.append([ao.data_ptr(), offsets[i], lo, hi, a, b, base, 0])
+    for (lo, hi), (a, b), ao, off in zip(enc_ranges, own_ranges, amax_outs, offsets):
+        rows.append([ao.data_ptr(), off, lo, hi, a, b, base, 0])
         units.append(max(1, ceil_div(hi - lo, OWNER_CHUNK)))
         base += b - a
     return Plan(index, rows, len(OWNER_FIELDS), units, tiles=tiles)
 
 
-def expand_plan(index, shapes, sources, scale_invs) -> Plan:
+def expand_plan(index: int, shapes, sources, scale_invs) -> Plan:
     """ExpandDesc rows plus the side table of (tile_start, source offset) segments of every weight."""
     rows, units, segs = [], [], []
-    for i, ((m, k), src, si) in enumerate(zip(shapes, sources, scale_invs)):
-        rows_pad, cols_pad = _check_scale_out(si, None, index, i, m, k)
+    for (m, k), src, si in zip(shapes, sources, scale_invs):
+        u, n_chunks, flags = _scale_rows(si, m, k)
         tm, tk = tile_grid(m, k)
-        n_chunks = ceil_div(cols_pad, SCALE_CHUNK)
-        flags = FLAG_VEC_DST if si.data_ptr() % 4 == 0 else 0
-        rows.append([si.data_ptr(), m, tm, tk, cols_pad, n_chunks, len(segs) // 2, len(src), flags, 0])
-        units.append((rows_pad // TILE) * n_chunks)
+        rows.append([si.data_ptr(), m, tm, tk, rowwise_scale_shape(m, k)[1], n_chunks, len(segs) // 2, len(src),
+                     flags, 0])  # fmt: skip
+        units.append(u)
         for tile_start, offset in src:
-            segs += [int(tile_start), int(offset)]
+            segs += [tile_start, offset]
     return Plan(index, rows, len(EXPAND_FIELDS), units, tiles=tile_offsets(shapes)[1], extra=segs)
 
 
@@ -261,18 +182,12 @@ def expand_plan(index, shapes, sources, scale_invs) -> Plan:
 # Post-all-gather transposes
 
 
-def nibble_plan(index, srcs, dsts, tile: str = NIBBLE_TILE) -> Plan:
+def nibble_plan(index: int, srcs, dsts, tile: str = NIBBLE_TILE) -> Plan:
     """TransposeDesc rows for units of `tile` (a key of NIBBLE_TILES); the plan remembers it as `variant`."""
     tile_m, tile_k = NIBBLE_TILES[tile]
     rows, units = [], []
-    for i, (src, dst) in enumerate(zip(srcs, dsts)):
-        if src.dim() != 2:
-            raise ValueError(f"rowwise_data {i}: need a 2D [M, K/2] uint8 tensor, got {list(src.shape)}")
+    for src, dst in zip(srcs, dsts):
         m, k = src.shape[0], 2 * src.shape[1]
-        if m % 2 or k % TILE:
-            raise ValueError(f"rowwise_data {i}: [M, K/2] = {list(src.shape)} needs even M and K % 16 == 0")
-        check_u8(src, (m, k // 2), index, f"rowwise_data {i}")
-        check_u8(dst, columnwise_data_shape(m, k), index, f"columnwise_data {i}")
         s, d, row_bytes = src.data_ptr(), dst.data_ptr(), m // 2
         flags = FLAG_VEC_SRC if s % 4 == 0 else 0
         flags |= FLAG_VEC16_SRC if s % 16 == 0 and (k // 2) % 16 == 0 else 0
@@ -286,11 +201,9 @@ def nibble_plan(index, srcs, dsts, tile: str = NIBBLE_TILE) -> Plan:
     return plan
 
 
-def scalet_plan(index, srcs, dsts, shapes) -> Plan:
+def scalet_plan(index: int, srcs, dsts, shapes) -> Plan:
     rows, units = [], []
-    for i, (src, dst, (m, k)) in enumerate(zip(srcs, dsts, shapes)):
-        check_u8(src, rowwise_scale_shape(m, k), index, f"rowwise_scale_inv {i}")
-        check_u8(dst, columnwise_scale_shape(m, k), index, f"columnwise_scale_inv {i}")
+    for src, dst, (m, k) in zip(srcs, dsts, shapes):
         tm, tk = tile_grid(m, k)
         dst_rows, dst_cols = columnwise_scale_shape(m, k)
         flags = FLAG_VEC_DST if dst.data_ptr() % 4 == 0 else 0
@@ -303,22 +216,12 @@ def scalet_plan(index, srcs, dsts, shapes) -> Plan:
 # Compute copies
 
 
-def dequant_plan(index, datas, scale_invs, amaxes, outs) -> Plan:
+def dequant_plan(index: int, datas, scale_invs, amaxes, outs) -> Plan:
     """DequantDesc rows: [M, K] outputs (bf16 / fp16 / fp32) from rowwise data, scales and amax; a unit is one
     16-row band x 256 columns (one warp)."""
     rows, units = [], []
-    for i, (data, si, amax, out) in enumerate(zip(datas, scale_invs, amaxes, outs)):
-        if data.dim() != 2 or (2 * data.shape[1]) % TILE:
-            raise ValueError(f"rowwise_data {i}: need a 2D [M, K/2] uint8 tensor with K % 16 == 0, got "
-                             f"{list(data.shape)}")
+    for data, si, amax, out in zip(datas, scale_invs, amaxes, outs):
         m, k = data.shape[0], 2 * data.shape[1]
-        check_u8(data, (m, k // 2), index, f"rowwise_data {i}")
-        check_u8(si, rowwise_scale_shape(m, k), index, f"rowwise_scale_inv {i}")
-        check_amax_out(amax, index, i)
-        same_device(out, index, f"dequantize out {i}")
-        if out.dtype not in FLAG_OUT or tuple(out.shape) != (m, k) or not out.is_contiguous():
-            raise ValueError(f"dequantize out {i}: need a contiguous bf16/fp16/fp32 tensor [{m}, {k}], got "
-                             f"{out.dtype} {list(out.shape)} (contiguous={out.is_contiguous()})")
         src, dst = data.data_ptr(), out.data_ptr()
         flags = FLAG_OUT[out.dtype]
         flags |= FLAG_VEC_SRC if src % 4 == 0 else 0

@@ -1,6 +1,6 @@
 """The NVFP4 2D numeric contract in plain eager PyTorch: CPU path and the oracle of every kernel.
 
-Formula chain for a weight W[M, K] (spec ../shared/spec/NVFP4.md section 2), all IEEE fp32, one op at a time:
+Formula chain for a weight W[M, K] (spec docs/nvfp4_spec.md section 2), all IEEE fp32, one op at a time:
 
     x    = fp32(round_to(W))                      masters are rounded to the model dtype (bf16) first
     A    = max|x|                                 (NaN counts as +inf, so it can never hide)

@@ -30,6 +30,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .. import tensor as _tensor
+from ..buffers.layout import Span
+from ..format import check_even_boundary
 from . import cpu_compat
 
 TESTED_VERSIONS = ("0.19.2",)
@@ -179,25 +181,23 @@ def derive_packed_layout(param_index_map, bucket_indices, names, dp_size: int):
                 "buffer with fp4_dist NVFP4 weights; its bytes are not 2 elements per byte, so the packed layout "
                 "cannot be element layout / 2. Do not combine --fp8-param-gather weights with --fp4-param-gather"
             )
-        if start % 2 or end % 2:
-            raise ValueError(
-                f"fp4_dist.megatron: param {name} spans elements [{start}, {end}); an odd boundary splits a packed "
-                "byte. NVFP4 weights need an even element count (K % 16 == 0 guarantees it)"
-            )
-        packed_map[param] = (start // 2, end // 2, bucket_id)
+        check_even_boundary(f"fp4_dist.megatron: param {name}", start, end)
+        packed = Span(start, end).packed()
+        packed_map[param] = (packed.start, packed.end, bucket_id)
     packed_buckets = []
     for b, (start, end) in enumerate(bucket_indices):
-        if start % 2 or (end - start) % (2 * dp_size):
-            raise ValueError(
-                f"fp4_dist.megatron: bucket {b} spans elements [{start}, {end}); its {dp_size} rank shards are not "
-                "even element counts, so a shard boundary would split a packed byte (is the adapter's "
-                "pad_bucket_end row installed?)"
-            )
-        packed_buckets.append((start // 2, end // 2))
+        if (end - start) % dp_size:
+            raise ValueError(f"fp4_dist.megatron: bucket {b} spans elements [{start}, {end}), not divisible into "
+                             f"{dp_size} rank shards (is the adapter's pad_bucket_end row installed?)")
+        shard = (end - start) // dp_size
+        for r in range(dp_size):
+            check_even_boundary(f"fp4_dist.megatron: bucket {b}, rank {r}", start + r * shard, start + (r + 1) * shard)
+        packed = Span(start, end).packed()
+        packed_buckets.append((packed.start, packed.end))
     last_end = {b: start for b, (start, _) in enumerate(bucket_indices)}
     for _, end, b in param_index_map.values():
         last_end[b] = max(last_end[b], end)
-    unpadded = sum((last_end[b] - start) // 2 for b, (start, _) in enumerate(bucket_indices))
+    unpadded = sum(Span(start, last_end[b]).packed().numel for b, (start, _) in enumerate(bucket_indices))
     return packed_map, packed_buckets, unpadded
 
 

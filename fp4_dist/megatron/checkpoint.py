@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..tensor import is_nvfp4_tensor
-from ..testing import bytes_mismatch
+from ..compare import bytes_mismatch
 
 LATEST = "latest_checkpointed_iteration.txt"
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ..quantize import quantize
 from ..tensor import is_nvfp4_tensor
-from ..testing import bytes_mismatch
+from ..compare import bytes_mismatch
 
 
 @dataclass

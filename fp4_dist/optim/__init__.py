@@ -1,26 +1,20 @@
-"""ZeRO support: the partial cast of fp32 master shards into NVFP4 weights, collectives, and Zero1Optimizer."""
+"""ZeRO support: the partial cast of fp32 master shards into NVFP4 weights, and Zero1Optimizer.
 
-from .cast import (
-    BoundCast,
-    CastPlan,
-    cast_master_weights_to_nvfp4,
-    make_cast_plan,
-    post_all_gather_processing,
-    quantize_master_weights,
-    run_cast,
-)
+Modules: `cast` (cast_master_weights_to_nvfp4, TransformerEngine's semantics), `post_gather` (after the byte
+all-gather), `sharded_cast` (Zero1Optimizer's cast: cut-tile amax exchange), `cast_groups` (what both casts
+share), `collectives` (every torch.distributed call), `zero1` + `zero1_state` (the optimizer, its checkpoints).
+"""
+
+from .cast import cast_master_weights_to_nvfp4, quantize_master_weights
 from .collectives import CommStats
+from .post_gather import post_all_gather_processing
 from .zero1 import Zero1Config, Zero1Optimizer
 
 __all__ = [
     "cast_master_weights_to_nvfp4",
     "quantize_master_weights",
     "post_all_gather_processing",
-    "CastPlan",
-    "BoundCast",
-    "make_cast_plan",
-    "run_cast",
-    "CommStats",
     "Zero1Optimizer",
     "Zero1Config",
+    "CommStats",
 ]

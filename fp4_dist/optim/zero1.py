@@ -8,7 +8,7 @@ One `step()`::
     inner.step()                    any torch.optim optimizer, over views of the fp32 master shard
     ShardedCast.cast                amax + ONE small MAX all-reduce (tensor and cut-tile amaxes only) + the
                                     scales of the tiles this rank owns + cast of the owned nibbles, written
-                                    straight into the packed all-gather buffer (`owned_scales`)
+                                    straight into the packed all-gather buffer (`sharded_cast`)
     all-gather per bucket           packed NVFP4 bytes (0.5 B/element) and dense params (model dtype),
                                     plus one all-gather of the compact tile scales (1 B per 16x16 tile)
     ShardedCast.after_gather        rowwise scales from the gathered bytes, columnwise copies
@@ -29,7 +29,7 @@ import torch
 
 from ..buffers import ShardBuffer, build_layout
 from ..tensor import is_nvfp4_tensor
-from .owned_scales import ShardedCast
+from .sharded_cast import ShardedCast
 from .collectives import (
     CommStats,
     all_gather_inplace,

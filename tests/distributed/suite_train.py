@@ -103,7 +103,7 @@ def expected_calls(opt, world_size: int, grad_reduction: str) -> Counter:
         return Counter()
     buckets = sum(len(s.buf.layout.buckets) for s in opt._sections)
     reduce_name = "all_to_all_single" if grad_reduction == "ordered" else "reduce_scatter_single"
-    # + 1 all-gather: the compact NVFP4 tile scales (optim/owned_scales.py)
+    # + 1 all-gather: the compact NVFP4 tile scales (optim/sharded_cast.py)
     return Counter({reduce_name: buckets, "all_gather_single": buckets + 1, "all_reduce": 1})
 
 

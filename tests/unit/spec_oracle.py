@@ -1,6 +1,6 @@
 """An independent statement of the spec in numpy float32, used to check `fp4_dist.kernels.reference`.
 
-Written from ../shared/spec/NVFP4.md without looking at the torch reference: tiles by padding and reshaping,
+Written from docs/nvfp4_spec.md without looking at the torch reference: tiles by padding and reshaping,
 E4M3 by nearest search in the table of all E4M3 values, E2M1 by nearest search in the E2M1 grid with ties to the
 even code. Slow but obvious; use on small tensors.
 """

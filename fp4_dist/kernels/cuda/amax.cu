@@ -136,20 +136,18 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksAmax)
 partial_amax_kernel(const ShardDesc* __restrict__ descs, const i64* __restrict__ unit_begin, int n,
                     float* __restrict__ out, u32* __restrict__ scratch) {
     __shared__ u32 red[2][kThreads / 32][16];  // double-buffered: one __syncthreads per unit
-    const i64 total = unit_begin[n];
-    int t = 0, parity = 0;
+    int t = 0, parity = 0;  // t: the tensor whose max this block is collecting
     u32 tmax = 0;
     i64 done = 0;
-    for (i64 u = blockIdx.x; u < total; u += gridDim.x) {
-        const int nt = find_tensor(unit_begin, n, u, t);
-        if (nt != t) {
+    for (UnitWalk unit(unit_begin, n, blockIdx.x, gridDim.x); unit.next();) {
+        if (unit.t != t) {
             if (threadIdx.x == 0 && done) flush_tensor(t, tmax, done, unit_begin[t + 1] - unit_begin[t], n, out, scratch);
-            t = nt;
+            t = unit.t;
             tmax = 0;
             done = 0;
         }
         const ShardDesc d = descs[t];
-        const i64 uu = u - unit_begin[t];
+        const i64 uu = unit.uu;
         if (uu < d.owned_units) {
             tmax = max(tmax, owned_unit<R>(d, uu, out, red[parity]));
             parity ^= 1;  // only units that used `red` flip it: zero units have no barrier

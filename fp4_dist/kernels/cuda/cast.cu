@@ -100,12 +100,9 @@ template <class R, class C>
 __global__ void __launch_bounds__(kThreads, kMinBlocksCast)
 partial_cast_kernel(const ShardDesc* __restrict__ descs, const i64* __restrict__ unit_begin, int n,
                     const float* __restrict__ enc) {
-    const i64 total = unit_begin[n];
-    int t = 0;
-    for (i64 u = blockIdx.x; u < total; u += gridDim.x) {
-        t = find_tensor(unit_begin, n, u, t);
-        const ShardDesc d = descs[t];
-        cast_unit<R, C>(d, u - unit_begin[t], enc);
+    for (UnitWalk unit(unit_begin, n, blockIdx.x, gridDim.x); unit.next();) {
+        const ShardDesc d = descs[unit.t];
+        cast_unit<R, C>(d, unit.uu, enc);
     }
 }
 

@@ -165,7 +165,7 @@ struct E2M1Select {  // the three-magic version above
 // ---------------------------------------------------------------------------------------------------------
 // Multi-tensor work tables. Each launch gets an array of per-tensor descriptors (all fields int64, so the
 // Python side fills a plain int64 [n, fields] array; the field order below is mirrored by the *_FIELDS
-// tuples in cuda_ops.py, and a CPU test compares the two) and `unit_begin` [n + 1], the prefix sum of each
+// tuples in cuda_plans.py, and a CPU test compares the two) and `unit_begin` [n + 1], the prefix sum of each
 // tensor's work units. A block finds the tensor of unit u by binary search.
 
 // Largest t in [lo, n) with begin[t] <= u, given begin[lo] <= u < begin[n]. `lo` is the caller's last answer:
@@ -180,6 +180,28 @@ __device__ __forceinline__ int find_tensor(const i64* __restrict__ begin, int n,
     }
     return lo;
 }
+
+// The walk over a launch's work units every kernel makes: units first, first + step, ... of the whole table
+// (first/step: this block or warp, and how many the grid has), each as tensor `t` and its unit `uu`:
+//     for (UnitWalk unit(unit_begin, n, blockIdx.x, gridDim.x); unit.next();) { ... descs[unit.t], unit.uu ... }
+// Units come in increasing order, so find_tensor's search only moves forward.
+struct UnitWalk {
+    const i64* __restrict__ begin;
+    int n;
+    int t = 0;
+    i64 u, step, total, uu = 0;
+
+    __device__ __forceinline__ UnitWalk(const i64* __restrict__ unit_begin, int n_, i64 first, i64 step_)
+        : begin(unit_begin), n(n_), u(first - step_), step(step_), total(unit_begin[n_]) {}
+
+    __device__ __forceinline__ bool next() {
+        u += step;
+        if (u >= total) return false;
+        t = find_tensor(begin, n, u, t);
+        uu = u - begin[t];
+        return true;
+    }
+};
 
 // partial_amax and partial_cast: one flat shard [start, end) of a row-major M x K weight.
 // Owned units are (16-row band, 256-column chunk) pairs over bands band_lo .. band_lo + n_bands - 1.

@@ -197,20 +197,16 @@ __device__ __forceinline__ void dequant_unit(const DequantDesc& d, i64 uu, int l
 // 4 resident blocks per SM (64 registers, no spills): 32 warps x 16 rows x 4 bytes of loads in flight.
 __global__ void __launch_bounds__(kThreads, 4)
 dequantize_kernel(const DequantDesc* __restrict__ descs, const i64* __restrict__ unit_begin, int n) {
-    const i64 total = unit_begin[n];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int t = 0;
-    for (i64 u = static_cast<i64>(blockIdx.x) * kDeqWarps + warp; u < total;
-         u += static_cast<i64>(gridDim.x) * kDeqWarps) {
-        t = find_tensor(unit_begin, n, u, t);
-        const DequantDesc d = descs[t];
-        const i64 uu = u - unit_begin[t];
+    const i64 first = static_cast<i64>(blockIdx.x) * kDeqWarps + warp, step = static_cast<i64>(gridDim.x) * kDeqWarps;
+    for (UnitWalk unit(unit_begin, n, first, step); unit.next();) {  // units are per warp here
+        const DequantDesc d = descs[unit.t];
         if (d.flags & kFlagOutFp32) {
-            dequant_unit<OutFp32>(d, uu, lane);
+            dequant_unit<OutFp32>(d, unit.uu, lane);
         } else if (d.flags & kFlagOutFp16) {
-            dequant_unit<OutFp16>(d, uu, lane);
+            dequant_unit<OutFp16>(d, unit.uu, lane);
         } else {
-            dequant_unit<OutBf16>(d, uu, lane);
+            dequant_unit<OutBf16>(d, unit.uu, lane);
         }
     }
 }

@@ -31,6 +31,19 @@ __device__ __forceinline__ float global_encode_scale(float amax) {
     return amax == 0.0f ? 1.0f : s;
 }
 
+// S and Sdec of weight t, from which all its tile scales follow; the weight's first unit also stores the amax
+// itself (the `amax` field is A, not a scale).
+struct WeightScale {
+    float s_enc, s_dec;
+};
+
+__device__ __forceinline__ WeightScale weight_scale(const float* __restrict__ amaxes, int t, i64 uu, i64 amax_out) {
+    const float amax = amaxes[t];
+    if (uu == 0 && threadIdx.x == 0) *reinterpret_cast<float*>(amax_out) = amax;
+    const float s_enc = global_encode_scale(amax);
+    return {s_enc, 1.0f / s_enc};
+}
+
 // s_t and e_t of one tile from its amax and the weight's S and Sdec (shared by fused_scale and owner_scales, so
 // both give the same bits).
 template <class N>
@@ -42,7 +55,7 @@ __device__ __forceinline__ u32 tile_scale(float a_t, float s_enc, float s_dec, f
 
 // Rows [16 band, 16 band + 16) x columns [c0, c0 + width) of a rowwise_scale_inv from the tile scales of that
 // band staged in shared memory (zero past the last tile); rows >= m get zero. 4-byte words (cols_pad and c0
-// are multiples of 4).
+// are multiples of 4). Use it through scale_band_unit.
 __device__ __forceinline__ void write_band(i64 scale_inv, i64 m, i64 cols_pad, bool aligned, i64 band, i64 c0,
                                            i64 width, const u8* __restrict__ scales) {
     const int words = static_cast<int>(width >> 2);
@@ -65,37 +78,35 @@ __device__ __forceinline__ void write_band(i64 scale_inv, i64 m, i64 cols_pad, b
     }
 }
 
+// One unit of a row-expanded scale array (both kernels that write one): the 16-row band x kScaleChunk columns
+// `uu` of a weight with the layout fields of `d`, each tile (band, col) of the valid region holding
+// tile_byte(band, col) and every other byte zero.
+template <class Desc, class TileByte>
+__device__ __forceinline__ void scale_band_unit(const Desc& d, i64 uu, u8* __restrict__ staged, TileByte tile_byte) {
+    const i64 band = uu / d.n_chunks;
+    const i64 c0 = (uu % d.n_chunks) * kScaleChunk;
+    const i64 width = min(static_cast<i64>(kScaleChunk), d.cols_pad - c0);
+    __syncthreads();  // the previous unit's readers of `staged` are done
+    for (int c = threadIdx.x; c < width; c += kThreads) {
+        const i64 col = c0 + c;
+        staged[c] = (band < d.tiles_m && col < d.tiles_k) ? tile_byte(band, col) : static_cast<u8>(0);
+    }
+    __syncthreads();
+    write_band(d.scale_inv, d.m, d.cols_pad, d.flags & kFlagVecDst, band, c0, width, staged);
+}
+
 template <class N>
 __global__ void __launch_bounds__(kThreads)
 fused_scale_kernel(const ScaleDesc* __restrict__ descs, const i64* __restrict__ unit_begin, int n,
                    const float* __restrict__ amaxes, float* __restrict__ enc) {
     __shared__ u8 tile_scales[kScaleChunk];
-    const i64 total = unit_begin[n];
-    int t = 0;
-    for (i64 u = blockIdx.x; u < total; u += gridDim.x) {
-        t = find_tensor(unit_begin, n, u, t);
-        const ScaleDesc d = descs[t];
-        const i64 uu = u - unit_begin[t];
-        const i64 band = uu / d.n_chunks;
-        const i64 c0 = (uu % d.n_chunks) * kScaleChunk;
-        const float amax = amaxes[t];
-        const float s_enc = global_encode_scale(amax);
-        const float s_dec = 1.0f / s_enc;
-        if (uu == 0 && threadIdx.x == 0) *reinterpret_cast<float*>(d.amax_out) = amax;
-
-        const i64 width = min(static_cast<i64>(kScaleChunk), d.cols_pad - c0);
-        __syncthreads();  // the previous unit's readers of tile_scales are done
-        for (int c = threadIdx.x; c < width; c += kThreads) {
-            const i64 col = c0 + c;
-            u32 s = 0;
-            if (band < d.tiles_m && col < d.tiles_k) {
-                const i64 tile = d.tile_off + band * d.tiles_k + col;
-                s = tile_scale<N>(amaxes[n + tile], s_enc, s_dec, enc + tile);
-            }
-            tile_scales[c] = static_cast<u8>(s);
-        }
-        __syncthreads();
-        write_band(d.scale_inv, d.m, d.cols_pad, d.flags & kFlagVecDst, band, c0, width, tile_scales);
+    for (UnitWalk unit(unit_begin, n, blockIdx.x, gridDim.x); unit.next();) {
+        const ScaleDesc d = descs[unit.t];
+        const WeightScale w = weight_scale(amaxes, unit.t, unit.uu, d.amax_out);
+        scale_band_unit(d, unit.uu, tile_scales, [=](i64 band, i64 col) {
+            const i64 tile = d.tile_off + band * d.tiles_k + col;
+            return static_cast<u8>(tile_scale<N>(amaxes[n + tile], w.s_enc, w.s_dec, enc + tile));
+        });
     }
 }
 
@@ -103,7 +114,7 @@ template __global__ void fused_scale_kernel<NumericsTe>(const ScaleDesc*, const 
 template __global__ void fused_scale_kernel<NumericsTe214>(const ScaleDesc*, const i64*, int, const float*, float*);
 
 // ---------------------------------------------------------------------------------------------------------
-// The compact scale exchange (ZeRO, fp4_dist.optim.owned_scales). Every tile has one owner: the rank that owns
+// The compact scale exchange (ZeRO, fp4_dist.optim.sharded_cast). Every tile has one owner: the rank that owns
 // its first element. A rank's amaxes are complete on every tile its shard touches (tiles it owns whole, and
 // tiles cut by a rank boundary, whose amaxes were all-reduced), so it can:
 //   owner_scales:  encode multipliers of the tiles its shard touches (for partial_cast), the scale bytes of
@@ -115,20 +126,13 @@ template <class N>
 __global__ void __launch_bounds__(kThreads)
 owner_scale_kernel(const OwnerDesc* __restrict__ descs, const i64* __restrict__ unit_begin, int n,
                    const float* __restrict__ amaxes, float* __restrict__ enc, u8* __restrict__ compact) {
-    const i64 total = unit_begin[n];
-    int t = 0;
-    for (i64 u = blockIdx.x; u < total; u += gridDim.x) {
-        t = find_tensor(unit_begin, n, u, t);
-        const OwnerDesc d = descs[t];
-        const i64 uu = u - unit_begin[t];
-        const float amax = amaxes[t];
-        const float s_enc = global_encode_scale(amax);
-        const float s_dec = 1.0f / s_enc;
-        if (uu == 0 && threadIdx.x == 0) *reinterpret_cast<float*>(d.amax_out) = amax;
+    for (UnitWalk unit(unit_begin, n, blockIdx.x, gridDim.x); unit.next();) {
+        const OwnerDesc d = descs[unit.t];
+        const WeightScale w = weight_scale(amaxes, unit.t, unit.uu, d.amax_out);
         for (int j = threadIdx.x; j < kOwnerChunk; j += kThreads) {
-            const i64 tile = d.enc_lo + uu * kOwnerChunk + j;
+            const i64 tile = d.enc_lo + unit.uu * kOwnerChunk + j;
             if (tile >= d.enc_hi) break;
-            const u32 s = tile_scale<N>(amaxes[n + d.tile_off + tile], s_enc, s_dec, enc + d.tile_off + tile);
+            const u32 s = tile_scale<N>(amaxes[n + d.tile_off + tile], w.s_enc, w.s_dec, enc + d.tile_off + tile);
             if (tile >= d.own_lo && tile < d.own_hi) compact[d.own_base + (tile - d.own_lo)] = static_cast<u8>(s);
         }
     }
@@ -153,26 +157,11 @@ __global__ void __launch_bounds__(kThreads)
 expand_scales_kernel(const ExpandDesc* __restrict__ descs, const i64* __restrict__ unit_begin, int n,
                      const i64* __restrict__ segs, const u8* __restrict__ gathered) {
     __shared__ u8 tile_scales[kScaleChunk];
-    const i64 total = unit_begin[n];
-    int t = 0;
-    for (i64 u = blockIdx.x; u < total; u += gridDim.x) {
-        t = find_tensor(unit_begin, n, u, t);
-        const ExpandDesc d = descs[t];
-        const i64 uu = u - unit_begin[t];
-        const i64 band = uu / d.n_chunks;
-        const i64 c0 = (uu % d.n_chunks) * kScaleChunk;
-        const i64 width = min(static_cast<i64>(kScaleChunk), d.cols_pad - c0);
-        __syncthreads();  // the previous unit's readers of tile_scales are done
-        for (int c = threadIdx.x; c < width; c += kThreads) {
-            const i64 col = c0 + c;
-            u8 s = 0;
-            if (band < d.tiles_m && col < d.tiles_k) {
-                s = gathered_scale(segs, d.seg_begin, d.seg_count, band * d.tiles_k + col, gathered);
-            }
-            tile_scales[c] = s;
-        }
-        __syncthreads();
-        write_band(d.scale_inv, d.m, d.cols_pad, d.flags & kFlagVecDst, band, c0, width, tile_scales);
+    for (UnitWalk unit(unit_begin, n, blockIdx.x, gridDim.x); unit.next();) {
+        const ExpandDesc d = descs[unit.t];
+        scale_band_unit(d, unit.uu, tile_scales, [=](i64 band, i64 col) {
+            return gathered_scale(segs, d.seg_begin, d.seg_count, band * d.tiles_k + col, gathered);
+        });
     }
 }
 

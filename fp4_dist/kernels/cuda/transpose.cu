@@ -150,13 +150,9 @@ nibble_transpose_kernel(const TransposeDesc* __restrict__ descs, const i64* __re
     constexpr int kGl = ROWS == 64 ? 8 : 4;
     constexpr int kCl = 32 / kGl;
     constexpr int kGItems = U::kGroups / kGl;  // warp items along g
-    const i64 total = unit_begin[n];
-    int t = 0;
-    for (i64 u = blockIdx.x; u < total; u += gridDim.x) {
-        t = find_tensor(unit_begin, n, u, t);
-        const TransposeDesc d = descs[t];
-        const i64 uu = u - unit_begin[t];
-        const i64 mt = uu % d.n_mt, kt = uu / d.n_mt;
+    for (UnitWalk unit(unit_begin, n, blockIdx.x, gridDim.x); unit.next();) {
+        const TransposeDesc d = descs[unit.t];
+        const i64 mt = unit.uu % d.n_mt, kt = unit.uu / d.n_mt;
         __syncthreads();  // the previous unit's readers of `out` are done
         nibble_load<ROWS, WORDS>(d, mt, kt, in);
         __syncthreads();
@@ -187,16 +183,12 @@ template __global__ void nibble_transpose_kernel<128, 32>(const TransposeDesc*, 
 // Tile columns j >= tiles_k are the zero rows k >= K of the padded array.
 __global__ void __launch_bounds__(kThreads)
 scale_transpose_kernel(const ScaleTDesc* __restrict__ descs, const i64* __restrict__ unit_begin, int n) {
-    const i64 total = unit_begin[n];
-    int t = 0;
-    for (i64 u = blockIdx.x; u < total; u += gridDim.x) {
-        t = find_tensor(unit_begin, n, u, t);
-        const ScaleTDesc d = descs[t];
-        const i64 uu = u - unit_begin[t];
+    for (UnitWalk unit(unit_begin, n, blockIdx.x, gridDim.x); unit.next();) {
+        const ScaleTDesc d = descs[unit.t];
         const i64 row_words = d.dst_cols / 4;
         const i64 chunks = (row_words + kThreads - 1) / kThreads;
-        const i64 j = uu / chunks;
-        const i64 cw = (uu % chunks) * kThreads + threadIdx.x;
+        const i64 j = unit.uu / chunks;
+        const i64 cw = (unit.uu % chunks) * kThreads + threadIdx.x;
         if (cw >= row_words) continue;
         const u8* src = reinterpret_cast<const u8*>(d.src);
         u32 v = 0;

@@ -10,7 +10,8 @@ import torch
 
 import fp4_dist
 from fp4_dist.optim import cast_master_weights_to_nvfp4, post_all_gather_processing, quantize_master_weights
-from fp4_dist.optim.cast import make_cast_plan
+from fp4_dist.optim import cast as cast_mod
+from fp4_dist.optim.cast_groups import BINDINGS
 from fp4_dist.tensor import NVFP4Tensor
 from fp4_dist.testing import assert_bytes_equal, awkward_shapes, poison_, random_weight
 
@@ -104,14 +105,23 @@ def test_manual_false_drops_stale_columnwise_copies():
     assert w.columnwise_data is None and w.columnwise_scale_inv is None
 
 
-def test_plan_is_built_once_per_list_of_shapes():
+def test_the_cast_is_bound_once_per_set_of_tensors_and_again_for_new_ones(monkeypatch):
     shapes = ((32, 16), (48, 48))
-    make_cast_plan.cache_clear()
+    BINDINGS.clear()
+    built = []
+    real = cast_mod.BoundCast.__init__
+    monkeypatch.setattr(cast_mod.BoundCast, "__init__", lambda self, *a, **k: (built.append(1), real(self, *a, **k))[1])
+    ws = poisoned_weights(shapes)
+    masters = [torch.randn(m * k) for m, k in shapes]
     for _ in range(3):
-        ws = poisoned_weights(shapes)
-        cast_master_weights_to_nvfp4(ws, [torch.randn(m * k) for m, k in shapes], [0, 0])
-    info = make_cast_plan.cache_info()
-    assert info.misses == 1 and info.hits == 2
+        for m in masters:
+            m.normal_()
+        cast_master_weights_to_nvfp4(ws, masters, [0, 0])
+        for w, m, shape in zip(ws, masters, shapes):
+            assert_bytes_equal(w.rowwise_data, fp4_dist.quantize(m.view(shape)).rowwise_data, "rowwise_data")
+    assert len(built) == 1
+    cast_master_weights_to_nvfp4(poisoned_weights(shapes), masters, [0, 0])
+    assert len(built) == 2
 
 
 def test_mixed_model_dtypes_and_numerics_share_one_call():

@@ -1,9 +1,10 @@
-"""The compact scale exchange stages (owner_scales, expand_scales) and the bound stages, on the CPU reference path.
+"""fp4_dist/kernels/stages.py on the CPU reference path: the compact scale exchange stages (owner_scales,
+expand_scales) and the bound stages.
 
 Claims: dp ranks that exchange only tensor and cut-tile amaxes, compute the scales of the tiles they own and
 expand the gathered bytes produce the bytes of quantizing each whole weight; a bound stage gives the bytes of
 the stage function and follows new values written into its tensors; bad ranges raise before anything is written.
-(The GPU twins of these tests are in test_cuda_vs_reference.py.)
+(The GPU twins of these tests are in test_stages_cuda.py.)
 """
 
 import random
@@ -15,7 +16,7 @@ import fp4_dist.kernels as K
 from fp4_dist.buffers.layout import build_layout
 from fp4_dist.buffers.tile_owners import tile_exchange
 from fp4_dist.format import rowwise_scale_shape
-from fp4_dist.kernels import bound
+
 from fp4_dist.kernels import reference as R
 from fp4_dist.testing import assert_bytes_equal, awkward_shapes, poison_, random_weight
 
@@ -97,9 +98,9 @@ def test_bound_stages_give_the_stage_bytes_and_follow_new_values_in_their_tensor
     enc = torch.empty(amaxes.numel() - 4)
     data = [torch.zeros(m * k // 2, dtype=torch.uint8) for m, k in shapes]
     frags = [d[s >> 1:] for d, s in zip(data, starts)]
-    runs = [bound.bind_partial_amax(shards, starts, shapes, amaxes),
-            bound.bind_fused_scale(amaxes, shapes, si, ao, enc),
-            bound.bind_partial_cast(shards, starts, shapes, enc, frags)]  # fmt: skip
+    runs = [K.bind_partial_amax(shards, starts, shapes, amaxes),
+            K.bind_fused_scale(amaxes, shapes, si, ao, enc),
+            K.bind_partial_cast(shards, starts, shapes, enc, frags)]  # fmt: skip
     for step in range(2):
         for s in shards:
             s.normal_(generator=gen).mul_(step + 1)

@@ -21,7 +21,8 @@ and a weight's packed bytes must stay contiguous across the rank boundary, so a 
 the chunk would split every weight that a boundary cuts (and make the step copy all data after the gather).
 They travel in one extra all-gather per step of ``dp * cap`` bytes instead (`gather_scales`).
 
-Everything is bound once (`fp4_dist.kernels.bound`): a step is ~10 launches whatever the number of weights.
+Everything is bound once (the `bind_*` stages of `fp4_dist.kernels`): a step is ~10 launches whatever the number
+of weights.
 """
 
 from __future__ import annotations
@@ -30,13 +31,13 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from .. import kernels
 from ..buffers import ShardBuffer
 from ..buffers.layout import BufferLayout
 from ..buffers.tile_owners import TileExchange, tile_exchange
 from ..compute_copy import BoundRefresh, mark_pending
-from ..kernels import bound
 from ..tensor import NVFP4Tensor
-from .cast import CastPlan, _name, plan_for
+from .cast_groups import CastPlan, bind_amax_and_cast, bind_columnwise, drop_columnwise, plan_for, raise_if_not_finite
 from .collectives import CommStats, all_gather_inplace, all_reduce_max_
 
 
@@ -74,9 +75,9 @@ class ShardedCast:
         self.gathered = torch.zeros(layout.dp_size * self.exchange.cap, dtype=torch.uint8, device=dev)
         compact = self.gathered[rank * self.exchange.cap:(rank + 1) * self.exchange.cap]
         self._steps = self._bind_groups(list(masters), [s or 0 for s in starts], rank, compact)
-        self._expand = bound.bind_expand_scales(self.gathered, shapes, self.exchange.sources,
-                                                [w.rowwise_scale_inv for w in self.weights])
-        self._columnwise = self._bind_columnwise() if columnwise else []
+        self._expand = kernels.bind_expand_scales(self.gathered, shapes, self.exchange.sources,
+                                                  [w.rowwise_scale_inv for w in self.weights])
+        self._columnwise = bind_columnwise(self.weights) if columnwise else []
         self._refresh = BoundRefresh(self.weights)
 
     @classmethod
@@ -96,34 +97,17 @@ class ShardedCast:
         return out
 
     def _bind_groups(self, masters: list, starts: List[int], rank: int, compact: torch.Tensor) -> list:
-        steps, compact_off = [], 0
+        steps, compact_off, no_fragments = [], 0, [None] * len(self.weights)
         for g in self.plan.groups:
-            idx = list(g.indices)
-            block = self.amaxes[g.offset:g.offset + g.layout.total]
-            enc = torch.zeros(g.layout.total - g.layout.n, dtype=torch.float32, device=block.device)
-            shards, g_starts = [masters[i] for i in idx], [starts[i] for i in idx]
-            frags = [None if masters[i] is None else self.weights[i].rowwise_data.view(-1)[
-                starts[i] >> 1:(starts[i] + masters[i].numel() + 1) >> 1] for i in idx]  # fmt: skip
-            own = [self.exchange.scale[rank][i] for i in idx]
-            steps.append((
-                bound.bind_partial_amax(shards, g_starts, g.shapes, block, round_to=g.round_to),
-                bound.bind_owner_scales(block, g.shapes, [self.exchange.enc[rank][i] for i in idx], own,
-                                        compact[compact_off:], enc, [self.weights[i].amax for i in idx],
-                                        numerics=g.numerics),
-                bound.bind_partial_cast(shards, g_starts, g.shapes, enc, frags, round_to=g.round_to),
-            ))  # fmt: skip
+            enc = torch.zeros(g.layout.total - g.layout.n, dtype=torch.float32, device=self.amaxes.device)
+            amax, cast = bind_amax_and_cast(g, self.weights, masters, starts, no_fragments, self.amaxes, enc)
+            own = [self.exchange.scale[rank][i] for i in g.indices]
+            touched = [self.exchange.enc[rank][i] for i in g.indices]
+            owner = kernels.bind_owner_scales(g.block(self.amaxes), g.shapes, touched, own, compact[compact_off:], enc,
+                                              [self.weights[i].amax for i in g.indices], numerics=g.numerics)
+            steps.append((amax, owner, cast))
             compact_off += sum(b - a for a, b in own)
         return steps
-
-    def _bind_columnwise(self) -> list:
-        todo = [w for w in self.weights if w.shape[0] % 2 == 0]
-        if not todo:
-            return []
-        for w in todo:
-            w.alloc_columnwise()
-        return [bound.bind_nibble_transpose([w.rowwise_data for w in todo], [w.columnwise_data for w in todo]),
-                bound.bind_scale_transpose([w.rowwise_scale_inv for w in todo],
-                                           [w.columnwise_scale_inv for w in todo], [tuple(w.shape) for w in todo])]
 
     # ------------------------------------------------------------------------------------------- a step
     def cast(self, group=None, stats: Optional[CommStats] = None) -> None:
@@ -156,7 +140,7 @@ class ShardedCast:
         finite = bool(torch.isfinite(self.message).all().item())  # the one device-to-host read of a step
         self.amaxes.index_copy_(0, self._index, self.message)
         if not finite:
-            self._raise_not_finite()
+            raise_if_not_finite(self.plan, self.amaxes, self.weights)
 
     def owner_scales(self) -> None:
         """Encode multipliers of the touched tiles, compact scale bytes of the owned tiles, every amax."""
@@ -191,9 +175,7 @@ class ShardedCast:
         for run in self._columnwise:
             run()
         if not self._columnwise:
-            for w in self.weights:
-                if w.columnwise_data is not None or w.columnwise_scale_inv is not None:
-                    w.columnwise_data = w.columnwise_scale_inv = None
+            drop_columnwise(self.weights)
 
     def launches_per_step(self) -> int:
         """Stage kernel launches of `cast` + `after_gather` (torch's index ops and the collectives aside)."""
@@ -204,13 +186,3 @@ class ShardedCast:
     def message_bytes(self) -> int:
         """Bytes of the step's amax all-reduce (tensor amaxes + cut-tile amaxes, fp32)."""
         return self.message.numel() * 4
-
-    def _raise_not_finite(self) -> None:
-        for g in self.plan.groups:
-            amaxes = self.amaxes[g.offset:g.offset + g.layout.n].tolist()
-            for i, a in zip(g.indices, amaxes):
-                if a != a or a in (float("inf"), float("-inf")):
-                    raise ValueError(f"{_name(i, self.weights[i])}: master values are not finite (inf or NaN on "
-                                     "some rank); NVFP4 cannot encode them. No weight, scale or amax was written")
-        raise ValueError("a master value is not finite on another rank (inf or NaN); NVFP4 cannot encode it. "
-                         "No weight, scale or amax was written")

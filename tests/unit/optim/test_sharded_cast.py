@@ -1,4 +1,4 @@
-"""fp4_dist/optim/owned_scales.py (ShardedCast) and the bound-cast cache of cast_master_weights_to_nvfp4, in one
+"""fp4_dist/optim/sharded_cast.py (ShardedCast) and the bound-cast cache of cast_master_weights_to_nvfp4, in one
 process. Multi-rank parity of ShardedCast (ws 1-6, gloo) is in tests/distributed/suite_cast.py and suite_train.py.
 """
 
@@ -12,7 +12,8 @@ from fp4_dist.buffers import ShardBuffer, build_layout
 from fp4_dist.optim import cast as cast_mod
 from fp4_dist.optim import cast_master_weights_to_nvfp4
 from fp4_dist.optim.collectives import CommStats
-from fp4_dist.optim.owned_scales import ShardedCast
+from fp4_dist.optim.cast_groups import BINDINGS
+from fp4_dist.optim.sharded_cast import ShardedCast
 from fp4_dist.tensor import NVFP4Tensor
 from fp4_dist.testing import assert_bytes_equal, awkward_shapes, poison_, random_weight
 
@@ -68,7 +69,7 @@ def test_second_cast_with_the_same_tensors_skips_the_checks_and_writes_new_bytes
     shapes = [(32, 48), (20, 80)]
     masters = [random_weight(m, k).view(-1) for m, k in shapes]
     ws = [NVFP4Tensor.empty(s) for s in shapes]
-    cast_mod._BOUND.clear()
+    BINDINGS.clear()
     calls = []
     real = cast_mod._check_shard
     monkeypatch.setattr(cast_mod, "_check_shard", lambda *a: (calls.append(1), real(*a))[1])

@@ -1,4 +1,4 @@
-"""The CUDA stage kernels give the same bytes as the PyTorch reference on fresh random data (GPU only).
+"""fp4_dist/kernels/stages.py on CUDA: the stage kernels give the same bytes as the PyTorch reference on fresh random data (GPU only).
 
 Every output is poisoned before the kernel runs. Cases mix ragged M, K in {16, 48, 80, 4096, 5120} (and a few
 others), fp32 and bf16 shards, shards cut mid-tile and mid-row, odd shard ends, empty shards, misaligned shard
@@ -13,7 +13,7 @@ import torch
 
 import fp4_dist.kernels as K
 from fp4_dist.format import columnwise_data_shape, columnwise_scale_shape, rowwise_scale_shape
-from fp4_dist.kernels import _launch, cuda_ops
+from fp4_dist.kernels import _launch, stages
 from fp4_dist.kernels import reference as R
 from fp4_dist.testing import assert_bytes_equal, poison_, random_weight
 
@@ -269,24 +269,41 @@ def test_hundreds_of_weights_take_one_launch_per_stage(count, monkeypatch):
 
 def test_repeated_calls_reuse_the_plan_and_stay_correct():
     """The second call with the same buffers hits the plan cache; new data still gives new, right bytes."""
-    cuda_ops.clear_plans()
+    stages.PLANS.clear()
     shapes = [(33, 80), (18, 4096)]
     flat = [torch.randn(m * k, device=DEV) for m, k in shapes]
     shards, starts = [flat[0][10:2000], flat[1][4000:50000]], [10, 4000]
     out = torch.empty(K.amax_layout(shapes).total, device=DEV)
     K.partial_amax(shards, starts, shapes, out=out)
-    plans = len(cuda_ops._AMAX._plans)
+    plans = len(stages.PLANS)
     for s in shards:
         s.normal_()
     poison_(out)
     K.partial_amax(shards, starts, shapes, out=out)
-    assert len(cuda_ops._AMAX._plans) == plans == 1
+    assert len(stages.PLANS) == plans == 1
     ref = K.partial_amax([s.cpu() for s in shards], starts, shapes, device="cpu")
     assert_bytes_equal(out, ref, "amax after reuse")
 
 
 # --------------------------------------------------------------------------------------------------------------
 # The rounding functions themselves, on many values at once.
+
+
+def e2m1_codes(y: torch.Tensor, variant: str) -> torch.Tensor:
+    """uint8 E2M1 codes of fp32 CUDA `y`, computed by common.cuh's E2M1 rounding `variant`."""
+    y = y.contiguous()
+    out = torch.empty(y.shape, dtype=torch.uint8, device=y.device)
+    _launch.launch_pointwise(y.device.index, "e2m1_codes", (y.data_ptr(), out.data_ptr()), y.numel(), variant)
+    return out
+
+
+def e4m3_codes(d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 E4M3 bits, fp32 decoded value) of fp32 CUDA `d` >= 0, by common.cuh's e4m3 functions."""
+    d = d.contiguous()
+    out = torch.empty(d.shape, dtype=torch.uint8, device=d.device)
+    dec = torch.empty(d.shape, dtype=torch.float32, device=d.device)
+    _launch.launch_pointwise(d.device.index, "e4m3_codes", (d.data_ptr(), out.data_ptr(), dec.data_ptr()), d.numel())
+    return out, dec
 
 
 def _around(points: torch.Tensor, ulps: int = 2) -> torch.Tensor:
@@ -303,7 +320,7 @@ def test_device_e2m1_rounding_matches_reference_on_ties_neighbours_and_random_va
                    sweep, -sweep, nan_bits.view(torch.float32),
                    torch.tensor([float("inf"), -float("inf"), float("nan"), -0.0, 3.4e38, 1e-45, -1e-45, 2.0**22,
                                  2.0**23, 2.0**24])]).to(DEV)  # fmt: skip
-    assert_bytes_equal(cuda_ops.e2m1_codes(y, variant), R.e2m1_codes(y), f"E2M1 codes ({variant})")
+    assert_bytes_equal(e2m1_codes(y, variant), R.e2m1_codes(y), f"E2M1 codes ({variant})")
 
 
 def test_device_e4m3_rounding_matches_torch_float8_including_subnormals_ties_and_saturation():
@@ -312,7 +329,7 @@ def test_device_e4m3_rounding_matches_torch_float8_including_subnormals_ties_and
     strided = torch.arange(0, 0x44000000, 97, dtype=torch.int32).view(torch.float32)  # every 97th float < 512
     d = torch.cat([_around(table, 3), _around(mids, 3), strided,
                    torch.tensor([448.0, 464.0, 480.0, 1e30, float("inf"), 3.4e38, float("nan")])]).abs().to(DEV)  # fmt: skip
-    codes, decoded = cuda_ops.e4m3_codes(d)
+    codes, decoded = e4m3_codes(d)
     assert_bytes_equal(codes, R.e4m3_rne_satfinite(d), "E4M3 codes")
     finite = codes != 0x7F  # NaN payloads may differ; the code byte above already covers NaN
     assert_bytes_equal(decoded[finite], R.e4m3_to_float(codes)[finite], "E4M3 decode")
@@ -333,7 +350,7 @@ def test_odd_shard_start_is_refused_before_any_byte_is_written(monkeypatch):
     with pytest.raises(ValueError, match="odd|even"):
         K.partial_cast([x[101:300]], [101], shapes, enc, [frag])
     with pytest.raises(ValueError, match="odd|even"):
-        cuda_ops.partial_cast([x[101:300]], [101], shapes, enc, [frag])
+        K.bind_partial_cast([x[101:300]], [101], shapes, enc, [frag])
     assert counter.keys == [] and torch.equal(data, before)
 
 
@@ -348,24 +365,24 @@ def test_bad_shards_raise_clear_errors_before_launch(monkeypatch):
     with pytest.raises(ValueError, match="outside"):
         K.partial_amax([x[:100]], [500], shapes)
     with pytest.raises(ValueError, match="device"):
-        cuda_ops.partial_amax([x.cpu()], [0], shapes, out=torch.empty(3, device=DEV))
+        K.partial_amax([x.cpu()], [0], shapes, out=torch.empty(3, device=DEV))
     with pytest.raises(ValueError, match="fp32"):
-        cuda_ops.partial_amax([x], [0], shapes, out=torch.empty(5, device=DEV))
+        K.partial_amax([x], [0], shapes, out=torch.empty(5, device=DEV))
     data = torch.zeros(16, 16, dtype=torch.uint8, device=DEV)
     with pytest.raises(ValueError, match="fragment"):
-        cuda_ops.partial_cast([x[0:100]], [0], shapes, torch.ones(2, device=DEV), [data.view(-1)[:10]])
+        K.partial_cast([x[0:100]], [0], shapes, torch.ones(2, device=DEV), [data.view(-1)[:10]])
     with pytest.raises(ValueError, match="enc"):
-        cuda_ops.partial_cast([x[0:100]], [0], shapes, torch.ones(3, device=DEV), [data.view(-1)[:50]])
+        K.partial_cast([x[0:100]], [0], shapes, torch.ones(3, device=DEV), [data.view(-1)[:50]])
     assert counter.keys == []
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Compact scale exchange, bound stages, launch variants (fp4_dist.kernels.bound, owner/expand_scales).
+# Compact scale exchange, bound stages, launch variants (the bind_* forms, owner/expand_scales).
 
 
 @pytest.mark.parametrize("seed", range(12))
 def test_cut_tile_exchange_on_gpu_gives_whole_weight_quantize_bytes(seed):
-    from .test_compact_scales import simulate_ranks
+    from .test_stages import simulate_ranks
 
     rng, gen = random.Random(5000 + seed), torch.Generator().manual_seed(5000 + seed)
     shapes = [_shape(rng) for _ in range(rng.randint(1, 6))]
@@ -383,8 +400,6 @@ def test_cut_tile_exchange_on_gpu_gives_whole_weight_quantize_bytes(seed):
 
 
 def test_bound_stages_on_gpu_take_one_launch_each_and_match_the_reference(monkeypatch):
-    from fp4_dist.kernels import bound
-
     rng, gen = random.Random(77), torch.Generator().manual_seed(77)
     shapes = [(rng.randint(1, 40) * 2, rng.choice((16, 48, 80, 128, 144, 4096))) for _ in range(300)]
     ws = _weights(rng, gen, shapes, heavy_every=3)
@@ -398,9 +413,9 @@ def test_bound_stages_on_gpu_take_one_launch_each_and_match_the_reference(monkey
     cols = [poison_(torch.empty(columnwise_data_shape(m, k), dtype=torch.uint8, device=DEV)) for m, k in shapes]
     cscales = [poison_(torch.empty(columnwise_scale_shape(m, k), dtype=torch.uint8, device=DEV)) for m, k in shapes]
     data = [torch.randint(0, 256, (m, k // 2), dtype=torch.uint8, device=DEV) for m, k in shapes]
-    runs = [bound.bind_partial_amax(shards, starts, shapes, amax), bound.bind_fused_scale(amax, shapes, si, ao, enc),
-            bound.bind_partial_cast(shards, starts, shapes, enc, frags), bound.bind_nibble_transpose(data, cols),
-            bound.bind_scale_transpose(si, cscales, shapes)]  # fmt: skip
+    runs = [K.bind_partial_amax(shards, starts, shapes, amax), K.bind_fused_scale(amax, shapes, si, ao, enc),
+            K.bind_partial_cast(shards, starts, shapes, enc, frags), K.bind_nibble_transpose(data, cols),
+            K.bind_scale_transpose(si, cscales, shapes)]  # fmt: skip
     counter = LaunchCounter(monkeypatch)
     for run in runs:
         run()
@@ -435,7 +450,7 @@ def test_nibble_transpose_unit_shapes_and_grids_match_reference(tile, grid, monk
             for m, k in shapes]  # fmt: skip
     src = [r.to(DEV) for r in rows]
     plan = cuda_plans.nibble_plan(0, src, cols, tile=tile)
-    _launch.launch_nibble_transpose(0, plan.table, plan.unit_begin, plan.n, plan.units, tile)
+    _launch.launch_nibble_transpose(plan)
     for i, (m, k) in enumerate(shapes):
         assert_bytes_equal(cols[i], R.transpose_nibbles(rows[i]), f"{tile}/{grid} columnwise_data {i} M{m}-K{k}")
 
@@ -461,12 +476,12 @@ def test_partial_cast_launch_variants_match_reference(seed, monkeypatch):
 
 
 def test_stage_api_checks_arguments_once_per_plan(monkeypatch):
-    import fp4_dist.kernels as kernels_pkg
+    from fp4_dist.kernels import checks
 
-    cuda_ops.clear_plans()  # a freed address of an earlier test could otherwise already have a plan
+    stages.PLANS.clear()  # a freed address of an earlier test could otherwise already have a plan
     calls = []
-    real = kernels_pkg.check_shards
-    monkeypatch.setattr(kernels_pkg, "check_shards", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    real = checks.check_shards
+    monkeypatch.setattr(checks, "check_shards", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     shapes = [(32, 48)]
     x = torch.randn(32 * 48, device=DEV)
     out = torch.empty(K.amax_layout(shapes).total, device=DEV)
@@ -479,7 +494,7 @@ def test_stage_api_checks_arguments_once_per_plan(monkeypatch):
 
 def test_sharded_cast_on_gpu_equals_quantize_for_hundreds_of_weights(monkeypatch):
     from fp4_dist.buffers import ShardBuffer, build_layout
-    from fp4_dist.optim.owned_scales import ShardedCast
+    from fp4_dist.optim.sharded_cast import ShardedCast
     from fp4_dist.tensor import NVFP4Tensor
 
     rng, gen = random.Random(88), torch.Generator().manual_seed(88)

@@ -1,4 +1,4 @@
-"""The dequantize kernel (cuda/dequant.cu) gives the reference's bits (GPU only), for any list of weights in
+"""fp4_dist/kernels/stages.py dequantize on CUDA: the kernel (cuda/dequant.cu) gives the reference's bits (GPU only), for any list of weights in
 one launch: ragged M, K % 64 != 0, bf16 / fp16 / fp32 outputs mixed, misaligned pointers, every scale byte
 and extreme amaxes, outputs poisoned first. The reference is run on the same GPU (torch's CUDA ops) and on the
 CPU; NaN outputs (only from NaN scale bytes or an amax so large that (s * A) overflows) must sit at the same
@@ -12,7 +12,6 @@ import torch
 import fp4_dist
 import fp4_dist.kernels as K
 from fp4_dist.format import rowwise_scale_shape
-from fp4_dist.kernels import bound
 from fp4_dist.kernels import reference as R
 from fp4_dist.testing import assert_bytes_equal, poison_, random_weight
 
@@ -116,7 +115,7 @@ def test_every_scale_byte_and_code_with_extreme_amaxes():
 
 def test_bound_dequantize_matches_and_bumps_the_output_version():
     cpu, gpu, outs, dtypes = _case(4242, 30)
-    run = bound.bind_dequantize(*zip(*gpu), outs)
+    run = K.bind_dequantize(*zip(*gpu), outs)
     before = [o._version for o in outs]
     run()
     assert all(o._version > b for o, b in zip(outs, before)), "a kernel write must bump the output's version"
@@ -126,7 +125,7 @@ def test_bound_dequantize_matches_and_bumps_the_output_version():
 def test_weights_on_the_gpu_compute_on_their_copy_and_refresh_in_one_launch(monkeypatch):
     from fp4_dist.buffers import ShardBuffer, build_layout
     from fp4_dist.kernels import _launch
-    from fp4_dist.optim.owned_scales import ShardedCast
+    from fp4_dist.optim.sharded_cast import ShardedCast
     from fp4_dist.tensor import NVFP4Tensor
 
     rng, gen = random.Random(5), torch.Generator().manual_seed(5)

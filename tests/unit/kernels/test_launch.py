@@ -1,5 +1,5 @@
-"""Every CUDA source compiles clean for sm_80, sm_90 and sm_100 (no GPU needed), and the descriptor structs
-of common.cuh match the field tuples cuda_ops.py fills, so a broken kernel cannot land unseen on a CPU CI."""
+"""fp4_dist/kernels/_launch.py and cuda/*.cu: every CUDA source compiles clean for sm_80, sm_90 and sm_100 (no GPU needed), and the descriptor structs
+of common.cuh match the field tuples cuda_plans.py fills, so a broken kernel cannot land unseen on a CPU CI."""
 
 import re
 import shutil
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fp4_dist.kernels import _launch, cuda_ops
+from fp4_dist.kernels import _launch, cuda_plans
 
 ARCHS = ("80", "90", "100")
 # The run-time numerics flags of _launch.COMPILE_OPTIONS, plus: every warning is an error, and ptxas warns
@@ -70,13 +70,13 @@ def _struct_fields(name: str) -> tuple[str, ...]:
 @pytest.mark.parametrize(
     "struct,fields",
     [
-        ("ShardDesc", cuda_ops.SHARD_FIELDS),
-        ("ScaleDesc", cuda_ops.SCALE_FIELDS),
-        ("TransposeDesc", cuda_ops.TRANSPOSE_FIELDS),
-        ("ScaleTDesc", cuda_ops.SCALET_FIELDS),
-        ("OwnerDesc", cuda_ops.OWNER_FIELDS),
-        ("ExpandDesc", cuda_ops.EXPAND_FIELDS),
-        ("DequantDesc", cuda_ops.DEQUANT_FIELDS),
+        ("ShardDesc", cuda_plans.SHARD_FIELDS),
+        ("ScaleDesc", cuda_plans.SCALE_FIELDS),
+        ("TransposeDesc", cuda_plans.TRANSPOSE_FIELDS),
+        ("ScaleTDesc", cuda_plans.SCALET_FIELDS),
+        ("OwnerDesc", cuda_plans.OWNER_FIELDS),
+        ("ExpandDesc", cuda_plans.EXPAND_FIELDS),
+        ("DequantDesc", cuda_plans.DEQUANT_FIELDS),
     ],
 )
 def test_descriptor_struct_fields_match_the_python_table_columns(struct, fields):
