@@ -342,6 +342,13 @@ def _t(func, args, kwargs):
     return args[0].compute_value().t()
 
 
+@_implements(aten.mm.default)
+def _mm(func, args, kwargs):
+    # The op of every backward that reads the weight (x.grad = dy @ W, Megatron's grad_output.matmul(weight)).
+    a, b = args
+    return torch.mm(_value(a), _value(b))
+
+
 @_implements(aten.detach.default, aten.alias.default)
 def _alias(func, args, kwargs):
     return args[0]._with_fields(lambda t: t, alias=True)
