@@ -48,6 +48,11 @@ def convert_linear_weights(
     Returns:
         ConversionReport naming converted and skipped weights (with the reason).
     """
+    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
+        raise ValueError(
+            "convert_linear_weights: this model is already sharded (its parameters are DTensors, e.g. by torch's "
+            "fully_shard); convert the unsharded model, or shard it with fp4_dist.fsdp.fully_shard_nvfp4, which "
+            "converts the linear weights itself")
     report = ConversionReport()
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):

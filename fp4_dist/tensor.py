@@ -14,6 +14,7 @@ It reports the logical shape [M, K] and the model dtype (bf16 by default) and ho
 
 from __future__ import annotations
 
+import sys
 from typing import Callable, Optional
 
 import torch
@@ -364,7 +365,29 @@ def _view(func, args, kwargs):
     src, shape = args[0], list(args[1])
     if shape == list(src.shape):
         return src._with_fields(lambda t: t, alias=True)
+    _refuse_fsdp(func)
     return func(src.compute_value(), *args[1:], **kwargs)
+
+
+@_implements(aten.split.Tensor, aten.split_with_sizes.default, aten.new_zeros.default)
+def _shard_op(func, args, kwargs):
+    # The ops torch's FSDP shards a parameter with: on an NVFP4Tensor they would shard (and all-gather) its bf16
+    # value, silently dropping the NVFP4 form. Model code may still split a weight (a fused QKV, say).
+    _refuse_fsdp(func)
+    return _compute(func, args, kwargs)
+
+
+def _refuse_fsdp(func) -> None:
+    frame = sys._getframe(2)
+    for _ in range(16):
+        if frame is None:
+            return
+        if "torch/distributed/fsdp/" in frame.f_code.co_filename.replace("\\", "/"):
+            raise NotImplementedError(
+                f"torch's FSDP is sharding an NVFP4Tensor weight ({func}); it would shard and all-gather its "
+                "dequantized bf16 values and drop the NVFP4 form. Use fp4_dist.fsdp.fully_shard_nvfp4(model) "
+                "instead of fully_shard: it keeps fp32 masters and all-gathers the weights as NVFP4 bytes")
+        frame = frame.f_back
 
 
 @_implements(aten._to_copy.default)

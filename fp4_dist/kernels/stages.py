@@ -387,6 +387,16 @@ def expand_scales(gathered: torch.Tensor, shapes: Sequence[Shape], sources: Sequ
         sources: per weight, segments (tile_start, offset) with tile_start increasing from 0: flat tile t of the
             weight, in the last segment with tile_start <= t, is gathered[t + offset].
     """
+    if gathered.is_cuda:
+        key = ("expand_scales", signature([gathered]), _shape_key(shapes),
+               tuple(tuple(tuple(s) for s in segs) for segs in sources), signature(scale_invs))  # fmt: skip
+
+        def build():
+            shapes_, sources_ = checks.expand_args(gathered, shapes, sources, scale_invs)
+            return _P().expand_plan(gathered.device.index, shapes_, sources_, scale_invs)
+
+        _launch_plan(PLANS.get(key, build), lambda p: _L().launch_expand_scales(p, gathered), scale_invs)
+        return
     bind_expand_scales(gathered, shapes, sources, scale_invs)()
 
 

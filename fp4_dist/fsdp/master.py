@@ -1,0 +1,204 @@
+"""NVFP4Master: an fp32 master weight that PyTorch FSDP2 shards like any parameter and all-gathers as NVFP4.
+
+The parameter FSDP2 shards (and the optimizer steps) is the weight's fp32 master, wrapped in this tensor subclass.
+Every op computes on the wrapped values (`_data`); the ops FSDP2 uses to shard, move and load a parameter (split,
+slice, view, as_strided, new_zeros, empty_like, copy_, clone, detach, _to_copy, pin_memory) keep the wrapper,
+so the shard FSDP2 keeps is still an NVFP4Master. Its all-gather goes through FSDP2's tensor-subclass extension::
+
+    fsdp_pre_all_gather   this rank's rows as packed E2M1 bytes [rows, K/2] + its tile scale bytes [rows/16, K/16],
+                          cast from the fp32 master with the weight's global amax (`precompute.ShardCast`: one
+                          batched amax all-reduce for the whole model, before the forward)
+    (FSDP2 all-gathers those bytes: 0.504 B per element instead of 2)
+    fsdp_post_all_gather  rowwise scales expanded, then one dequantize into the bf16 compute copy, which is the
+                          unsharded parameter the forward and backward read (a plain tensor: no per-op overhead)
+
+Weights whose rows do not split into whole 16-row tile bands per rank ("bf16" mode) gather their bf16 values
+instead and are quantized after the gather (every rank quantizes the same full weight, so the bytes are those
+of `quantize(full master)` too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+from .. import kernels
+from ..format import ceil_div, rowwise_data_shape, rowwise_scale_shape, tile_grid
+from ..tensor import NVFP4Tensor
+
+aten = torch.ops.aten
+
+MODES = ("nvfp4", "bf16")
+
+
+@dataclass(eq=False)
+class WeightState:
+    """What all views of one master weight share: its identity, how it is gathered, and this step's bytes."""
+
+    fqn: str
+    shape: tuple[int, int]
+    """[M, K] of the whole weight."""
+    mode: str
+    """"nvfp4": packed bytes + tile scales are gathered; "bf16": bf16 values are gathered, quantized after."""
+    model_dtype: torch.dtype
+    """Dtype the masters are rounded to before quantization and that the forward computes in."""
+    numerics: str = "te"
+    # --- filled by precompute.ShardCast before each gather ("nvfp4" mode)
+    packed: Optional[torch.Tensor] = None
+    """uint8 [rows, K/2]: this rank's rows, cast with the global amax."""
+    scales: Optional[torch.Tensor] = None
+    """uint8 [rows/16, tiles_k]: this rank's tile scale bytes."""
+    amax: Optional[torch.Tensor] = None
+    """fp32 [1]: the whole weight's amax (identical on every rank)."""
+    writes: int = 0
+    """In-place ops on the master through this subclass (an optimizer step): they run below autograd, so the
+    version counter of the wrapped tensor does not see them."""
+    cast_from: Any = None
+    """(data_ptr, _version, writes) of the master the bytes were cast from: a mismatch means they are stale."""
+    # --- filled by fsdp_post_all_gather, valid while the weight is unsharded
+    value: Optional[torch.Tensor] = None
+    gathered: Optional[NVFP4Tensor] = None
+    buffers: dict = field(default_factory=dict)
+
+    def cast_is_current(self, master: torch.Tensor) -> bool:
+        return self.cast_from == self.source_id(master)
+
+    def source_id(self, master: torch.Tensor) -> tuple:
+        """What changes when the master's values may have: writes through the subclass, and writes into the
+        wrapped tensor itself (a checkpoint loaded into the state dict's plain view of it)."""
+        return (master.data_ptr(), master._version, self.writes)
+
+
+class NVFP4Master(torch.Tensor):
+    """fp32 master values of an NVFP4 weight (or of its FSDP2 shard); see the module docstring."""
+
+    _data: torch.Tensor
+    _state: WeightState
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, state: WeightState, requires_grad: bool = False):
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, data.shape, strides=data.stride(), storage_offset=data.storage_offset(), dtype=data.dtype,
+            device=data.device, requires_grad=requires_grad,
+        )  # fmt: skip
+        self._data = data
+        self._state = state
+        return self
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return f"NVFP4Master({self._state.fqn or 'weight'}, shape={list(self.shape)}, mode={self._state.mode})"
+
+    def __tensor_flatten__(self):
+        return ["_data"], self._state
+
+    @staticmethod
+    def __tensor_unflatten__(inner, state, outer_size, outer_stride):
+        return NVFP4Master(inner["_data"], state)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        state = next(a._state for a in _flat(args, kwargs) if isinstance(a, NVFP4Master))
+        if func._schema.is_mutable:
+            _count_writes(func, args)
+        out = func(*_unwrap(args), **_unwrap(kwargs))
+        if func in _KEEP:
+            return tree_map_only(torch.Tensor, lambda t: NVFP4Master(t, state), out)
+        if out is not None and func._schema.is_mutable and isinstance(args[0], NVFP4Master):
+            return args[0]  # in place on the wrapped values: the wrapper is the result
+        return out
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    # ----------------------------------------------------------------------------------- FSDP2 extension
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        state = self._state
+        if state.mode == "nvfp4":
+            if not state.cast_is_current(self._data):
+                raise RuntimeError(
+                    f"fp4_dist.fsdp: the NVFP4 bytes of {state.fqn} are stale: its fp32 master changed since they "
+                    "were cast (outside an optimizer step and a forward of the model passed to fully_shard_nvfp4?). "
+                    "Call fp4_dist.fsdp.precompute_nvfp4(model) on every rank before this all-gather")
+            if mesh.size() == 1:  # FSDP2 passes one input through at one rank; the scales are whole already
+                return (state.packed,), (state.amax, state.scales)
+            return (state.packed, state.scales), (state.amax,)
+        # bf16 mode: FSDP2 needs the padded shard size on ranks whose shard is short
+        rows = ceil_div(state.shape[0], mesh.size())
+        x = self._data.to(state.model_dtype)
+        if x.shape[0] != rows:
+            x = torch.cat([x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))])
+        return (x,), None
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out: Optional[torch.Tensor] = None):
+        state = self._state
+        m, k = state.shape
+        first = state.value is None or out is None
+        if first:
+            state.buffers = _gather_buffers(state, self.device)
+            state.value = torch.empty((m, k), dtype=state.model_dtype, device=self.device)
+        b = state.buffers
+        if state.mode == "nvfp4":
+            data, scales = (outputs[0], metadata[1]) if len(outputs) == 1 else outputs
+            amax = metadata[0]
+            kernels.expand_scales(scales.reshape(-1), [(m, k)], [[(0, 0)]], [b["scale_inv"]])
+        else:
+            (values,) = outputs
+            data, amax = b["data"], b["amax"]
+            kernels.quantize_rowwise(values[:m].reshape(-1), (m, k), round_to=state.model_dtype,
+                                     numerics=state.numerics, rowwise_data=data, scale_inv=b["scale_inv"],
+                                     amax=amax, name=state.fqn)  # fmt: skip
+        # The forward saved this tensor (as the unsharded parameter) for the backward, which gathers the same
+        # bytes again: writing it must not look like an in-place change to autograd (FSDP2 does the same).
+        with torch.autograd._unsafe_preserve_version_counter((state.value,)):
+            kernels.dequantize([data], [b["scale_inv"]], [amax], [state.value])
+        state.gathered = NVFP4Tensor((m, k), state.model_dtype, data, b["scale_inv"], amax.reshape(1),
+                                     numerics=state.numerics, compute_copy=False)  # fmt: skip
+        if first:
+            return state.value, (state.value, *b.values())
+        return None
+
+
+def _gather_buffers(state: WeightState, device) -> dict:
+    """The unsharded weight's own tensors (FSDP2 frees and re-allocates them around each gather)."""
+    m, k = state.shape
+    b = {"scale_inv": torch.zeros(rowwise_scale_shape(m, k), dtype=torch.uint8, device=device)}
+    if state.mode == "bf16":
+        b["data"] = torch.zeros(rowwise_data_shape(m, k), dtype=torch.uint8, device=device)
+        b["amax"] = torch.zeros(1, dtype=torch.float32, device=device)
+    return b
+
+
+def local_tiles(state: WeightState, row0: int, rows: int) -> tuple[int, int]:
+    """Flat tiles [a, b) of the 16-row bands [row0, row0 + rows) (whole bands: "nvfp4" mode)."""
+    tk = tile_grid(*state.shape)[1]
+    return (row0 // 16) * tk, ((row0 + rows) // 16) * tk
+
+
+# Ops FSDP2 (and module.to_empty / load_state_dict) apply to a parameter that must give back the wrapper. Every
+# other op computes on the fp32 values and returns plain tensors (optimizer states are plain).
+_KEEP = frozenset([
+    aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor, aten.view.default, aten._unsafe_view.default,
+    aten.as_strided.default, aten.new_zeros.default, aten.empty_like.default, aten.clone.default, aten.detach.default,
+    aten.alias.default, aten._to_copy.default, aten._pin_memory.default,
+])  # fmt: skip
+
+
+def _count_writes(func, args) -> None:
+    for schema, arg in zip(func._schema.arguments, args):
+        if schema.alias_info is not None and schema.alias_info.is_write:
+            for t in _flat(arg, {}):
+                if isinstance(t, NVFP4Master):
+                    t._state.writes += 1
+
+
+def _flat(args, kwargs):
+    from torch.utils._pytree import tree_leaves
+
+    return tree_leaves((args, kwargs))
+
+
+def _unwrap(tree):
+    return tree_map_only(NVFP4Master, lambda t: t._data, tree)

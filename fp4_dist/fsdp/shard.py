@@ -1,0 +1,256 @@
+"""fully_shard_nvfp4: PyTorch FSDP2 with NVFP4 linear weights all-gathered in 4 bits.
+
+    report = fp4_dist.fsdp.fully_shard_nvfp4(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+                                              shard_modules=list(model.layers))
+
+makes every eligible linear weight an `NVFP4Master` parameter (its fp32 master), calls torch's ``fully_shard`` on
+each module of ``shard_modules`` and then on ``model``, and installs what keeps the gathered bytes equal to
+``quantize(full master)``: before each forward of ``model`` whose masters changed (an optimizer step, a load,
+an init), one cast of every weight's local rows with one amax all-reduce (`precompute.ShardCast`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from ..format import TILE, check_numerics
+from ..tensor import NVFP4Tensor
+from .master import NVFP4Master, WeightState
+from .precompute import ShardCast
+
+
+@dataclass
+class FSDPReport:
+    """How each linear weight of the model is all-gathered."""
+
+    nvfp4: list[str] = field(default_factory=list)
+    """Gathered as packed E2M1 bytes + tile scales (0.504 B per element)."""
+    bf16_gather: dict[str, str] = field(default_factory=dict)
+    """NVFP4 weights whose shards are not whole 16-row tile bands: gathered in bf16, quantized after the gather
+    (same bytes, 2 B per element on the wire), with the reason."""
+    kept: dict[str, str] = field(default_factory=dict)
+    """Linear weights left in high precision, with the reason."""
+    world_size: int = 1
+
+    def gathered_bytes_per_element(self, model: nn.Module) -> dict[str, float]:
+        """All-gather bytes per weight element: {"nvfp4": the weights gathered as NVFP4 (packed data + tile
+        scales), "all NVFP4 weights": those and the ones gathered in bf16, "bf16": 2.0, for reference}."""
+        sums = {"nvfp4": [0, 0], "all": [0, 0]}
+        for st in _registry(model).states.values():
+            m, k = st.shape
+            nbytes = m * k // 2 + (m // TILE) * (k // TILE) if st.mode == "nvfp4" else 2 * m * k
+            for key in ("nvfp4", "all") if st.mode == "nvfp4" else ("all",):
+                sums[key][0] += nbytes
+                sums[key][1] += m * k
+        return {"nvfp4": sums["nvfp4"][0] / max(sums["nvfp4"][1], 1),
+                "all NVFP4 weights": sums["all"][0] / max(sums["all"][1], 1), "bf16": 2.0}
+
+    def __str__(self) -> str:
+        lines = [f"fp4_dist.fsdp: {len(self.nvfp4)} weights gathered as NVFP4, {len(self.bf16_gather)} NVFP4 weights "
+                 f"gathered in bf16, {len(self.kept)} kept in high precision (FSDP world size {self.world_size})"]
+        lines += [f"  bf16 gather {n}: {why}" for n, why in self.bf16_gather.items()]
+        lines += [f"  kept {n}: {why}" for n, why in self.kept.items()]
+        return "\n".join(lines)
+
+
+def fully_shard_nvfp4(
+    model: nn.Module,
+    *,
+    mesh=None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    shard_modules: Iterable[nn.Module] = (),
+    reshard_after_forward: bool = True,
+    numerics: str = "te",
+    skip: Sequence[str] = (),
+    ordered_grad_reduction: bool = False,
+    verbose: bool = False,
+) -> FSDPReport:
+    """Shard `model` with FSDP2, its linear weights all-gathered as NVFP4 (see the module docstring).
+
+    Args:
+        model: the unsharded model (on its device, or on "meta"). Linear weights may be plain or NVFP4Tensor
+            parameters (`fp4_dist.convert_linear_weights`); the fp32 masters start from their values.
+        mesh, mp_policy, reshard_after_forward: passed to torch's ``fully_shard``. The NVFP4 weights compute in
+            ``mp_policy.param_dtype`` (bf16 is usual), or in their master's dtype if it is None; masters are
+            rounded to that dtype before quantization.
+        shard_modules: submodules to shard on their own first (e.g. the transformer blocks), as with
+            ``fully_shard``; ``model`` is always sharded last, as the root.
+        numerics: NVFP4 block-scale formula ("te" or "te-2.14").
+        skip: module names (as in ``named_modules``) whose weight stays in high precision.
+        ordered_grad_reduction: reduce-scatter gradients as an all-to-all and a sum in rank order, so the
+            result is bitwise the same for every world size (as a single process summing the ranks' gradients).
+        verbose: print the report.
+    Returns:
+        `FSDPReport`; weights gathered in bf16 or kept in high precision are also named in one warning.
+    Raises:
+        ValueError if `model` is already sharded (call this instead of ``fully_shard``, not after it).
+    """
+    check_numerics(numerics)
+    if isinstance(model, FSDPModule) or any(isinstance(p, DTensor) for p in model.parameters()):
+        raise ValueError("fully_shard_nvfp4: this model is already sharded (DTensor parameters); call "
+                         "fp4_dist.fsdp.fully_shard_nvfp4 on the unsharded model instead of torch's fully_shard")
+    world = mesh.size(mesh.ndim - 1) if mesh is not None else (dist.get_world_size() if dist.is_initialized() else 1)
+    report = FSDPReport(world_size=world)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            _convert(name, module, world, mp_policy, numerics, skip, report)
+    shard_modules = list(shard_modules)
+    kw = dict(mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    for sub in shard_modules:
+        fully_shard(sub, **kw)
+    fully_shard(model, **kw)
+    if ordered_grad_reduction:
+        for fsdp_module in [*shard_modules, model]:
+            fsdp_module.set_custom_reduce_scatter(OrderedReduceScatter())
+    _install(model)
+    if report.bf16_gather or report.kept:
+        warnings.warn(str(report), stacklevel=2)
+    if verbose:
+        print(report)
+    return report
+
+
+def _convert(name, module, world, mp_policy, numerics, skip, report) -> None:
+    w = module.weight
+    fqn = f"{name}.weight" if name else "weight"
+    m, k = w.shape
+    if name in skip:
+        report.kept[fqn] = "listed in skip"
+        return
+    if k % TILE:
+        report.kept[fqn] = f"in_features = {k} is not a multiple of {TILE}"
+        return
+    if isinstance(w, NVFP4Tensor):
+        master, numerics = w.dequantize(torch.float32), w.numerics
+    else:
+        master = w.detach().clone()
+    model_dtype = mp_policy.param_dtype or master.dtype
+    rows, rem = divmod(m, world)
+    if rem == 0 and rows % TILE == 0:
+        mode = "nvfp4"
+        report.nvfp4.append(fqn)
+    else:
+        mode = "bf16"
+        report.bf16_gather[fqn] = (f"M = {m} rows over {world} ranks is not a multiple of {TILE} rows per rank, "
+                                   "so a 16x16 tile would span two ranks")
+    state = WeightState(fqn, (m, k), mode, model_dtype, numerics)
+    module.weight = nn.Parameter(NVFP4Master(master, state), requires_grad=w.requires_grad)
+
+
+class _Registry:
+    """The NVFP4 weights of one sharded model: the modules that hold them (their ``weight`` is the sharded master
+    between steps, the unsharded bf16 value inside a forward) and their shared states."""
+
+    def __init__(self, model: nn.Module):
+        self.owners = [(fqn, module) for fqn, module in _weight_owners(model)]
+        self.states = {fqn: _local_master(module.weight)._state for fqn, module in self.owners}
+        self.cast: Optional[ShardCast] = None
+
+    def masters(self) -> list[tuple[str, torch.Tensor]]:
+        out = [(fqn, module.weight) for fqn, module in self.owners]
+        unsharded = [fqn for fqn, p in out if _local_master(p) is None]
+        if unsharded:
+            raise RuntimeError(f"fp4_dist.fsdp: {unsharded[0]} is unsharded; the NVFP4 cast reads the sharded fp32 "
+                               "masters (call it between reshard() and the next unshard())")
+        return out
+
+    def precompute(self) -> None:
+        params = self.masters()
+        if self.cast is None or not self.cast.current_for(params):
+            self.cast = ShardCast(params)
+        if self.cast.stale():
+            self.cast()
+
+
+def _weight_owners(model: nn.Module):
+    for name, module in model.named_modules():
+        if _local_master(getattr(module, "weight", None)) is not None:
+            yield (f"{name}.weight" if name else "weight"), module
+
+
+def _local_master(p) -> Optional[NVFP4Master]:
+    local = p._local_tensor if isinstance(p, DTensor) else p
+    return local if isinstance(local, NVFP4Master) else None
+
+
+def _install(model: nn.Module) -> None:
+    """The root pre-forward cast (before FSDP2's own pre-forward, which all-gathers) and the state-dict unwrap."""
+    registry = model._fp4_dist_nvfp4 = _Registry(model)
+    model.register_forward_pre_hook(lambda module, args, kwargs: registry.precompute(), prepend=True,
+                                    with_kwargs=True)  # fmt: skip
+    for _, module in registry.owners:
+        module.register_state_dict_post_hook(_unwrap_state_dict)
+
+
+def _unwrap_state_dict(module, state_dict, prefix, local_metadata) -> None:
+    """Checkpoints hold the plain fp32 masters (a DTensor of them when sharded), sharing their storage, so that
+    torch.distributed.checkpoint saves and loads them like any parameter, at any world size."""
+    key = prefix + "weight"
+    p = state_dict.get(key)
+    local = p._local_tensor if isinstance(p, DTensor) else p
+    if isinstance(local, NVFP4Master):
+        data = local._data
+        if isinstance(p, DTensor):
+            data = DTensor.from_local(data, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                      stride=p.stride())  # fmt: skip
+        state_dict[key] = data
+
+
+def precompute_nvfp4(model: nn.Module) -> None:
+    """Cast the NVFP4 weights of a model from `fully_shard_nvfp4` now, if their masters changed (a collective:
+    call it on every rank). The model's forward does this by itself; call it before all-gathering the weights
+    some other way (``model.unshard()``)."""
+    _registry(model).precompute()
+
+
+def _registry(model: nn.Module) -> _Registry:
+    registry = getattr(model, "_fp4_dist_nvfp4", None)
+    if registry is None:
+        raise ValueError("this model was not sharded by fp4_dist.fsdp.fully_shard_nvfp4 (pass the model it was "
+                         "called with)")
+    return registry
+
+
+def nvfp4_weights(model: nn.Module) -> dict[str, NVFP4Tensor]:
+    """{fqn: the gathered NVFP4Tensor} of every NVFP4 weight that is unsharded now (inside the forward, or after
+    ``unshard()`` of the FSDP module that holds it); FSDP2 frees the gathered bytes when it reshards."""
+    out = {}
+    for st in _registry(model).states.values():
+        g = st.gathered
+        if g is not None and all(_allocated(t) for t in (g.rowwise_data, g.rowwise_scale_inv, g.amax)):
+            out[st.fqn] = g
+    return out
+
+
+def _allocated(t: torch.Tensor) -> bool:
+    return t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size()
+
+
+class OrderedReduceScatter:
+    """FSDP2 reduce-scatter as an all-to-all and a sum in rank order (`set_custom_reduce_scatter`): the same bits
+    for every world size and backend, like `fp4_dist.optim.collectives.reduce_scatter_ordered`."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        size = dist.get_world_size(group)
+        recv = torch.empty_like(input_tensor)
+        dist.all_to_all_single(recv, input_tensor, group=group)
+        parts = recv.view(size, -1)
+        output_tensor.copy_(parts[0])
+        for r in range(1, size):
+            output_tensor.add_(parts[r])
+        if op == dist.ReduceOp.AVG:
+            output_tensor.div_(size)
+        elif op != dist.ReduceOp.SUM:
+            raise NotImplementedError(f"OrderedReduceScatter: reduce op {op} (SUM and AVG are supported)")
+        return None

@@ -1,0 +1,380 @@
+"""fp4_dist.fsdp.fully_shard_nvfp4 on real FSDP2 (gloo, CPU ranks), a plain script run under torchrun.
+
+    torchrun --nproc_per_node N fsdp_suite.py --mode train --out report.json
+    torchrun --nproc_per_node N fsdp_suite.py --mode save --dir CKPT --out save.json
+    torchrun --nproc_per_node M fsdp_suite.py --mode load --dir CKPT --out load.json
+
+train: a small net (weights gathered as NVFP4, weights whose shards are not whole 16-row tile bands gathered in
+bf16 and quantized after, a weight kept in bf16) trains STEPS steps; at every step, inside the forward, every
+gathered NVFP4 weight equals ``fp4_dist.quantize(full fp32 master)`` bit for bit, and the loss and every full
+master equal a single process that quantizes its weights each step and sums the ranks' gradients in rank order.
+Also: the all-gather bytes of one forward (counted by wrapping torch.distributed) equal the expected packed
+sizes; meta-device init; the orderings (convert_linear_weights first; torch's fully_shard on NVFP4Tensor weights;
+convert after sharding); HSDP 2x2 at 4 ranks. save/load: torch.distributed.checkpoint of model and optimizer
+(get_state_dict / set_state_dict), digests of the full masters and Adam states, and one more step after loading.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import traceback
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+import fp4_dist  # noqa: E402
+from fp4_dist.fsdp import fully_shard_nvfp4, nvfp4_weights  # noqa: E402
+from fp4_dist.launch import init_distributed, shutdown  # noqa: E402
+from fp4_dist.testing import bytes_mismatch  # noqa: E402
+
+STEPS = 20
+LR = 2e-2
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+FIELDS = ("rowwise_data", "rowwise_scale_inv", "amax")
+
+
+class Net(nn.Module):
+    """192 and 96 rows: NVFP4 gather at 1-3 ranks (96 rows fall back at 4); 40 rows: bf16 gather (quantized after);
+    the head's K = 40: kept in bf16."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(48, 192)
+        self.hid = nn.Linear(192, 96)
+        self.odd = nn.Linear(96, 40)
+        self.norm = nn.LayerNorm(40)
+        self.head = nn.Linear(40, 24)
+
+    def forward(self, x):
+        x = torch.relu(self.inp(x))
+        x = torch.relu(self.hid(x))
+        return self.head(self.norm(self.odd(x)))
+
+
+def batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(6, 48, generator=torch.Generator().manual_seed(7919 * step + rank))
+
+
+def loss_of(out: torch.Tensor) -> torch.Tensor:
+    return out.float().square().mean()
+
+
+def build(seed: int = 0, *, ordered: bool = True, mesh=None):
+    torch.manual_seed(seed)
+    model = Net()
+    init = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = fully_shard_nvfp4(model, mp_policy=BF16, shard_modules=[model.inp, model.hid], mesh=mesh,
+                                   ordered_grad_reduction=ordered)  # fmt: skip
+    messages = [str(w.message) for w in caught if "fp4_dist.fsdp" in str(w.message)]
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
+    return model, opt, init, report, messages
+
+
+def full_masters(model) -> dict:
+    out = {}
+    for n, p in model.named_parameters():
+        t = p.full_tensor() if isinstance(p, DTensor) else p
+        out[n] = (t._data if hasattr(t, "_data") else t).detach().clone()
+    return out
+
+
+class Gathered:
+    """Clones of every gathered NVFP4 weight, taken inside the forward (while FSDP2 holds them unsharded)."""
+
+    def __init__(self, model):
+        self.seen = {}
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear):
+                module.register_forward_pre_hook(lambda m, a, name=name: self.take(model, f"{name}.weight"))
+
+    def take(self, model, fqn):
+        g = nvfp4_weights(model).get(fqn)
+        if g is not None:
+            self.seen[fqn] = {f: getattr(g, f).clone() for f in FIELDS}
+
+
+class Reference:
+    """One process: full fp32 masters and AdamW; each step every NVFP4 weight is quantize(master.to(bf16)),
+    dequantized; every other param master.to(bf16); each rank's micro-batch backward alone, the bf16 grads
+    summed in rank order and averaged (as OrderedReduceScatter and FSDP2's AVG do), then cast to fp32."""
+
+    def __init__(self, init: dict, nvfp4: set):
+        self.net = Net()
+        self.masters = {n: t.clone() for n, t in init.items()}
+        self.nvfp4 = nvfp4
+        self.opt = torch.optim.AdamW(list(self.masters.values()), lr=LR, foreach=False)
+
+    def step(self, step: int, world: int) -> list[float]:
+        grads, losses = None, []
+        for r in range(world):
+            params = {}
+            for n, m in self.masters.items():
+                v = m.to(torch.bfloat16)
+                if n in self.nvfp4:
+                    v = fp4_dist.quantize(v).dequantize(torch.bfloat16)
+                params[n] = v.requires_grad_()
+            out = torch.func.functional_call(self.net, params, (batch(step, r).to(torch.bfloat16),))
+            loss = loss_of(out)
+            loss.backward()
+            losses.append(loss.item())
+            g = {n: p.grad for n, p in params.items()}
+            grads = g if grads is None else {n: grads[n].add_(g[n]) for n in g}
+        for n, m in self.masters.items():
+            m.grad = (grads[n].div_(world) if world > 1 else grads[n]).float()
+        self.opt.step()
+        self.opt.zero_grad()
+        return losses
+
+
+def check_gathered(ctx, step, masters, gathered: Gathered, states) -> None:
+    for fqn, st in states.items():
+        got = gathered.seen.get(fqn)
+        if not ctx.check(got is not None, f"step {step}: {fqn} was not gathered as NVFP4 in the forward"):
+            continue
+        ref = fp4_dist.quantize(masters[fqn].to(st.model_dtype), numerics=st.numerics, dtype=st.model_dtype)
+        for f in FIELDS:
+            msg = bytes_mismatch(got[f], getattr(ref, f), f"step {step} {fqn} {f} (mode {st.mode})")
+            ctx.check(msg is None, msg or "")
+
+
+class Ctx:
+    def __init__(self, rank):
+        self.rank, self.failures = rank, []
+
+    def check(self, ok, msg) -> bool:
+        if not ok:
+            self.failures.append(f"rank {self.rank}: {msg}")
+        return bool(ok)
+
+
+def suite_train(ctx, world, rank) -> dict:
+    model, opt, init, report, messages = build()
+    states = model._fp4_dist_nvfp4.states
+    ctx.check(len(messages) == 1, f"expected one warning naming the fallbacks, got {len(messages)}: {messages}")
+    expect_bf16 = {"odd.weight"} | ({"hid.weight"} if world == 4 else set())
+    ctx.check(set(report.bf16_gather) == expect_bf16, f"bf16-gather weights {sorted(report.bf16_gather)}")
+    ctx.check(set(report.kept) == {"head.weight"}, f"kept {sorted(report.kept)}")
+    ctx.check(all(n in messages[0] for n in [*report.bf16_gather, *report.kept]) if messages else False,
+              "the warning names every fallback")
+    gathered = Gathered(model)
+    ref = Reference(init, set(states))
+    losses, ref_losses = [], []
+    for step in range(STEPS):
+        masters = full_masters(model)
+        gathered.seen.clear()
+        loss = loss_of(model(batch(step, rank).to(torch.bfloat16)))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        check_gathered(ctx, step, masters, gathered, states)
+        losses.append(loss.item())
+        ref_losses.append(ref.step(step, world)[rank])
+    ctx.check(losses == ref_losses, f"losses differ from the single-process reference: {losses} vs {ref_losses}")
+    final = full_masters(model)
+    differ = [n for n in final if not torch.equal(final[n], ref.masters[n])]
+    ctx.check(not differ, f"after {STEPS} steps these fp32 masters differ from the reference: {differ}")
+    return {"losses": losses, "bytes": gathered_bytes(ctx, model, report, rank), "report": str(report)}
+
+
+def gathered_bytes(ctx, model, report, rank) -> dict:
+    """All-gather bytes of one forward, counted on the real collective, against the packed sizes."""
+    seen = []
+    # FSDP2 calls all_gather_single (torch >= 2.12) or all_gather_into_tensor: wrap (not mock) whichever exists
+    names = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
+    real = {n: getattr(dist, n) for n in names}
+
+    def counting(fn):
+        def wrapper(out, inp, *a, **k):
+            seen.append(out.numel() * out.element_size())
+            return fn(out, inp, *a, **k)
+        return wrapper
+
+    for n in names:
+        setattr(dist, n, counting(real[n]))
+    try:
+        with torch.no_grad():
+            model(batch(0, rank).to(torch.bfloat16))
+    finally:
+        for n in names:
+            setattr(dist, n, real[n])
+    world = dist.get_world_size()
+    expect = 0
+    for n, p in model.named_parameters():
+        st = model._fp4_dist_nvfp4.states.get(n)
+        rows = -(-p.shape[0] // world) * world
+        if st is None:
+            expect += rows * (p.numel() // p.shape[0]) * 2  # bf16 dense params, padded to whole shards
+        elif st.mode == "nvfp4":
+            m, k = st.shape
+            expect += m * k // 2 + (m // 16) * (k // 16)
+        else:
+            expect += rows * st.shape[1] * 2
+    per_elem = report.gathered_bytes_per_element(model)
+    if world > 1:
+        ctx.check(sum(seen) == expect, f"all-gather bytes of one forward {sum(seen)} != expected {expect}")
+    nvfp4_elems = sum(model._fp4_dist_nvfp4.states[n].shape[0] * model._fp4_dist_nvfp4.states[n].shape[1]
+                      for n in report.nvfp4)  # fmt: skip
+    return {"measured": sum(seen), "expected": expect, "per_element": per_elem, "nvfp4_elements": nvfp4_elems,
+            "nvfp4_bytes_if_bf16": 2 * nvfp4_elems}
+
+
+def suite_meta_init(ctx, world, rank) -> None:
+    with torch.device("meta"):
+        torch.manual_seed(0)
+        model = Net()
+    fully_shard_nvfp4(model, mp_policy=BF16, shard_modules=[model.inp])
+    model.to_empty(device="cpu")
+    for m in model.modules():
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+    gathered = Gathered(model)
+    masters = full_masters(model)
+    model(batch(0, rank).to(torch.bfloat16)).float().sum().backward()
+    check_gathered(ctx, "meta-init", masters, gathered, model._fp4_dist_nvfp4.states)
+
+
+def suite_orderings(ctx, world, rank) -> None:
+    # convert_linear_weights first: the masters start from the NVFP4 values
+    torch.manual_seed(1)
+    model = Net()
+    fp4_dist.convert_linear_weights(model)
+    before = {n: p.dequantize(torch.float32) for n, p in model.named_parameters()
+              if isinstance(p, fp4_dist.NVFP4Tensor)}  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fully_shard_nvfp4(model, mp_policy=BF16)
+    masters = full_masters(model)
+    ctx.check(all(torch.equal(masters[n], v) for n, v in before.items()), "masters != converted NVFP4 values")
+    gathered = Gathered(model)
+    model(batch(0, rank).to(torch.bfloat16)).float().sum().backward()
+    check_gathered(ctx, "convert-first", masters, gathered, model._fp4_dist_nvfp4.states)
+    # torch's fully_shard on NVFP4Tensor weights: refused, naming the remedy
+    torch.manual_seed(1)
+    model = Net()
+    fp4_dist.convert_linear_weights(model)
+    try:
+        fully_shard(model)
+        ctx.check(False, "torch fully_shard accepted NVFP4Tensor weights (they would be gathered as bf16)")
+    except Exception as e:  # noqa: BLE001 - the point is the message
+        ctx.check("fully_shard_nvfp4" in str(e), f"fully_shard on NVFP4Tensor weights: unclear error {e!r}")
+    # converting after sharding: refused
+    torch.manual_seed(1)
+    model = Net()
+    fully_shard(model)
+    try:
+        fp4_dist.convert_linear_weights(model)
+        ctx.check(False, "convert_linear_weights accepted FSDP2-sharded weights")
+    except ValueError as e:
+        ctx.check("fully_shard_nvfp4" in str(e), f"convert after fully_shard: unclear error {e!r}")
+
+
+def suite_hsdp(ctx, world, rank) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    model, opt, init, report, _ = build(mesh=mesh, ordered=False)
+    gathered = Gathered(model)
+    for step in range(3):
+        masters = full_masters(model)
+        gathered.seen.clear()
+        loss_of(model(batch(step, rank).to(torch.bfloat16))).backward()
+        opt.step()
+        opt.zero_grad()
+        check_gathered(ctx, f"hsdp {step}", masters, gathered, model._fp4_dist_nvfp4.states)
+    return {"nvfp4": report.nvfp4}
+
+
+def digest(tensors: dict) -> dict:
+    return {k: hashlib.sha256(v.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+            for k, v in sorted(tensors.items())}  # fmt: skip
+
+
+def full_state(model, opt) -> dict:
+    out = {f"master:{n}": t for n, t in full_masters(model).items()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            v = v.full_tensor() if isinstance(v, DTensor) else v
+            out[f"{k}:{names[id(p)]}"] = v.detach().reshape(-1).clone() if v.dim() else v.detach().reshape(1)
+    return out
+
+
+def suite_checkpoint(ctx, world, rank, mode, ckpt) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt, _, _, _ = build(seed=3 if mode == "load" else 0)
+    steps = 4 if mode == "save" else 0
+    for step in range(steps):
+        loss_of(model(batch(step, rank).to(torch.bfloat16))).backward()
+        opt.step()
+        opt.zero_grad()
+    if mode == "save":
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+        saved = digest(full_state(model, opt))
+        loss_of(model(batch(4, rank).to(torch.bfloat16))).backward()  # the uninterrupted run's next step
+        opt.step()
+        return {"digests": saved, "next_step": digest(full_state(model, opt))}
+    loss_of(model(batch(99, rank).to(torch.bfloat16))).backward()  # materialise Adam state to load into
+    opt.zero_grad()
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=ckpt)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    digests = digest(full_state(model, opt))
+    gathered = Gathered(model)
+    masters = full_masters(model)
+    loss_of(model(batch(4, rank).to(torch.bfloat16))).backward()
+    opt.step()
+    check_gathered(ctx, "after load", masters, gathered, model._fp4_dist_nvfp4.states)
+    return {"digests": digests, "next_step": digest(full_state(model, opt))}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=("train", "save", "load"), default="train")
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    info = init_distributed("gloo")
+    world, rank = info.world_size, info.rank
+    ctx = Ctx(rank)
+    report = {"world_size": world}
+    suites = {"train": [("train", suite_train), ("meta_init", suite_meta_init), ("orderings", suite_orderings)]
+              + ([("hsdp", suite_hsdp)] if world == 4 else []),
+              "save": [("checkpoint", lambda c, w, r: suite_checkpoint(c, w, r, "save", args.dir))],
+              "load": [("checkpoint", lambda c, w, r: suite_checkpoint(c, w, r, "load", args.dir))]}[args.mode]
+    for name, fn in suites:
+        try:
+            report[name] = fn(ctx, world, rank)
+        except Exception:  # a crash is a failure of this suite
+            ctx.failures.append(f"[{name}] rank {rank}: crashed:\n{traceback.format_exc()[-3000:]}")
+    everyone = [None] * world
+    dist.all_gather_object(everyone, ctx.failures)
+    report["failures"] = [f for fs in everyone for f in fs]
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+        for f in report["failures"][:20]:
+            print("FAIL", f)
+        print(json.dumps({k: v for k, v in report.items() if k not in ("failures",)}, default=str)[:3000])
+    shutdown()
+    return 1 if report["failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
