@@ -99,23 +99,41 @@ def _this_host_address() -> str:
         return "127.0.0.1"
 
 
-def _init_from_mpi(backend: str, timeout: timedelta) -> DistInfo:
+def export_mpi_env() -> bool:
+    """Under an MPI launcher, set what torchrun would (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+    ``MASTER_PORT``) from ``MPI.COMM_WORLD``, so code that reads them (Megatron's) sees one job of N ranks.
+
+    Returns whether it did (False when not launched by MPI or the variables are set already). Raises RuntimeError
+    with the remedy when MPI launched this process but mpi4py is missing (each process would otherwise run as a
+    separate one-rank job).
+    """
+    if launched_by() != "mpi":
+        return False
     try:
         from mpi4py import MPI
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise RuntimeError("this process was started by an MPI launcher but mpi4py is not installed; "
-                           "`pip install mpi4py` (extra `fp4_dist[mpi]`) or launch with torchrun") from e
+        raise RuntimeError("this process was started by an MPI launcher but mpi4py is not installed, so the ranks "
+                           "cannot form one job; `pip install mpi4py` (extra `fp4_dist[mpi]`) or launch with "
+                           "torchrun") from e
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank).Get_rank()
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     addr = port = None
     if rank == 0:
         addr = os.environ.get("MASTER_ADDR") or _this_host_address()
         port = int(os.environ.get("MASTER_PORT") or _free_port())
     addr, port = comm.bcast((addr, port), root=0)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(node.Get_rank()),
+                      LOCAL_WORLD_SIZE=str(node.Get_size()), MASTER_ADDR=str(addr), MASTER_PORT=str(port))
+    return True
+
+
+def _init_from_mpi(backend: str, timeout: timedelta) -> DistInfo:
+    export_mpi_env()
+    rank, size, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     device = _device_for(backend, local)
-    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=size,
-                            timeout=timeout, device_id=device if backend == "nccl" else None)
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size, timeout=timeout,
+                            device_id=device if backend == "nccl" else None)
     return DistInfo(rank, size, local, backend, device, "mpi")
 
 

@@ -44,6 +44,9 @@ _PGB = "megatron.core.distributed.param_and_grad_buffer"
 _DO = "megatron.core.optimizer.distrib_optimizer"
 _FP4 = "megatron.core.fp4_utils"
 _FP8 = "megatron.core.fp8_utils"
+_DDP = "megatron.core.distributed.distributed_data_parallel"
+_ARGS = "megatron.training.arguments"
+_ARGU = "megatron.training.argument_utils"
 
 
 @dataclass(frozen=True)
@@ -100,9 +103,22 @@ def _make_shard_cast(original):
             data_parallel_group,
             fsdp_shard_model_weights=fsdp_shard_model_params,
             manual_post_all_gather_processing=True,
+            amax_group=_tensor_parallel_group(model_params),
         )
 
     return quantize_nvfp4_param_shard
+
+
+def _tensor_parallel_group(params):
+    """The tensor-parallel group when these weights are TP slices (Megatron's column/row-parallel linears):
+    their scales then use the whole weight's amax, as if the whole weight were quantized and then split."""
+    from megatron.core import parallel_state
+
+    if not any(getattr(p, "tensor_model_parallel", False) for p in params):
+        return None
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return None
+    return parallel_state.get_tensor_model_parallel_group()
 
 
 def _make_post_all_gather(original):
@@ -201,6 +217,38 @@ def derive_packed_layout(param_index_map, bucket_indices, names, dp_size: int):
     return packed_map, packed_buckets, unpadded
 
 
+def _hiding_fp4_param_gather(original):
+    """Run Megatron's `original(args, ...)` with ``args.fp4_param_gather`` off: there the flag means
+    TransformerEngine's NVFP4 (validate_args demands --fp4-format and TE >= 2.7; the transformer config would
+    ask TE for NVFP4 model init). With fp4_dist enabled the flag selects fp4_dist's path instead, which the DDP
+    config still receives (get_megatron_ddp_config reads args after this)."""
+
+    def wrapper(args, *rest, **kwargs):
+        on = getattr(args, "fp4_param_gather", False)
+        args.fp4_param_gather = False
+        try:
+            return original(args, *rest, **kwargs)
+        finally:
+            args.fp4_param_gather = on or getattr(args, "fp4_param_gather", False)
+
+    return wrapper
+
+
+def _make_ddp_init(original):
+    def __init__(self, config, ddp_config, module, *args, **kwargs):
+        ours = [n for n, p in module.named_parameters() if _tensor.is_nvfp4_tensor(p)]
+        if ours and not (ddp_config.fp4_param_gather and ddp_config.use_distributed_optimizer):
+            raise ValueError(
+                f"fp4_dist.megatron: the model has {len(ours)} fp4_dist NVFP4 weights ({ours[0]}, ...) but the DDP "
+                f"config has fp4_param_gather={ddp_config.fp4_param_gather}, use_distributed_optimizer="
+                f"{ddp_config.use_distributed_optimizer}: Megatron would put them in the bf16 buffer and never cast "
+                "its updated masters into them, so they would not train. Set both to True (--fp4-param-gather "
+                "--use-distributed-optimizer), or build the model without NVFP4 weights")
+        original(self, config, ddp_config, module, *args, **kwargs)
+
+    return __init__
+
+
 def _make_set_states(original):
     def _set_main_param_and_optimizer_states(self, model_param, tensors):
         # With the torch.optim fallback (no TE / apex), Adam's state holds a "step" tensor that the dp_zero
@@ -248,6 +296,17 @@ HOOKS: tuple[Hook, ...] = (
     Hook((_DO,), "pad_bucket_end", _make_pad_bucket_end,
          "bucket ends padded to lcm(2*dp, 128) so every rank's element shard is even (same as upstream unless "
          "dp is a multiple of 128; DO 542-550)"),
+    Hook((_ARGS,), "validate_args", _hiding_fp4_param_gather,
+         "--fp4-param-gather selects fp4_dist here, not TransformerEngine: validate_args would demand --fp4-format "
+         "(TE >= 2.7); the flag is hidden from it and restored"),
+    Hook((_ARGU,), "core_transformer_config_from_args", _hiding_fp4_param_gather,
+         "the TransformerConfig's fp4_param would ask TE for NVFP4 model init; fp4_dist converts the weights itself"),
+    Hook((_ARGS,), "get_device_arch_version", lambda original: (lambda: 0),
+         "validate_args reads the CUDA architecture for tensor parallel performance hints; a CPU rank has none",
+         cpu_only=True),
+    Hook((_DDP,), "DistributedDataParallel.__init__", _make_ddp_init,
+         "NVFP4 weights with fp4_param_gather or the distributed optimizer off would sit in the bf16 buffer and "
+         "never be cast from the updated masters (they silently stop training): refused at construction"),
     Hook((_DO,), "DistributedOptimizer._set_main_param_and_optimizer_states", _make_set_states,
          "loading Megatron's own dp_zero optimizer checkpoint (load_parameter_state) with the torch.optim "
          "fallback raises KeyError('step') (DO 1219-1226); keys the file lacks keep their restored value"),
@@ -308,7 +367,20 @@ _installed: Optional[list[tuple[Any, str, Any]]] = None
 """(owner object, attribute, original) for every patched binding, in install order."""
 
 
+def python_311_shim() -> None:
+    """megatron.training (0.19) imports ``typing.override`` (Python 3.12); megatron-core runs on 3.11, so there
+    the same decorator is provided from typing_extensions before anything imports megatron.training."""
+    import sys
+    import typing
+
+    if sys.version_info < (3, 12) and not hasattr(typing, "override"):
+        import typing_extensions
+
+        typing.override = typing_extensions.override
+
+
 def _resolve(module_name: str, name: str) -> tuple[Any, str]:
+    python_311_shim()
     owner: Any = importlib.import_module(module_name)
     *path, attr = name.split(".")
     for part in path:
@@ -349,6 +421,7 @@ def install(*, cpu: Optional[bool] = None, allow_untested_version: bool = False,
         version = installed_megatron_version()
         if not allow_untested_version:
             check_megatron_version(version)
+        python_311_shim()
         cpu = (not torch.cuda.is_available()) if cpu is None else cpu
         unknown = set(exclude) - {h.name for h in HOOKS}
         if unknown:

@@ -11,7 +11,8 @@ Folder layout (names follow Megatron's ``--ckpt-format torch`` so the files are 
                                             of the packed NVFP4 layout)
     <save>/iter_0000010/model.pt            rank 0: the gathered model weights; NVFP4 weights as their packed
                                             fields (rowwise_data, rowwise_scale_inv, amax), others as tensors
-    <save>/iter_0000010/rng_rank{r}.pt      each rank: Python, NumPy and torch RNG states
+    <save>/iter_0000010/rng.pt              every rank's Python, NumPy, torch and tensor-parallel RNG states (rank 0
+                                            writes them; a resume at another world size keeps its fresh seeds)
 
 The fp32 masters are the source of truth. Loading restores them and then re-casts every NVFP4 weight from
 them and all-gathers (the same path as an optimizer step), so the bytes equal those of the run that saved;
@@ -106,12 +107,14 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, run_
         folder.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     optimizer.save_parameter_state(str(folder / "distrib_optim.pt"))
+    rng = [None] * dist.get_world_size()
+    dist.all_gather_object(rng, _rng_state())
     if rank == 0:
         common = {"iteration": iteration, "config": run_config, "optimizer": optimizer.state_dict(),
                   "scheduler": scheduler.state_dict()}
         torch.save(common, folder / "common.pt")
         torch.save(model_state(model.module), folder / "model.pt")
-    torch.save(_rng_state(), folder / f"rng_rank{rank}.pt")
+        torch.save({"world_size": len(rng), "states": rng}, folder / "rng.pt")
     dist.barrier()
     if rank == 0:
         tmp = Path(root) / (LATEST + ".tmp")
@@ -140,7 +143,13 @@ def load_checkpoint(root: str, model, optimizer, scheduler, run_config: dict) ->
     optimizer.load_state_dict(common["optimizer"])
     optimizer.load_parameter_state(str(folder / "distrib_optim.pt"))
     scheduler.load_state_dict(common["scheduler"])
-    _set_rng_state(torch.load(folder / f"rng_rank{dist.get_rank()}.pt", weights_only=False))
+    rng = torch.load(folder / "rng.pt", weights_only=False)
+    if rng["world_size"] == dist.get_world_size():
+        _set_rng_state(rng["states"][dist.get_rank()])
+    elif dist.get_rank() == 0:  # per-rank streams cannot map onto another number of ranks
+        print(f"--load {folder}: saved at {rng['world_size']} ranks, resumed at {dist.get_world_size()}: the fp32 "
+              "masters, optimizer state and LR schedule are restored bit for bit; RNG streams start from --seed",
+              flush=True)
     recast_model_params(model, optimizer)
     problems = compare_model_state(model.module, torch.load(folder / "model.pt", weights_only=False))
     if problems:

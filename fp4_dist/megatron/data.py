@@ -1,8 +1,9 @@
-"""Byte-level training batches from the text corpus embedded in the package (``fp4_dist/data/*.txt``).
+"""Training and validation batches: the text corpus embedded in the package (``fp4_dist/data/*.txt``, one token
+per byte) or Megatron indexed datasets (``--data-path PREFIX``: ``PREFIX.bin`` / ``PREFIX.idx``, any tokenizer).
 
-Tokens are raw bytes (vocabulary 256), so no tokenizer is needed. Batch contents depend only on
-``(seed, iteration)``, not on how many steps ran before: a run resumed from a checkpoint at iteration N
-sees exactly the batches an uninterrupted run sees at N+1, N+2, ...
+The data is split by ``--split`` (Megatron's "train,valid,test" weights; whole documents for indexed data) into
+token streams. Batch contents depend only on ``(seed, iteration)``, not on how many steps ran before: a run
+resumed from a checkpoint at iteration N sees exactly the batches an uninterrupted run sees at N+1, N+2, ...
 
 Each global batch is ``global_batch_size`` windows of ``seq_length + 1`` bytes at pseudo-random offsets;
 data-parallel rank r takes the contiguous block r of it and cuts it into micro-batches.
@@ -35,6 +36,45 @@ def load_tokens(path: Optional[str] = None) -> torch.Tensor:
     """All corpus bytes as one int64 tensor (files concatenated in name order)."""
     data = b"".join(f.read_bytes() for f in corpus_files(path))
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+def split_weights(split: str) -> list[float]:
+    """Megatron's ``--split`` ("969,30,1", "99/1/0", "1"): normalised [train, valid, test] weights."""
+    parts = [float(x) for x in split.replace("/", ",").split(",") if x.strip()]
+    parts = (parts + [0.0, 0.0, 0.0])[:3]
+    if any(p < 0 for p in parts) or sum(parts) <= 0:
+        raise ValueError(f"--split {split!r}: expected non-negative train,valid,test weights with a positive sum")
+    return [p / sum(parts) for p in parts]
+
+
+def split_stream(tokens: torch.Tensor, split: str) -> list[torch.Tensor]:
+    """[train, valid, test] token streams of one stream, cut by the split weights."""
+    w = split_weights(split)
+    ends = [round(tokens.numel() * sum(w[:i + 1])) for i in range(3)]
+    return [tokens[a:b] for a, b in zip([0, *ends[:2]], ends)]
+
+
+def load_indexed(prefixes: Sequence[str], split: str) -> list[torch.Tensor]:
+    """[train, valid, test] int64 token streams of Megatron indexed datasets: whole documents are assigned to
+    the splits in order by the split weights (as Megatron's GPTDataset does), each split's concatenated."""
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
+
+    w = split_weights(split)
+    streams: list[list] = [[], [], []]
+    for prefix in prefixes:
+        missing = [p for p in (get_bin_path(prefix), get_idx_path(prefix)) if not Path(p).is_file()]
+        if missing:
+            raise FileNotFoundError(f"--data-path {prefix}: no indexed dataset there (missing {', '.join(missing)}); "
+                                    "build one with megatron.core.datasets.indexed_dataset.IndexedDatasetBuilder or "
+                                    "`python -m fp4_dist.megatron.preprocess`")
+        ds = IndexedDataset(prefix)
+        n = len(ds)
+        bounds = [0, *(round(n * sum(w[:i + 1])) for i in range(3))]
+        for s_, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            streams[s_] += [np.asarray(ds[i]) for i in range(a, b)]
+    return [torch.from_numpy(np.concatenate(docs).astype(np.int64)) if docs else torch.zeros(0, dtype=torch.int64)
+            for docs in streams]
 
 
 @dataclass(frozen=True)

@@ -128,7 +128,16 @@ def _linear_modules(model: nn.Module, config: TransformerConfig) -> list[tuple[s
 
 
 def _check_k(named: Iterable[tuple[str, nn.Module]]) -> None:
+    named = list(named)
     bad = [f"{name} [{w.shape[0]} x {w.shape[1]}]" for name, m in named for w in [m.weight] if w.shape[1] % TILE]
+    split = [f"{name} [{w.shape[0]} x {w.shape[1]}]" for name, m in named for w in [m.weight]
+             if getattr(w, "tensor_model_parallel", False) and getattr(w, "partition_dim", 1) == 0 and
+             w.shape[0] % TILE and _tp_size() > 1]  # fmt: skip
+    if split:
+        raise ValueError(
+            "--fp4-param-gather with tensor parallelism: each rank's slice of a column-parallel NVFP4 weight needs "
+            f"a multiple of 16 rows (a 16x16 tile must not span two tensor-parallel ranks); these do not: "
+            f"{', '.join(split)}. Choose sizes whose per-rank output rows are multiples of 16")
     if bad:
         raise ValueError(
             "--fp4-param-gather: NVFP4 weights need K (in_features, the last dim) % 16 == 0; these do not: "
@@ -136,6 +145,12 @@ def _check_k(named: Iterable[tuple[str, nn.Module]]) -> None:
             + ". Choose --hidden-size / --ffn-hidden-size / --kv-channels that are multiples of 16, or keep "
             "those layers in bf16 (--first-last-layers-bf16) or drop --fp4-param-gather"
         )
+
+
+def _tp_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
 
 
 def _get_init(self) -> torch.Tensor:

@@ -67,6 +67,7 @@ def master_digest(model: torch.nn.Module, optimizer, group=None) -> str:
     two runs with each other.
     """
     optimizers = _distributed_optimizers(optimizer)
+    group, _ = _groups(group, None)
     h = hashlib.sha256()
     for name, p in sorted(model.named_parameters(), key=lambda np_: canonical_name(np_[0])):
         full = full_master(p, optimizers, group)
@@ -75,14 +76,46 @@ def master_digest(model: torch.nn.Module, optimizer, group=None) -> str:
     return h.hexdigest()
 
 
-def check_nvfp4_weights(model: torch.nn.Module, optimizer, group=None) -> ParityReport:
-    """Compare every NVFP4 parameter of ``model`` with ``quantize`` of its full master (collective)."""
+def _groups(group, tp_group):
+    """(data-parallel group, tensor-parallel group or None) of Megatron's parallel state unless given."""
+    from megatron.core import parallel_state
+
+    if group is None and parallel_state.model_parallel_is_initialized():
+        group = parallel_state.get_data_parallel_group()
+        if tp_group is None and parallel_state.get_tensor_model_parallel_world_size() > 1:
+            tp_group = parallel_state.get_tensor_model_parallel_group()
+    return group, tp_group
+
+
+def _reference(name: str, p, master: torch.Tensor, tp_group):
+    """NVFP4 reference of this rank's weight: ``quantize(master)``, or under tensor parallelism this rank's
+    slice of quantizing the whole weight (the TP slices gathered and joined along ``partition_dim``)."""
+    if tp_group is None or not getattr(p, "tensor_model_parallel", False):
+        return quantize(master, numerics=p.numerics, dtype=p.dtype, name=name)
+    from ..kernels import reference as R
+    from ..tensor import NVFP4Tensor
+
+    tp, r, dim = dist.get_world_size(tp_group), dist.get_rank(tp_group), p.partition_dim
+    parts = [torch.empty_like(master) for _ in range(tp)]
+    dist.all_gather(parts, master.contiguous(), group=tp_group)
+    data, _, amax, scales = R.quantize(torch.cat(parts, dim=dim), p.numerics, round_to=p.dtype)
+    m, k = master.shape
+    r0, c0 = (r * m, 0) if dim == 0 else (0, r * k)  # this slice's first row and column in the whole weight
+    data = data[r0:r0 + m, c0 // 2:(c0 + k) // 2].contiguous()
+    tiles = scales[r0 // 16:(r0 + m + 15) // 16, c0 // 16:(c0 + k) // 16]
+    return NVFP4Tensor((m, k), p.dtype, data, R.expand_rowwise_scales(tiles, m, k), amax, numerics=p.numerics)
+
+
+def check_nvfp4_weights(model: torch.nn.Module, optimizer, group=None, tp_group=None) -> ParityReport:
+    """Compare every NVFP4 parameter of ``model`` with ``quantize`` of its full master (collective); under
+    tensor parallelism with this rank's slice of quantizing the whole weight (scales from its whole amax)."""
     report = ParityReport()
     optimizers = _distributed_optimizers(optimizer)
+    group, tp_group = _groups(group, tp_group)
     for name, p in model.named_parameters():
         if not is_nvfp4_tensor(p):
             continue
-        ref = quantize(full_master(p, optimizers, group), numerics=p.numerics, dtype=p.dtype, name=name)
+        ref = _reference(name, p, full_master(p, optimizers, group), tp_group)
         pairs = [("rowwise_data", p.rowwise_data, ref.rowwise_data),
                  ("rowwise_scale_inv", p.rowwise_scale_inv, ref.rowwise_scale_inv),
                  ("amax", p.amax, ref.amax)]

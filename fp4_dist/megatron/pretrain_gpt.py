@@ -30,6 +30,7 @@ import gc
 import io
 import json
 import logging
+import math
 import os
 import random
 import sys
@@ -44,24 +45,39 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..launch import export_mpi_env
 from . import adapter
-from .data import VOCAB_SIZE, BatchPlan, load_tokens, microbatches
+from .data import VOCAB_SIZE, BatchPlan, load_indexed, load_tokens, microbatches, split_stream
 
 UNSUPPORTED_BACKEND_FLAGS = ("--fp4-format", "--fp4-recipe")
 
+# Megatron arguments (by dest) this entry point implements; any other Megatron flag given on the command line is
+# refused at start-up, naming it, instead of being parsed and silently ignored (MoE, tensor/pipeline parallel,
+# other tokenizers, W&B, ...). Value rules (bf16 only, local transformer, TP = PP = 1) are in check_fp4_args.
+SUPPORTED = frozenset("""
+    num_layers hidden_size ffn_hidden_size num_attention_heads group_query_attention num_query_groups kv_channels
+    seq_length max_position_embeddings position_embedding_type rotary_base rotary_percent normalization norm_epsilon
+    swiglu add_bias_linear add_qkv_bias qk_layernorm hidden_dropout attention_dropout init_method_std
+    untie_embeddings_and_output_weights apply_residual_connection_post_layernorm attention_softmax_in_fp32
+    micro_batch_size global_batch_size train_iters
+    lr min_lr lr_decay_style lr_decay_iters lr_warmup_iters lr_warmup_fraction lr_warmup_init weight_decay
+    start_weight_decay end_weight_decay weight_decay_incr_style adam_beta1 adam_beta2 adam_eps sgd_momentum
+    optimizer clip_grad
+    use_distributed_optimizer overlap_grad_reduce overlap_param_gather ddp_bucket_size fp4_param_gather
+    first_last_layers_bf16 num_layers_at_start_in_bf16 num_layers_at_end_in_bf16 check_for_nan_in_loss_and_grad
+    accumulate_allreduce_grads_in_fp32
+    save load save_interval exit_interval
+    data_path split eval_interval eval_iters tensorboard_dir tensorboard_log_interval log_interval logging_level
+    seed bf16 deterministic_mode manual_gc manual_gc_interval distributed_backend use_cpu_initialization
+    transformer_impl tokenizer_type vocab_size gradient_accumulation_fusion masked_softmax_fusion persist_layer_norm
+    bias_gelu_fusion bias_swiglu_fusion bias_dropout_fusion apply_rope_fusion
+    tensor_model_parallel_size pipeline_model_parallel_size fp4 fp4_recipe fp8_param_gather
+""".split())
+
 
 def _megatron_training():
-    """Import megatron.training's argument parser and helpers.
-
-    megatron/training/models/hybrid.py uses ``typing.override`` (Python 3.12+); megatron-core itself runs on
-    3.11, so on 3.11 the same decorator is provided from typing_extensions before the import.
-    """
-    import typing
-
-    if sys.version_info < (3, 12) and not hasattr(typing, "override"):
-        import typing_extensions
-
-        typing.override = typing_extensions.override
+    """Import megatron.training's argument parser and helpers (Python 3.11: after `adapter.python_311_shim`)."""
+    adapter.python_311_shim()
     from megatron.training import arguments, argument_utils, global_vars, training
 
     return arguments, argument_utils, global_vars, training
@@ -135,11 +151,27 @@ def check_fp4_args(args: argparse.Namespace) -> None:
     if args.fp4 is not None or args.fp4_recipe not in (None, "nvfp4"):
         raise ValueError("--fp4-format/--fp4-recipe select TransformerEngine's NVFP4; fp4_dist replaces it: use "
                          "--fp4-param-gather alone")
-    if args.tensor_model_parallel_size != 1 or args.pipeline_model_parallel_size != 1:
-        raise ValueError("fp4_dist.megatron.pretrain_gpt runs data parallel only (tensor/pipeline model parallel "
-                         f"size 1; got {args.tensor_model_parallel_size}/{args.pipeline_model_parallel_size})")
-    if args.vocab_size != VOCAB_SIZE:
-        raise ValueError(f"the embedded data is byte-level: --vocab-size must be {VOCAB_SIZE}")
+    if args.transformer_impl != "local":
+        raise ValueError(f"--transformer-impl {args.transformer_impl}: TransformerEngine is not used here (it is what "
+                         "fp4_dist replaces); the local implementation is the only one: drop the flag")
+    if args.tokenizer_type != "NullTokenizer":
+        raise ValueError(f"--tokenizer-type {args.tokenizer_type}: this entry point reads token ids (the embedded "
+                         "byte corpus, or --data-path indexed datasets) and needs no tokenizer: use NullTokenizer")
+    if args.tensorboard_dir:
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+        except ImportError as e:
+            raise ValueError("--tensorboard-dir needs the tensorboard package: pip install tensorboard") from e
+    if args.pipeline_model_parallel_size != 1:
+        raise ValueError("fp4_dist.megatron.pretrain_gpt runs data and tensor parallel; pipeline parallel is not "
+                         f"implemented here (--pipeline-model-parallel-size {args.pipeline_model_parallel_size})")
+    if args.vocab_size != VOCAB_SIZE and not args.data_path:
+        raise ValueError(f"the embedded data is byte-level: --vocab-size must be {VOCAB_SIZE} (or give --data-path)")
+    if args.data_path and args.fp4_corpus:
+        raise ValueError("--data-path and --fp4-corpus both name the training data: give one")
+    if args.data_path and any(_is_number(x) for x in args.data_path):
+        raise ValueError(f"--data-path {' '.join(args.data_path)}: weighted blends are not implemented here; give "
+                         "one or more dataset prefixes (concatenated)")
     if not args.bf16:
         raise ValueError("fp4_dist.megatron.pretrain_gpt trains in bf16: add --bf16")
     if (args.save or args.load) and not args.use_distributed_optimizer:
@@ -147,6 +179,31 @@ def check_fp4_args(args: argparse.Namespace) -> None:
                          "--use-distributed-optimizer")
     if args.train_iters is None:
         raise ValueError("--train-iters is required (sample-based training is not supported here)")
+
+
+def _given_dests(parser: argparse.ArgumentParser, argv: Sequence[str]) -> frozenset:
+    """Dests of the options on the command line (``--flag value`` and ``--flag=value`` alike)."""
+    options = parser._option_string_actions
+    return frozenset(options[a.split("=")[0]].dest for a in argv if a.startswith("-") and a.split("=")[0] in options)
+
+
+def _refuse_unimplemented(given: frozenset, parser: argparse.ArgumentParser) -> None:
+    fp4_dist_group = {a.dest for g in parser._action_groups if g.title == "fp4_dist" for a in g._group_actions}
+    ignored = sorted(given - SUPPORTED - fp4_dist_group - {"help"})
+    if ignored:
+        flags = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
+        raise ValueError(
+            "these Megatron arguments are not implemented by fp4_dist.megatron.pretrain_gpt and would be ignored: "
+            + ", ".join(flags[d] for d in ignored) + ". Remove them, or call fp4_dist.megatron.enable() in your own "
+            "Megatron training script (docs/megatron.md lists what this entry point implements)")
+
+
+def _is_number(x: str) -> bool:
+    try:
+        float(x)
+        return True
+    except ValueError:
+        return False
 
 
 def _escape_stray_percent(parser: argparse.ArgumentParser) -> None:
@@ -170,18 +227,25 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = add_fp4_dist_args(arguments.add_megatron_arguments(parser))
     _escape_stray_percent(parser)
     args = parser.parse_args(argv + _platform_defaults(argv))
+    args.fp4_given = _given_dests(parser, argv)
+    _refuse_unimplemented(args.fp4_given, parser)
     # Importing megatron.training.training sets the root logger to INFO (its line 36); Megatron's own
     # --logging-level decides here, WARNING by default.
     logging.getLogger().setLevel(args.logging_level if args.logging_level is not None else logging.WARNING)
     args._is_global_batch_size_explicitly_specified = args.global_batch_size is not None
+    export_mpi_env()  # mpirun/mpiexec: one job of N ranks, as under torchrun
     args.rank = int(os.getenv("RANK", "0"))
     args.world_size = int(os.getenv("WORLD_SIZE", "1"))
     if not args.fp4_allow_untested_megatron:
         adapter.check_megatron_version(adapter.installed_megatron_version())
     check_fp4_args(args)
-    # Megatron's validate_args ties --fp4-param-gather to --fp4-format (TransformerEngine >= 2.7); here the
-    # flag selects fp4_dist's backend instead, so it is hidden from that check and restored after.
-    fp4_param_gather, args.fp4_param_gather = args.fp4_param_gather, False
+    if args.tensor_model_parallel_size > 1:  # what Megatron asks of a TP launch (before CUDA starts)
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    # The hook table lets validate_args accept --fp4-param-gather without TransformerEngine; parsing leaves
+    # megatron-core as it found it (setup installs the table for the run).
+    installed_here = not adapter.is_installed()
+    if installed_here:
+        _install_adapter(args)
     table = io.StringIO()
     try:
         with contextlib.redirect_stdout(table):
@@ -190,10 +254,20 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         where = traceback.extract_tb(e.__traceback__)[-1]
         raise ValueError(f"Megatron's validate_args rejected the arguments: {str(e) or where.line} "
                          f"({os.path.basename(where.filename)}:{where.lineno})") from e
+    finally:
+        if installed_here:
+            adapter.uninstall()
     if args.fp4_print_args and args.rank == 0:
         print(table.getvalue(), end="")
-    args.fp4_param_gather = fp4_param_gather
     return args
+
+
+def _install_adapter(args: argparse.Namespace) -> None:
+    exclude = adapter.UPSTREAM_LAYOUT if args.fp4_upstream_layout else ()
+    if adapter.is_installed():
+        adapter.uninstall()  # a previous run in this process may have used other rows
+    adapter.install(allow_untested_version=args.fp4_allow_untested_megatron, exclude=exclude,
+                    options=adapter.AdapterOptions(columnwise=args.fp4_columnwise))
 
 
 # --------------------------------------------------------------------------------------------- setup
@@ -213,7 +287,10 @@ def initialize(args: argparse.Namespace) -> torch.device:
             store = os.path.join(tempfile.mkdtemp(prefix="fp4_megatron_"), "store")
             dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
+        tp = args.tensor_model_parallel_size
+        if dist.get_world_size() % tp:
+            raise ValueError(f"--tensor-model-parallel-size {tp} does not divide the {dist.get_world_size()} ranks")
+        parallel_state.initialize_model_parallel(tp, 1)
     from megatron.core import rerun_state_machine
 
     if rerun_state_machine._GLOBAL_RERUN_STATE_MACHINE is None:  # Megatron's default (disabled), said explicitly
@@ -223,6 +300,13 @@ def initialize(args: argparse.Namespace) -> torch.device:
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
     return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+
+
+def _dp() -> tuple[int, int]:
+    """(data-parallel rank, size): the ranks that split the batch (tensor-parallel ranks share theirs)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
 
 
 def weight_mode(args: argparse.Namespace) -> str:
@@ -238,9 +322,7 @@ def build(args: argparse.Namespace, device: torch.device):
 
     _, argument_utils, global_vars, training = _megatron_training()
     global_vars.set_args(args)  # Megatron's scheduler/config helpers read the global args
-    fp4_param_gather, args.fp4_param_gather = args.fp4_param_gather, False
-    config = argument_utils.core_transformer_config_from_args(args)  # fp4_param would demand TE's fp4 recipe
-    args.fp4_param_gather = fp4_param_gather
+    config = argument_utils.core_transformer_config_from_args(args)
     model = build_gpt_model(
         config, vocab_size=VOCAB_SIZE, max_sequence_length=args.max_position_embeddings, weights=weight_mode(args),
         numerics=args.fp4_numerics, position_embedding_type=args.position_embedding_type,
@@ -254,7 +336,7 @@ def build(args: argparse.Namespace, device: torch.device):
 
         params = [p for p in model.parameters() if p.requires_grad]
         layout = DistributedOptimizer.compute_full_param_layout(
-            params, ddp_config.bucket_size, dist.get_world_size(), ddp_config)
+            params, ddp_config.bucket_size, _dp()[1], ddp_config)
     model = DistributedDataParallel(config, ddp_config, model, full_param_layout=layout)
     opt_config, overrides = training.get_megatron_optimizer_config(args)
     optimizer = get_megatron_optimizer(opt_config, [model], overrides)
@@ -314,6 +396,8 @@ class RunResult:
     """Bytes of the NVFP4 weights' compute copies at the end of the run (next to the param buffers)."""
     checkpoints: list[str] = field(default_factory=list)
     master_digest: Optional[str] = None
+    validation: list = field(default_factory=list)
+    """(iteration, mean validation token loss) of every evaluation (--eval-interval)."""
 
     @property
     def losses(self) -> list[float]:
@@ -371,12 +455,55 @@ def _log(args, result: RunResult, rec: StepRecord) -> None:
     print(line, flush=True)
 
 
+def data_streams(args) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, valid) token streams: --data-path indexed datasets or the embedded/--fp4-corpus text, split by
+    --split when it is given or validation is asked for (the whole text trains otherwise)."""
+    evaluating = args.eval_interval is not None
+    split = args.split or ("969,30,1" if evaluating or args.data_path else None)
+    if args.data_path:
+        train_, valid, _ = load_indexed(args.data_path, split)
+        top = int(max(train_.max() if train_.numel() else 0, valid.max() if valid.numel() else 0))
+        if top >= args.vocab_size:
+            raise ValueError(f"--data-path holds token id {top} but --vocab-size is {args.vocab_size}")
+    else:
+        text = load_tokens(args.fp4_corpus)
+        train_, valid = (split_stream(text, split)[:2] if split else (text, text[:0]))
+    if evaluating and valid.numel() <= args.seq_length + 1:
+        raise ValueError(f"--eval-interval: the validation split ({valid.numel()} tokens, --split {split}) is "
+                         f"shorter than one sequence of {args.seq_length + 1}; give more data or a larger valid share")
+    return train_, valid
+
+
+def evaluate(args, valid: torch.Tensor, model, device, iteration: int) -> float:
+    """Mean token loss over --eval-iters global batches of the validation stream (forward only, no grad)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    plan = BatchPlan(args.seq_length, args.micro_batch_size, args.global_batch_size, *_dp(),
+                     args.seed + 7919)  # fmt: skip
+    total = torch.zeros(2, device=device)
+    model.eval()
+    with torch.no_grad():
+        for i in range(args.eval_iters):
+            reports = get_forward_backward_func()(
+                forward_step_func=_forward_step, data_iterator=microbatches(valid, plan, i, device), model=[model],
+                num_microbatches=plan.num_microbatches, seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size, forward_only=True)
+            total += torch.stack([r["lm loss"] for r in reports]).sum(0)
+    model.train()
+    dist.all_reduce(total)
+    return float(total[0] / total[1])
+
+
 def train(args, model, optimizer, scheduler, device, start_iteration: int) -> RunResult:
     from .model import nvfp4_parameters
 
-    tokens = load_tokens(args.fp4_corpus)
-    plan = BatchPlan(args.seq_length, args.micro_batch_size, args.global_batch_size,
-                     dist.get_rank(), dist.get_world_size(), args.seed)
+    tokens, valid = data_streams(args)
+    writer = None
+    if args.tensorboard_dir and dist.get_rank() == 0:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(log_dir=args.tensorboard_dir)
+    plan = BatchPlan(args.seq_length, args.micro_batch_size, args.global_batch_size, *_dp(), args.seed)
     result = RunResult(weight_mode(args), dist.get_world_size(), start_iteration,
                        buffer_bytes=param_buffer_bytes(model), nvfp4_weights=len(nvfp4_parameters(model.module)))
     if args.manual_gc:  # Megatron's --manual-gc: no threshold-triggered collections inside steps, on any rank
@@ -384,15 +511,23 @@ def train(args, model, optimizer, scheduler, device, start_iteration: int) -> Ru
             raise ValueError(f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
         gc.disable()
         gc.collect()
+    iteration = start_iteration
     try:
         for iteration in range(start_iteration + 1, args.train_iters + 1):
-            if not _train_iteration(args, iteration, tokens, plan, model, optimizer, scheduler, device, result):
+            go_on = _train_iteration(args, iteration, tokens, plan, model, optimizer, scheduler, device, result)
+            _log_scalars(writer, args, result.records[-1])
+            if args.eval_interval and (iteration % args.eval_interval == 0 or not go_on
+                                       or iteration == args.train_iters):
+                _validate(args, valid, model, device, iteration, result, writer)
+            if not go_on:
                 break
             if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
                 gc.collect()
     finally:
         if args.manual_gc:
             gc.enable()
+        if writer is not None:
+            writer.close()
     if args.fp4_master_digest:
         from .parity import master_digest
 
@@ -401,6 +536,27 @@ def train(args, model, optimizer, scheduler, device, start_iteration: int) -> Ru
 
     result.compute_copy_bytes = compute_copy_bytes(model.module)
     return result
+
+
+def _log_scalars(writer, args, rec: StepRecord) -> None:
+    """TensorBoard scalars under Megatron's names, every --tensorboard-log-interval steps (rank 0)."""
+    if writer is None or rec.iteration % max(1, args.tensorboard_log_interval):
+        return
+    writer.add_scalar("lm loss", rec.loss, rec.iteration)
+    writer.add_scalar("learning-rate", rec.lr, rec.iteration)
+    writer.add_scalar("grad-norm", rec.grad_norm, rec.iteration)
+    writer.add_scalar("iteration-time", rec.step_ms / 1e3, rec.iteration)
+
+
+def _validate(args, valid, model, device, iteration: int, result: RunResult, writer) -> None:
+    loss = evaluate(args, valid, model, device, iteration)
+    result.validation.append((iteration, loss))
+    if dist.get_rank() == 0:
+        ppl = math.exp(min(loss, 50))
+        print(f"validation loss at iteration {iteration}: lm loss {loss:.4f} | lm loss PPL {ppl:.3f}", flush=True)
+        if writer is not None:
+            writer.add_scalar("lm loss validation", loss, iteration)
+            writer.add_scalar("lm loss validation ppl", ppl, iteration)
 
 
 def _train_iteration(args, iteration, tokens, plan, model, optimizer, scheduler, device, result) -> bool:
@@ -462,13 +618,15 @@ def setup(argv: Optional[Sequence[str]] = None) -> Session:
     """Parse, install the hook table, initialise, build, and load ``--load`` if given. Start-up errors raise
     here, before any training step."""
     args = parse_args(argv)
-    exclude = adapter.UPSTREAM_LAYOUT if args.fp4_upstream_layout else ()
-    if adapter.is_installed():
-        adapter.uninstall()  # a previous call in this process may have used other rows
-    adapter.install(allow_untested_version=args.fp4_allow_untested_megatron, exclude=exclude,
-                    options=adapter.AdapterOptions(columnwise=args.fp4_columnwise))
+    _install_adapter(args)
     device = initialize(args)
     model, optimizer, scheduler, _ = build(args, device)
+    if args.fp4_param_gather and args.tensor_model_parallel_size > 1:
+        from .checkpoint import recast_model_params
+
+        # Each rank quantized its slice of the init with the slice's amax; cast again from the fp32 masters, as
+        # after every step, so the scales use the whole weight's amax from the first forward on.
+        recast_model_params(model, optimizer)
     session = Session(args, device, model, optimizer, scheduler)
     if args.load:
         from .checkpoint import load_checkpoint
@@ -498,14 +656,33 @@ def _cli() -> int:
     warnings.filterwarnings("ignore", category=FutureWarning, message=r".*torch\.distributed\.")
     try:
         main()
-    except (ValueError, RuntimeError, FileNotFoundError) as e:
-        if int(os.getenv("RANK", "0")) == 0:
-            print(f"pretrain_gpt: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - every rank says why it stops, then stops now
+        _fail(e)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
     return 0
+
+
+def _fail(e: BaseException) -> None:
+    """Print this rank's error (its cause, rank-prefixed: a user error in one line, anything else with its
+    traceback) and exit with status 2 at once. No collective and no process-group teardown: the other ranks
+    may be waiting in one, and the launcher (torchrun, mpiexec) stops them when this process exits."""
+    rank = os.getenv("RANK", "0")
+    if isinstance(e, SystemExit):  # argparse's usage error (already printed) or --help
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(e.code if isinstance(e.code, int) else 2)
+    if isinstance(e, (ValueError, FileNotFoundError, NotImplementedError)) or isinstance(e, RuntimeError) and \
+            str(e).startswith(("iteration", "fp4_dist", "--")):
+        text = f"pretrain_gpt: error: {e}"
+    elif isinstance(e, KeyboardInterrupt):
+        text = "pretrain_gpt: interrupted"
+    else:
+        text = "pretrain_gpt: error:\n" + "".join(traceback.format_exception(e))
+    print("\n".join(f"[rank {rank}] {line}" for line in text.splitlines()), file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(2)
 
 
 if __name__ == "__main__":

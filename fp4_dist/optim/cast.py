@@ -138,6 +138,7 @@ def cast_master_weights_to_nvfp4(
     fsdp_shard_model_weights: Optional[Sequence[Optional[torch.Tensor]]] = None,
     manual_post_all_gather_processing: bool = True,
     *,
+    amax_group=None,
     stats: Optional[CommStats] = None,
 ) -> None:
     """Cast this rank's fp32 master shards into NVFP4 weights (TransformerEngine's `quantize_master_weights`).
@@ -154,6 +155,10 @@ def cast_master_weights_to_nvfp4(
         manual_post_all_gather_processing: True (default): the caller all-gathers ``rowwise_data`` and then
             calls `post_all_gather_processing`. False: columnwise copies are dropped here (they are stale)
             and ``make_columnwise()`` rebuilds them later, as TE does.
+        amax_group: a second process group over which the weights' tensor amaxes (and the error flags) are also
+            MAX-reduced: under tensor parallelism each weight here is a slice of a larger one, and its scales use
+            the whole weight's amax (the TP group), so every slice equals the slice of quantizing the whole
+            weight. One more all-reduce of n floats.
         stats: optional `CommStats` recording the all-reduce (every tile amax of every weight: TE's payload).
 
     Every weight's ``rowwise_scale_inv`` and ``amax`` are written (identical on every rank) and the owned
@@ -168,9 +173,10 @@ def cast_master_weights_to_nvfp4(
     key = _call_key(model_weights, master_weights, start_offsets, fsdp_shard_model_weights, group)
     bound = None if key is None else BINDINGS.get(key)
     if bound is not None:  # the same tensors as a call that passed every check: skip the per-weight checks
-        bound.run(group, stats)
+        bound.run(group, stats, amax_group)
     else:
-        _validate_and_run(model_weights, master_weights, start_offsets, group, fsdp_shard_model_weights, key, stats)
+        _validate_and_run(model_weights, master_weights, start_offsets, group, fsdp_shard_model_weights, key, stats,
+                          amax_group)  # fmt: skip
     if not manual_post_all_gather_processing:
         for w in model_weights:
             w.columnwise_data = w.columnwise_scale_inv = None
@@ -192,7 +198,8 @@ def _call_key(model_weights, master_weights, start_offsets, fragments, group) ->
         return None
 
 
-def _validate_and_run(model_weights, master_weights, start_offsets, group, fsdp_shard_model_weights, key, stats):
+def _validate_and_run(model_weights, master_weights, start_offsets, group, fsdp_shard_model_weights, key, stats,
+                      amax_group=None):  # fmt: skip
     """First call with these tensors: every check, then bind (and cache) the cast, then run it. A rank whose
     checks fail still joins the one all-reduce, with its error flag set, so every rank raises (none hangs)."""
     plan = _shape_plan(model_weights)
@@ -202,13 +209,13 @@ def _validate_and_run(model_weights, master_weights, start_offsets, group, fsdp_
         for i, (w, m, s, f) in enumerate(zip(model_weights, master_weights, start_offsets, frags)):
             _check_shard(i, w, m, s, f)
     except (TypeError, ValueError) as e:
-        _join_with_error(plan, model_weights, group, stats, e)
+        _join_with_error(plan, model_weights, group, stats, e, amax_group)
     pairs = [_normalise(m, s) for m, s in zip(master_weights, start_offsets)]
     bound = BoundCast(plan, model_weights, [p[0] for p in pairs], [p[1] for p in pairs], frags,
                       world_size=rank_and_size(group)[1])  # fmt: skip
     if key is not None:
         BINDINGS.put(key, bound)
-    bound.run(group, stats)
+    bound.run(group, stats, amax_group)
 
 
 quantize_master_weights = cast_master_weights_to_nvfp4
@@ -239,6 +246,10 @@ class BoundCast:
         self.plan, self.weights = plan, list(model_weights)
         self.buf = torch.zeros(plan.amax_numel + world_size, dtype=torch.float32,
                                device=_weight_device(model_weights))
+        # Entries a second (tensor-parallel) group also reduces: the tensor amaxes and the error flags.
+        self.whole = torch.tensor([g.offset + j for g in plan.groups for j in range(g.layout.n)]
+                                  + list(range(plan.amax_numel, plan.amax_numel + world_size)),
+                                  dtype=torch.int64, device=self.buf.device)  # fmt: skip
         self.amax_runs, self.cast_runs = [], []
         for g in plan.groups:
             ws = [model_weights[i] for i in g.indices]
@@ -249,8 +260,9 @@ class BoundCast:
             self.amax_runs.append(amax)
             self.cast_runs.append((scale, cast))
 
-    def run(self, group=None, stats: Optional[CommStats] = None) -> None:
-        """amax -> one MAX all-reduce -> check (one scalar read) -> scales -> cast. Raises before any write."""
+    def run(self, group=None, stats: Optional[CommStats] = None, amax_group=None) -> None:
+        """amax -> one MAX all-reduce (and one over `amax_group` of the tensor amaxes) -> check (one scalar
+        read) -> scales -> cast. Raises before any write."""
         _, size = rank_and_size(group)
         buf, plan = self.buf, self.plan
         if buf.numel() != plan.amax_numel + size:
@@ -260,6 +272,7 @@ class BoundCast:
         for amax in self.amax_runs:
             amax()
         _exchange_amaxes(buf, group, stats)
+        _whole_weight_amaxes(buf, self.whole, amax_group, stats)
         _raise_if_bad(plan, buf, self.weights)
         mark_pending(self.weights)
         for scale, cast in self.cast_runs:
@@ -273,13 +286,25 @@ def _exchange_amaxes(buf: torch.Tensor, group, stats) -> None:
     all_reduce_max_(buf, group, stats)
 
 
-def _join_with_error(plan: CastPlan, model_weights, group, stats, error: Exception) -> None:
-    """This rank's call is invalid: contribute zeros and its error flag to the all-reduce the other ranks run
+def _whole_weight_amaxes(buf: torch.Tensor, index: torch.Tensor, amax_group, stats) -> None:
+    """MAX of the tensor amaxes and error flags over `amax_group` (tensor parallel: slices of one weight)."""
+    if amax_group is None or rank_and_size(amax_group)[1] == 1:
+        return
+    whole = buf.index_select(0, index)
+    all_reduce_max_(whole, amax_group, stats)
+    buf.index_copy_(0, index, whole)
+
+
+def _join_with_error(plan: CastPlan, model_weights, group, stats, error: Exception, amax_group=None) -> None:
+    """This rank's call is invalid: contribute zeros and its error flag to the all-reduce(s) the other ranks run
     (they then raise RuntimeError naming this rank), and raise `error` here. Writes nothing."""
     rank, size = rank_and_size(group)
     buf = torch.zeros(plan.amax_numel + size, dtype=torch.float32, device=_error_device(model_weights, group))
     buf[plan.amax_numel + rank] = 1.0
     _exchange_amaxes(buf, group, stats)
+    index = torch.tensor([g.offset + j for g in plan.groups for j in range(g.layout.n)]
+                         + list(range(plan.amax_numel, plan.amax_numel + size)), device=buf.device)  # fmt: skip
+    _whole_weight_amaxes(buf, index, amax_group, stats)
     raise error
 
 

@@ -137,6 +137,26 @@ def suite_resume(t: Suite, root: Path) -> None:
     t.results["losses"] = whole.losses
 
 
+def suite_reshard_save(t: Suite, ckpt: Path) -> None:
+    """Train 3 of 6 steps, save, and record the digest of every full fp32 master (world-size independent)."""
+    r = pretrain_gpt.main(t.argv("--fp4-param-gather", "--train-iters", "6", "--exit-interval", "3",
+                                 "--save", str(ckpt), "--save-interval", "1000", "--fp4-master-digest", gbs=24))
+    t.results = {"digest": r.master_digest, "world_size": dist.get_world_size()}
+
+
+def suite_reshard_load(t: Suite, ckpt: Path) -> None:
+    """Load that checkpoint at this world size: masters bit for bit (digest), the re-cast NVFP4 weights equal
+    the saved ones (load_checkpoint checks model.pt) and quantize(full master); the next steps run."""
+    from fp4_dist.megatron.parity import master_digest
+
+    s = pretrain_gpt.setup(t.argv("--fp4-param-gather", "--train-iters", "6", "--load", str(ckpt),
+                                  "--fp4-check-every", "1", gbs=24))
+    t.results = {"digest": master_digest(s.model.module, s.optimizer), "start": s.start_iteration}
+    r = pretrain_gpt.train(s.args, s.model, s.optimizer, s.scheduler, s.device, s.start_iteration)
+    checks = [x.parity or "missing" for x in r.records]
+    t.check(len(checks) == 3 and all(c.startswith("ok") for c in checks), f"after the load: {checks}")
+
+
 def suite_fake(t: Suite) -> None:
     common = t.argv("--train-iters", "4", "--clip-grad", "0", "--fp4-master-digest")
     fp4 = pretrain_gpt.main(common + ["--fp4-param-gather", *OVERLAP])
@@ -151,6 +171,7 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--suites", default="parity,upstream,resume,fake")
     p.add_argument("--corpus", default=None, help="text corpus (default: a generated one)")
+    p.add_argument("--ckpt", default=None, help="checkpoint folder of the reshard_save / reshard_load suites")
     opts = p.parse_args()
     dist.init_process_group("gloo")
     tmp = Path(tempfile.mkdtemp(prefix="fp4_megatron_")) if dist.get_rank() == 0 else None
@@ -170,6 +191,8 @@ def main() -> int:
         try:
             if name == "resume":
                 suite_resume(t, root)
+            elif name.startswith("reshard"):
+                (suite_reshard_save if name == "reshard_save" else suite_reshard_load)(t, Path(opts.ckpt))
             else:
                 {"parity": suite_parity, "upstream": suite_upstream, "fake": suite_fake}[name](t)
         except Exception:  # a crash is a failure of this suite, not of the report

@@ -65,3 +65,32 @@ def test_an_untested_megatron_version_stops_the_entry_point_before_anything_is_b
     with pytest.raises(RuntimeError, match="found 0.21.0.*--fp4-allow-untested-megatron"):
         pretrain_gpt.parse_args(TINY + ["--use-distributed-optimizer", "--fp4-param-gather"])
     assert not adapter.is_installed()
+
+
+@pytest.mark.parametrize("extra, named", [
+    (["--num-experts", "2"], "--num-experts"),
+    (["--num-experts", "2", "--expert-model-parallel-size", "2"], "--num-experts"),
+    (["--wandb-project", "p"], "--wandb-project"),
+    (["--sequence-parallel"], "--sequence-parallel"),
+    (["--eval-iters", "3", "--no-load-optim"], "--no-load-optim"),
+], ids=["moe", "moe-ep", "wandb", "sequence-parallel", "one-of-several"])
+def test_megatron_flags_this_entry_point_does_not_implement_are_refused_by_name(extra, named):
+    with pytest.raises(ValueError, match=f"not implemented by fp4_dist.megatron.pretrain_gpt.*{named}"):
+        pretrain_gpt.parse_args(TINY + ["--use-distributed-optimizer", "--fp4-param-gather", *extra])
+
+
+@pytest.mark.parametrize("extra, rule", [
+    (["--transformer-impl", "transformer_engine"], "TransformerEngine is not used here"),
+    (["--pipeline-model-parallel-size", "2"], "pipeline parallel is not implemented"),
+    (["--tokenizer-type", "GPT2BPETokenizer"], "use NullTokenizer"),
+    (["--data-path", "0.5", "a", "0.5", "b"], "weighted blends"),
+], ids=["te-impl", "pipeline", "tokenizer", "blend"])
+def test_megatron_flag_values_this_entry_point_cannot_honour_are_refused(extra, rule):
+    with pytest.raises(ValueError, match=rule):
+        pretrain_gpt.parse_args(TINY + ["--use-distributed-optimizer", "--fp4-param-gather", *extra])
+
+
+def test_the_flags_it_implements_parse():
+    args = pretrain_gpt.parse_args(TINY + ["--use-distributed-optimizer", "--fp4-param-gather", "--eval-interval",
+                                           "2", "--eval-iters", "1", "--split", "90,10,0", "--log-interval", "1"])
+    assert args.fp4_param_gather and args.eval_interval == 2 and {"eval_interval", "split"} <= args.fp4_given

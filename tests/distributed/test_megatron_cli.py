@@ -1,0 +1,130 @@
+"""The Megatron entry point as a user runs it (gloo, CPU ranks): real data, evaluation, TensorBoard, tensor
+parallel, resuming at another data-parallel size, errors from any rank, mpirun, and a user's own script."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from .test_launch import REPO, _env  # noqa: E402
+
+pytestmark = [pytest.mark.distributed, pytest.mark.megatron, pytest.mark.slow]
+
+TIMEOUT_S = 300
+TINY = ("--num-layers 1 --hidden-size 48 --num-attention-heads 4 --group-query-attention --num-query-groups 1 "
+        "--kv-channels 12 --ffn-hidden-size 64 --seq-length 16 --max-position-embeddings 16 --micro-batch-size 2 "
+        "--lr 2e-3 --bf16 --use-distributed-optimizer --seed 7 --fp4-param-gather").split()
+SUITE = REPO / "tests" / "distributed" / "megatron_suite.py"
+
+
+def run(nproc: int, *args: str, module: bool = True, timeout: int = TIMEOUT_S) -> subprocess.CompletedProcess:
+    target = ["-m", "fp4_dist.megatron.pretrain_gpt"] if module else []
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *target, *args]
+    env = dict(_env(), CUDA_VISIBLE_DEVICES="")
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_data_path_evaluation_and_tensorboard_work_as_in_megatron(tmp_path):
+    from fp4_dist.megatron.preprocess import write_indexed
+
+    docs = write_indexed([str(REPO / "fp4_dist" / "data" / "tiny_corpus.txt")], str(tmp_path / "data" / "corpus"))
+    assert docs > 10
+    proc = run(2, *TINY, "--global-batch-size", "8", "--train-iters", "4", "--data-path", str(tmp_path / "data" /
+               "corpus"), "--split", "90,10,0", "--eval-interval", "2", "--eval-iters", "2", "--tensorboard-dir",
+               str(tmp_path / "tb"), "--log-interval", "1")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("validation loss at iteration") == 2  # iterations 2 and 4
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    scalars = events.Tags()["scalars"]
+    assert {"lm loss", "learning-rate", "lm loss validation"} <= set(scalars)
+    assert [e.step for e in events.Scalars("lm loss")] == [1, 2, 3, 4]
+
+
+def test_a_missing_data_path_stops_every_rank_with_the_cause(tmp_path):
+    proc = run(2, *TINY, "--global-batch-size", "8", "--train-iters", "2", "--data-path", str(tmp_path / "nope"))
+    assert proc.returncode != 0
+    assert "[rank 0] pretrain_gpt: error: --data-path" in proc.stderr and "[rank 1]" in proc.stderr
+    assert "missing" in proc.stderr and "iter " not in proc.stdout
+
+
+def test_tensor_parallel_2_x_data_parallel_2_slices_equal_the_slices_of_quantizing_the_whole_weight():
+    # Per-rank output rows stay multiples of 16: qkv (4 + 2 x 1 heads) x 16 / 2 = 48, fc1 128 / 2 = 64.
+    wider = {"48": "64", "64": "128", "12": "16"}
+    proc = run(4, *[wider.get(a, a) for a in TINY], "--global-batch-size", "8", "--train-iters", "3",
+               "--log-interval", "1", "--fp4-check-every", "1", "--tensor-model-parallel-size", "2")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    checks = [line for line in proc.stdout.splitlines() if "NVFP4 gather == quantize(master)" in line]
+    assert len(checks) == 3 and all(": ok (" in c for c in checks), proc.stdout[-2000:]
+    assert "4 ranks" in proc.stdout
+
+
+def _suite(nproc: int, suites: str, ckpt: Path, out: Path) -> dict:
+    proc = run(nproc, str(SUITE), "--out", str(out), "--suites", suites, "--ckpt", str(ckpt), module=False,
+               timeout=400)  # fmt: skip
+    assert out.exists(), proc.stderr[-4000:]
+    rep = json.loads(out.read_text())
+    assert rep["failures"] == [], "\n".join(rep["failures"][:5])
+    return rep["suites"][suites]
+
+
+@pytest.mark.parametrize("save_dp,load_dps", [(2, (3, 4)), (3, (2,))], ids=["dp2-to-3-and-4", "dp3-to-2"])
+def test_resume_at_another_data_parallel_size_restores_masters_and_weights_bit_for_bit(save_dp, load_dps, tmp_path):
+    saved = _suite(save_dp, "reshard_save", tmp_path / "ckpt", tmp_path / "save.json")
+    for dp in load_dps:
+        loaded = _suite(dp, "reshard_load", tmp_path / "ckpt", tmp_path / f"load{dp}.json")
+        assert loaded["start"] == 3
+        assert loaded["digest"] == saved["digest"], f"masters after loading at dp {dp} differ from those saved"
+
+
+def test_an_error_on_one_rank_is_shown_with_its_cause_and_the_job_exits_promptly():
+    start = time.monotonic()
+    proc = run(3, str(REPO / "tests" / "distributed" / "megatron_fail_rank.py"), "2", *TINY, "--global-batch-size",
+               "6", "--train-iters", "3", module=False, timeout=120)  # fmt: skip
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    assert "[rank 2] pretrain_gpt: error: injected failure on rank 2: no such file data/shard_2.bin" in proc.stderr
+    assert elapsed < 30, f"the job took {elapsed:.0f} s to stop"
+
+
+def _mpirun():
+    local = Path(sys.executable).parent / "mpirun"
+    return str(local) if local.exists() else shutil.which("mpirun")
+
+
+@pytest.mark.skipif(_mpirun() is None, reason="mpirun not installed")
+def test_mpirun_launches_form_one_job():
+    env = dict(_env(), CUDA_VISIBLE_DEVICES="")
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    proc = subprocess.run([_mpirun(), "-n", "2", sys.executable, "-m", "fp4_dist.megatron.pretrain_gpt", *TINY,
+                           "--global-batch-size", "8", "--train-iters", "2"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=TIMEOUT_S)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("done: nvfp4 weights") == 1 and "2 ranks" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_a_users_own_megatron_script_runs_with_enable(tmp_path):
+    args = ("--num-layers 1 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 --seq-length 16 "
+            "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 8 --train-iters 3 --lr 1e-3 --bf16 "
+            "--use-distributed-optimizer --fp4-param-gather --transformer-impl local --tokenizer-type NullTokenizer "
+            "--vocab-size 256 --no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-persist-layer-norm "
+            "--no-bias-gelu-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion --no-rope-fusion "
+            "--use-cpu-initialization --distributed-backend gloo --seed 3").split()
+    out = tmp_path / "report.json"
+    proc = run(2, str(REPO / "tests" / "distributed" / "megatron_user_script.py"), "--out", str(out), *args,
+               module=False)  # fmt: skip
+    assert out.exists(), proc.stderr[-4000:]
+    rep = json.loads(out.read_text())
+    assert rep["failures"] == [] and len(rep["losses"]) == 3, rep
