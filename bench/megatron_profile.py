@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.megatron_compare import COMMON, MODELS  # noqa: E402
-from fp4_dist.megatron import pretrain_gpt  # noqa: E402
+from fp4_dist.examples import megatron_pretrain_gpt as pretrain_gpt  # noqa: E402
 
 
 def profile(argv: list[str]) -> tuple[float, str]:
@@ -58,6 +58,7 @@ def main() -> None:
         for mode, ms, text in report[:2]:
             print(f"\n########## {mode}: median step {ms:.1f} ms\n{text}")
         print("median step ms: " + ", ".join(f"{m} {ms:.1f}" for m, ms, _ in report), flush=True)
+    dist.barrier()  # no rank tears gloo down while a peer still talks to it
     dist.destroy_process_group()
 
 

@@ -10,7 +10,8 @@ Usage::
 
 Importing this package does not import megatron; `enable()` does. On a machine without CUDA, `enable()`
 also installs the small CPU/gloo compatibility layer (`cpu_compat`), so the same Megatron code runs on CPU
-ranks. Training entry point: ``python -m fp4_dist.megatron.pretrain_gpt`` (docs/megatron.md).
+ranks. The example trainer (fp4_dist/examples/megatron_pretrain_gpt.py) runs as ``python -m
+fp4_dist.megatron.pretrain_gpt`` (docs/megatron.md).
 """
 
 from __future__ import annotations

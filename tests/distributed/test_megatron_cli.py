@@ -34,7 +34,7 @@ def run(nproc: int, *args: str, module: bool = True, timeout: int = TIMEOUT_S) -
 
 
 def test_data_path_evaluation_and_tensorboard_work_as_in_megatron(tmp_path):
-    from fp4_dist.megatron.preprocess import write_indexed
+    from fp4_dist.examples.megatron_preprocess import write_indexed
 
     docs = write_indexed([str(REPO / "fp4_dist" / "data" / "tiny_corpus.txt")], str(tmp_path / "data" / "corpus"))
     assert docs > 10

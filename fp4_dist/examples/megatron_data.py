@@ -67,7 +67,7 @@ def load_indexed(prefixes: Sequence[str], split: str) -> list[torch.Tensor]:
         if missing:
             raise FileNotFoundError(f"--data-path {prefix}: no indexed dataset there (missing {', '.join(missing)}); "
                                     "build one with megatron.core.datasets.indexed_dataset.IndexedDatasetBuilder or "
-                                    "`python -m fp4_dist.megatron.preprocess`")
+                                    "`python -m fp4_dist.examples.megatron_preprocess`")
         ds = IndexedDataset(prefix)
         n = len(ds)
         bounds = [0, *(round(n * sum(w[:i + 1])) for i in range(3))]
