@@ -22,6 +22,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from ..format import TILE, check_numerics
+from ..optim.collectives import reduce_scatter_ordered
 from ..tensor import NVFP4Tensor
 from .master import NVFP4Master, WeightState
 from .precompute import ShardCast
@@ -242,15 +243,9 @@ class OrderedReduceScatter:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
-        size = dist.get_world_size(group)
-        recv = torch.empty_like(input_tensor)
-        dist.all_to_all_single(recv, input_tensor, group=group)
-        parts = recv.view(size, -1)
-        output_tensor.copy_(parts[0])
-        for r in range(1, size):
-            output_tensor.add_(parts[r])
-        if op == dist.ReduceOp.AVG:
-            output_tensor.div_(size)
-        elif op != dist.ReduceOp.SUM:
+        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
             raise NotImplementedError(f"OrderedReduceScatter: reduce op {op} (SUM and AVG are supported)")
+        reduce_scatter_ordered(output_tensor, input_tensor, group)
+        if op == dist.ReduceOp.AVG:
+            output_tensor.div_(dist.get_world_size(group))
         return None
