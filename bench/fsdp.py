@@ -112,6 +112,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10, help="steps per round")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", default=os.environ.get("OUT"))
+    p.add_argument("--profile", action="store_true", help="also cProfile a few steps of each variant (rank 0)")
     args = p.parse_args()
     info = init_distributed()
     dev = info.device
@@ -136,6 +137,35 @@ def main() -> None:
             sync()
             times[v].append(1e3 * (time.perf_counter() - t0) / args.steps)
     med = {v: statistics.median(t) for v, t in times.items()}
+    if args.profile and info.rank == 0:
+        import cProfile
+        import io
+        import pstats
+
+        for v, fn in steps.items():
+            sync()
+            prof = cProfile.Profile()
+            t0 = time.perf_counter()
+            prof.enable()
+            for _ in range(args.steps):
+                fn()
+            prof.disable()
+            host = 1e3 * (time.perf_counter() - t0) / args.steps
+            sync()
+            if args.out:
+                Path(args.out).mkdir(parents=True, exist_ok=True)
+                prof.dump_stats(Path(args.out) / f"profile_{v}.pstats")
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(14)
+            print(f"##### {v}: host ms per step (no sync, profiled) {host:.2f}\n{text.getvalue()[-4000:]}", flush=True)
+            if dev.type == "cuda":
+                from torch.profiler import ProfilerActivity, profile
+
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as kprof:
+                    for _ in range(args.steps):
+                        fn()
+                    sync()
+                print(kprof.key_averages().table(sort_by="self_cuda_time_total", row_limit=16), flush=True)
     weights = sum(m.numel() for b in runs["bf16"][0].blocks for m in (b.qkv.weight, b.proj.weight, b.fc1.weight,
                                                                          b.fc2.weight))  # fmt: skip
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"

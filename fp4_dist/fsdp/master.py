@@ -19,12 +19,11 @@ of `quantize(full master)` too).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
-from torch.utils._pytree import tree_map_only
-
 from .. import kernels
 from ..format import ceil_div, rowwise_data_shape, rowwise_scale_shape, tile_grid
 from ..tensor import NVFP4Tensor
@@ -60,8 +59,17 @@ class WeightState:
     """(data_ptr, _version, writes) of the master the bytes were cast from: a mismatch means they are stale."""
     # --- filled by fsdp_post_all_gather, valid while the weight is unsharded
     value: Optional[torch.Tensor] = None
-    gathered: Optional[NVFP4Tensor] = None
+    gathered_fields: Optional[tuple] = None
+    """(rowwise_data, rowwise_scale_inv, amax) of the last gather (`gathered()` wraps them)."""
     buffers: dict = field(default_factory=dict)
+
+    def gathered(self) -> Optional[NVFP4Tensor]:
+        """The last gathered weight as an NVFP4Tensor (its bytes are FSDP2's: valid while unsharded)."""
+        if self.gathered_fields is None:
+            return None
+        data, scale_inv, amax = self.gathered_fields
+        return NVFP4Tensor(self.shape, self.model_dtype, data, scale_inv, amax.reshape(1), numerics=self.numerics,
+                           compute_copy=False)  # fmt: skip
 
     def cast_is_current(self, master: torch.Tensor) -> bool:
         return self.cast_from == self.source_id(master)
@@ -101,12 +109,12 @@ class NVFP4Master(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        state = next(a._state for a in _flat(args, kwargs) if isinstance(a, NVFP4Master))
+        state = _masters((args, kwargs))[0]._state
         if func._schema.is_mutable:
             _count_writes(func, args)
         out = func(*_unwrap(args), **_unwrap(kwargs))
         if func in _KEEP:
-            return tree_map_only(torch.Tensor, lambda t: NVFP4Master(t, state), out)
+            return _wrap(out, state)
         if out is not None and func._schema.is_mutable and isinstance(args[0], NVFP4Master):
             return args[0]  # in place on the wrapped values: the wrapper is the result
         return out
@@ -154,8 +162,7 @@ class NVFP4Master(torch.Tensor):
         # bytes again: writing it must not look like an in-place change to autograd (FSDP2 does the same).
         with torch.autograd._unsafe_preserve_version_counter((state.value,)):
             kernels.dequantize([data], [b["scale_inv"]], [amax], [state.value])
-        state.gathered = NVFP4Tensor((m, k), state.model_dtype, data, b["scale_inv"], amax.reshape(1),
-                                     numerics=state.numerics, compute_copy=False)  # fmt: skip
+        state.gathered_fields = (data, b["scale_inv"], amax)
         if first:
             return state.value, (state.value, *b.values())
         return None
@@ -186,19 +193,52 @@ _KEEP = frozenset([
 ])  # fmt: skip
 
 
+# FSDP2 reads the signature of fsdp_pre_all_gather on every gather of every parameter: a stored one spares
+# inspect re-deriving it (about a fifth of the hook's host time).
+NVFP4Master.fsdp_pre_all_gather.__signature__ = inspect.signature(NVFP4Master.fsdp_pre_all_gather)
+
+
 def _count_writes(func, args) -> None:
     for schema, arg in zip(func._schema.arguments, args):
         if schema.alias_info is not None and schema.alias_info.is_write:
-            for t in _flat(arg, {}):
-                if isinstance(t, NVFP4Master):
-                    t._state.writes += 1
+            for t in _masters(arg):
+                t._state.writes += 1
 
 
-def _flat(args, kwargs):
-    from torch.utils._pytree import tree_leaves
-
-    return tree_leaves((args, kwargs))
+# Plain recursion over the containers aten ops take (tuples, lists, dicts) instead of torch's pytree: a fused
+# optimizer step passes lists of hundreds of tensors, and pytree's per-leaf cost showed in its host time.
+def _masters(tree, found: Optional[list] = None) -> list:
+    """The NVFP4Master leaves of `tree`, in order."""
+    found = [] if found is None else found
+    if isinstance(tree, NVFP4Master):
+        found.append(tree)
+    elif type(tree) in (list, tuple):
+        for x in tree:
+            if isinstance(x, NVFP4Master):
+                found.append(x)
+            elif type(x) in (list, tuple, dict):
+                _masters(x, found)
+    elif type(tree) is dict:
+        _masters(list(tree.values()), found)
+    return found
 
 
 def _unwrap(tree):
-    return tree_map_only(NVFP4Master, lambda t: t._data, tree)
+    if isinstance(tree, NVFP4Master):
+        return tree._data
+    t = type(tree)
+    if t is list or t is tuple:
+        return t([_unwrap(x) for x in tree])
+    if t is dict:
+        return {k: _unwrap(v) for k, v in tree.items()}
+    return tree
+
+
+def _wrap(tree, state: WeightState):
+    """Every plain tensor of an op's result wrapped as the master of `state`."""
+    if isinstance(tree, torch.Tensor):
+        return NVFP4Master(tree, state)
+    t = type(tree)
+    if t is list or t is tuple:
+        return t([_wrap(x, state) for x in tree])
+    return tree

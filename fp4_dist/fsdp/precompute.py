@@ -124,7 +124,7 @@ class ShardCast:
 
     def current_for(self, params) -> bool:
         """Whether this binding still points at the model's master tensors."""
-        locals_ = [_local(p)[0] for _, p in params]
+        locals_ = [p._local_tensor if isinstance(p, DTensor) else p for _, p in params]
         now = [t._data for t in locals_ if t._state.mode == "nvfp4"]
         return len(now) == len(self._sources) and all(a is b for a, b in zip(now, self._sources))
 

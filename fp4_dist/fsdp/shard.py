@@ -225,9 +225,9 @@ def nvfp4_weights(model: nn.Module) -> dict[str, NVFP4Tensor]:
     ``unshard()`` of the FSDP module that holds it); FSDP2 frees the gathered bytes when it reshards."""
     out = {}
     for st in _registry(model).states.values():
-        g = st.gathered
-        if g is not None and all(_allocated(t) for t in (g.rowwise_data, g.rowwise_scale_inv, g.amax)):
-            out[st.fqn] = g
+        fields = st.gathered_fields
+        if fields is not None and all(_allocated(t) for t in fields):
+            out[st.fqn] = st.gathered()
     return out
 
 

@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .cuda_plans import current_raw_stream
+
 CUDA_DIR = Path(__file__).resolve().parent / "cuda"
 SOURCES = ("amax.cu", "scale.cu", "cast.cu", "transpose.cu", "dequant.cu")
 THREADS = 256  # every kernel is written for 256-thread blocks (kThreads in common.cuh)
@@ -197,7 +199,7 @@ def _launch(index: int, key: tuple[str, str], units: int, args: tuple) -> None:
     if fn is None:
         raise KeyError(f"no kernel {key} in the name table")
     grid = min(units, k.max_blocks[key] if GRID[key[0]] == "resident" else (1 << 31) - 1)
-    stream = _cupy_stream(torch.cuda.current_stream(index).cuda_stream, index)
+    stream = _cupy_stream(current_raw_stream(index), index)
     if cupy.cuda.runtime.getDevice() != index:
         with cupy.cuda.Device(index):
             fn((grid,), (THREADS,), args, stream=stream)

@@ -82,9 +82,11 @@ def signature(tensors) -> tuple:
 
 # ------------------------------------------------------------------------------------------------ plumbing
 class _Plans:
-    """The launch plans of the call forms, least recently used first out (a training step reuses a handful)."""
+    """The launch plans of the call forms, least recently used first out. Sized for FSDP2's per-parameter calls
+    (two plans per weight and gather, forward and backward buffers): a plan is a few hundred bytes, and a miss
+    costs a pinned-memory table and an upload."""
 
-    def __init__(self, size: int = 96):
+    def __init__(self, size: int = 4096):
         self._plans: OrderedDict = OrderedDict()
         self._size = size
 

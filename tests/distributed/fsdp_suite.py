@@ -38,6 +38,7 @@ from fp4_dist.launch import init_distributed, shutdown  # noqa: E402
 from fp4_dist.testing import bytes_mismatch  # noqa: E402
 
 STEPS = 20
+DEVICE = torch.device("cpu")  # --device cuda: the train suite on one GPU per rank (NCCL)
 LR = 2e-2
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
 FIELDS = ("rowwise_data", "rowwise_scale_inv", "amax")
@@ -62,7 +63,7 @@ class Net(nn.Module):
 
 
 def batch(step: int, rank: int) -> torch.Tensor:
-    return torch.randn(6, 48, generator=torch.Generator().manual_seed(7919 * step + rank))
+    return torch.randn(6, 48, generator=torch.Generator().manual_seed(7919 * step + rank)).to(DEVICE)
 
 
 def loss_of(out: torch.Tensor) -> torch.Tensor:
@@ -71,7 +72,7 @@ def loss_of(out: torch.Tensor) -> torch.Tensor:
 
 def build(seed: int = 0, *, ordered: bool = True, mesh=None):
     torch.manual_seed(seed)
-    model = Net()
+    model = Net().to(DEVICE)
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -111,7 +112,7 @@ class Reference:
     summed in rank order and averaged (as OrderedReduceScatter and FSDP2's AVG do), then cast to fp32."""
 
     def __init__(self, init: dict, nvfp4: set):
-        self.net = Net()
+        self.net = Net().to(DEVICE)
         self.masters = {n: t.clone() for n, t in init.items()}
         self.nvfp4 = nvfp4
         self.opt = torch.optim.AdamW(list(self.masters.values()), lr=LR, foreach=False)
@@ -348,14 +349,22 @@ def main() -> int:
     ap.add_argument("--mode", choices=("train", "save", "load"), default="train")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: the train suite only, NCCL, deterministic kernels (GPU runs on the device machine)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    info = init_distributed("gloo")
+    global DEVICE
+    if args.device == "cuda":
+        # The parity compares two models in one process: keep every GPU op deterministic.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    info = init_distributed("nccl" if args.device == "cuda" else "gloo")
+    DEVICE = info.device
     world, rank = info.world_size, info.rank
     ctx = Ctx(rank)
     report = {"world_size": world}
     suites = {"train": [("train", suite_train), ("meta_init", suite_meta_init), ("orderings", suite_orderings)]
-              + ([("hsdp", suite_hsdp)] if world == 4 else []),
+              + ([("hsdp", suite_hsdp)] if world == 4 else []) if DEVICE.type == "cpu" else [("train", suite_train)],
               "save": [("checkpoint", lambda c, w, r: suite_checkpoint(c, w, r, "save", args.dir))],
               "load": [("checkpoint", lambda c, w, r: suite_checkpoint(c, w, r, "load", args.dir))]}[args.mode]
     for name, fn in suites:

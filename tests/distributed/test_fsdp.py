@@ -3,7 +3,7 @@
 World sizes 1-4 (HSDP 2x2 at 4): gathered NVFP4 bytes == quantize(full master) at every step, 20 steps bitwise
 equal to a single process, all-gather bytes, meta init, orderings, the one fallback warning. Checkpoints: saved
 at 2 ranks, loaded at 2 and 3, masters and Adam states bit for bit; at the same world size the resumed step
-equals the uninterrupted one.
+equals the uninterrupted one. On a GPU (marked gpu): the train suite at one rank with NCCL.
 """
 
 from __future__ import annotations
@@ -45,6 +45,15 @@ def trained(world_size: int) -> dict:
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4], ids=lambda n: f"ws{n}")
 def test_fsdp2_gathers_quantize_of_full_master_and_trains_bitwise_like_one_process(world_size):
     report = trained(world_size)
+    assert report["failures"] == [], "\n".join(report["failures"][:10])
+    assert report["returncode"] == 0, report["log"]
+    assert len(report["train"]["losses"]) == 20
+
+
+@pytest.mark.gpu
+def test_fsdp2_on_one_gpu_gathers_quantize_of_full_master_and_trains_bitwise_like_one_process():
+    """The CUDA path (ShardCast's kernels, the post-gather dequantize) under NCCL, against a reference on the GPU."""
+    report = _launch(1, "--mode", "train", "--device", "cuda")
     assert report["failures"] == [], "\n".join(report["failures"][:10])
     assert report["returncode"] == 0, report["log"]
     assert len(report["train"]["losses"]) == 20
