@@ -28,7 +28,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fp4_dist.fsdp import fully_shard_nvfp4  # noqa: E402
-from fp4_dist.launch import init_distributed  # noqa: E402
+from fp4_dist.launch import init_distributed, shutdown  # noqa: E402
 
 
 class Block(nn.Module):
@@ -183,9 +183,7 @@ def main() -> None:
             (Path(args.out) / "bench_fsdp.md").write_text(text + "\n")
             (Path(args.out) / "bench_fsdp.json").write_text(json.dumps({"median_ms": med, "times": times,
                                                                        "gathered_bytes": gathered}, indent=1))
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    shutdown()
 
 
 if __name__ == "__main__":

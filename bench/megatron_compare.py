@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fp4_dist.examples import megatron_pretrain_gpt as pretrain_gpt  # noqa: E402
+from fp4_dist.launch import shutdown  # noqa: E402
 
 MODELS = {
     "gpt256": ("--num-layers 4 --hidden-size 256 --num-attention-heads 4 --ffn-hidden-size 1024 "
@@ -157,8 +158,7 @@ def main() -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(
                 {"rows": rows, "ok": ok, "losses": {k: v.losses for k, v in runs.items()}}, indent=1))
-    dist.barrier()  # no rank tears gloo down while a peer still talks to it
-    dist.destroy_process_group()
+    shutdown()
     return 0 if ok else 1
 
 

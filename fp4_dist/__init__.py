@@ -6,6 +6,7 @@ Public API (everything else is internal and may change)::
     zero        cast_master_weights_to_nvfp4 (= quantize_master_weights), post_all_gather_processing
 """
 
+from . import launch  # noqa: F401 - first, so that a process group made after `import fp4_dist` can be freed
 from .convert import ConversionReport, convert_linear_weights
 from .optim import cast_master_weights_to_nvfp4, post_all_gather_processing, quantize_master_weights
 from .quantize import quantize

@@ -12,14 +12,24 @@ Backend: NCCL when CUDA is available, else gloo (override with ``backend=``).
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+# Imported before any process group exists, on purpose. Its functions take ``group=group.WORLD`` as a default
+# argument, which Python evaluates once, at import. torch imports it lazily (the first torch.optim optimizer
+# imports torch._dynamo, which imports FSDP, which imports it); imported after init_process_group, those ten
+# defaults hold the default group, destroy_process_group cannot free it, and its gloo worker threads live into
+# interpreter finalization, where a worker releasing a finished collective's tensors needs the GIL and the rank
+# aborts ("terminate called without an active exception", 2 in 50 launches at 4 ranks under load).
+import torch.distributed.nn.functional  # noqa: E402,F401
 
 # Variables an MPI launcher sets in every rank's environment (MPICH/Hydra, Open MPI, Intel MPI, Slurm PMI).
 _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "MPI_LOCALRANKID", "PMIX_RANK")
@@ -138,11 +148,18 @@ def _init_from_mpi(backend: str, timeout: timedelta) -> DistInfo:
 
 
 def shutdown() -> None:
-    """Destroy the default process group if one was initialised.
+    """Destroy every process group now, while the interpreter is whole (call it last, on every rank).
 
-    The barrier first: a rank that tears gloo down while a peer still has a collective in flight made that peer
-    abort at exit ("terminate called without an active exception") after all its work had passed.
+    A group that outlives ``destroy_process_group`` (something still references it) is freed during interpreter
+    finalization, and gloo can abort the process there (see the import of ``torch.distributed.nn.functional``
+    above). So: a barrier (no rank tears down while a peer still talks to it); Megatron's group globals dropped
+    when Megatron is loaded; reference cycles that hold a group (models, optimizers) collected; then destroy.
     """
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is not None:
+        parallel_state.destroy_model_parallel()
+    gc.collect()
+    dist.destroy_process_group()

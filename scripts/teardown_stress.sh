@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
 # Back-to-back gloo launches under CPU load, counting any that do not exit cleanly (exit status, or a C++
 # abort such as "terminate called without an active exception" in a rank's output).
-#   bash scripts/teardown_stress.sh                 # 50 launches at world size 4, the cast + bad-input suites
-#   RUNS=20 NPROC=3 SUITES=cast,bad_input,train LOAD=2 bash scripts/teardown_stress.sh
+#   bash scripts/teardown_stress.sh                 # 50 launches at world size 4, every suite of run_suite.py
+#   RUNS=20 NPROC=3 SUITES=cast,bad_input LOAD=2 bash scripts/teardown_stress.sh
 # LOAD busy-loop processes run beside the job for the whole time (default: one per core). Prints one line per
-# launch and a summary; exits non-zero if any launch failed or aborted.
+# launch and a summary; exits non-zero if any launch failed or aborted. A rank that aborts prints its Python
+# stacks (PYTHONFAULTHANDLER): "<no Python frame>" means it died in interpreter finalization.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 RUNS=${RUNS:-50}
 NPROC=${NPROC:-4}
-SUITES=${SUITES:-cast,bad_input}
+SUITES=${SUITES:-cast,bad_input,train}
 LOAD=${LOAD:-$(nproc)}
 LOG=${LOG:-$(mktemp -d)}
 mkdir -p "$LOG"
-export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore PYTHONFAULTHANDLER=1
 loaders=()
 for _ in $(seq "$LOAD"); do
   ( while :; do :; done ) &

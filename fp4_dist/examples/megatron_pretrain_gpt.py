@@ -45,7 +45,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..launch import export_mpi_env
+from ..launch import export_mpi_env, shutdown
 from ..megatron import adapter
 from .megatron_data import VOCAB_SIZE, BatchPlan, load_indexed, load_tokens, microbatches, split_stream
 
@@ -663,9 +663,7 @@ def _cli() -> int:
         main()
     except BaseException as e:  # noqa: BLE001 - every rank says why it stops, then stops now
         _fail(e)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    shutdown()
     return 0
 
 

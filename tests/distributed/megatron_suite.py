@@ -36,6 +36,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from fp4_dist.examples import megatron_pretrain_gpt as pretrain_gpt  # noqa: E402
+from fp4_dist.launch import shutdown  # noqa: E402
 from fp4_dist.megatron.parity import stale_packed_bytes  # noqa: E402
 from fp4_dist.testing import bytes_mismatch  # noqa: E402
 
@@ -203,8 +204,7 @@ def main() -> int:
         report["suites"][name] = t.results
     if dist.get_rank() == 0:
         Path(opts.out).write_text(json.dumps(report, indent=1, default=str))
-    dist.barrier()  # no rank tears gloo down while a peer still talks to it
-    dist.destroy_process_group()
+    shutdown()
     return 0
 
 

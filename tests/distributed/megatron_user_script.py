@@ -37,6 +37,7 @@ from megatron.core.transformer.module import Float16Module  # noqa: E402
 from megatron.training import arguments, global_vars, training  # noqa: E402
 from megatron.training.argument_utils import core_transformer_config_from_args  # noqa: E402
 
+from fp4_dist.launch import shutdown  # noqa: E402
 from fp4_dist.megatron.model import convert_to_nvfp4  # noqa: E402
 from fp4_dist.megatron.parity import check_nvfp4_weights  # noqa: E402
 
@@ -110,8 +111,7 @@ def main() -> int:
     if dist.get_rank() == 0:
         with open(opts.out, "w") as f:
             json.dump({"losses": losses, "failures": [x for fs in everyone for x in fs]}, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown()
     return 0
 
 
