@@ -29,7 +29,8 @@ import torch.distributed as dist
 # defaults hold the default group, destroy_process_group cannot free it, and its gloo worker threads live into
 # interpreter finalization, where a worker releasing a finished collective's tensors needs the GIL and the rank
 # aborts ("terminate called without an active exception", 2 in 50 launches at 4 ranks under load).
-import torch.distributed.nn.functional  # noqa: E402,F401
+if dist.is_available():
+    import torch.distributed.nn.functional  # noqa: E402,F401
 
 # Variables an MPI launcher sets in every rank's environment (MPICH/Hydra, Open MPI, Intel MPI, Slurm PMI).
 _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "MPI_LOCALRANKID", "PMIX_RANK")
