@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+from torch.distributed.tensor import DTensor
+
 from .. import kernels
 from ..format import ceil_div, rowwise_data_shape, rowwise_scale_shape, tile_grid
 from ..tensor import NVFP4Tensor
@@ -166,6 +168,12 @@ class NVFP4Master(torch.Tensor):
         if first:
             return state.value, (state.value, *b.values())
         return None
+
+
+def local_master(p) -> Optional[NVFP4Master]:
+    """The NVFP4Master of parameter `p` (this rank's shard when FSDP2 wrapped it in a DTensor), or None."""
+    local = p._local_tensor if isinstance(p, DTensor) else p
+    return local if isinstance(local, NVFP4Master) else None
 
 
 def _gather_buffers(state: WeightState, device) -> dict:

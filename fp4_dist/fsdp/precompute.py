@@ -27,7 +27,7 @@ from .. import kernels
 from ..format import byte_window, rowwise_data_shape, tile_grid
 from ..kernels import checks
 from ..optim.cast_groups import bind_amax_and_cast, make_cast_plan
-from .master import NVFP4Master, WeightState, local_tiles
+from .master import NVFP4Master, WeightState, local_master, local_tiles
 
 
 @dataclass(frozen=True)
@@ -43,22 +43,13 @@ class _Weight:
         return self.state.shape
 
 
-def nvfp4_masters(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """(fqn, parameter) of every NVFP4Master parameter of `model` (sharded: DTensor around one)."""
-    out = []
-    for name, p in model.named_parameters():
-        local = p._local_tensor if isinstance(p, DTensor) else p
-        if isinstance(local, NVFP4Master):
-            out.append((name, p))
-    return out
-
-
 def _local(p) -> tuple[NVFP4Master, int]:
     """The local NVFP4Master of parameter `p` and the global row of its first row."""
-    if not isinstance(p, DTensor):
-        return p, 0
-    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-    return p._local_tensor, int(offset[0])
+    row0 = 0
+    if isinstance(p, DTensor):
+        _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        row0 = int(offset[0])
+    return local_master(p), row0
 
 
 def shard_group(p) -> Optional[dist.ProcessGroup]:
@@ -124,7 +115,7 @@ class ShardCast:
 
     def current_for(self, params) -> bool:
         """Whether this binding still points at the model's master tensors."""
-        locals_ = [p._local_tensor if isinstance(p, DTensor) else p for _, p in params]
+        locals_ = [local_master(p) for _, p in params]
         now = [t._data for t in locals_ if t._state.mode == "nvfp4"]
         return len(now) == len(self._sources) and all(a is b for a, b in zip(now, self._sources))
 

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from ..format import TILE, check_numerics
 from ..optim.collectives import reduce_scatter_ordered
 from ..tensor import NVFP4Tensor
-from .master import NVFP4Master, WeightState
+from .master import NVFP4Master, WeightState, local_master
 from .precompute import ShardCast
 
 
@@ -152,12 +152,12 @@ class _Registry:
 
     def __init__(self, model: nn.Module):
         self.owners = [(fqn, module) for fqn, module in _weight_owners(model)]
-        self.states = {fqn: _local_master(module.weight)._state for fqn, module in self.owners}
+        self.states = {fqn: local_master(module.weight)._state for fqn, module in self.owners}
         self.cast: Optional[ShardCast] = None
 
     def masters(self) -> list[tuple[str, torch.Tensor]]:
         out = [(fqn, module.weight) for fqn, module in self.owners]
-        unsharded = [fqn for fqn, p in out if _local_master(p) is None]
+        unsharded = [fqn for fqn, p in out if local_master(p) is None]
         if unsharded:
             raise RuntimeError(f"fp4_dist.fsdp: {unsharded[0]} is unsharded; the NVFP4 cast reads the sharded fp32 "
                                "masters (call it between reshard() and the next unshard())")
@@ -173,13 +173,8 @@ class _Registry:
 
 def _weight_owners(model: nn.Module):
     for name, module in model.named_modules():
-        if _local_master(getattr(module, "weight", None)) is not None:
+        if local_master(getattr(module, "weight", None)) is not None:
             yield (f"{name}.weight" if name else "weight"), module
-
-
-def _local_master(p) -> Optional[NVFP4Master]:
-    local = p._local_tensor if isinstance(p, DTensor) else p
-    return local if isinstance(local, NVFP4Master) else None
 
 
 def _install(model: nn.Module) -> None:
@@ -196,8 +191,8 @@ def _unwrap_state_dict(module, state_dict, prefix, local_metadata) -> None:
     torch.distributed.checkpoint saves and loads them like any parameter, at any world size."""
     key = prefix + "weight"
     p = state_dict.get(key)
-    local = p._local_tensor if isinstance(p, DTensor) else p
-    if isinstance(local, NVFP4Master):
+    local = local_master(p)
+    if local is not None:
         data = local._data
         if isinstance(p, DTensor):
             data = DTensor.from_local(data, p.device_mesh, p.placements, run_check=False, shape=p.shape,

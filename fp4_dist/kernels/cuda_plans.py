@@ -43,13 +43,10 @@ NIBBLE_TILE = "128x256"
 Shape = tuple[int, int]
 
 
-def current_raw_stream(index: int) -> int:
-    """The cudaStream_t of torch's current stream on device `index` (the private accessor inductor uses when
-    present: a tenth of the host time of building a torch.cuda.Stream, and every launch asks)."""
-    return _raw_stream(index)
-
-
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+# current_raw_stream(index) -> the cudaStream_t of torch's current stream on device `index`. Every launch asks, so
+# it is torch's private accessor where present (the one inductor uses): a tenth of the host time of building a
+# torch.cuda.Stream.
+current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
     lambda index: torch.cuda.current_stream(index).cuda_stream)
 
 
