@@ -1,15 +1,18 @@
-"""Megatron-Core --fp4-param-gather vs bf16 param gather: one torchrun job, four runs, one table.
+"""Megatron-Core --fp4-param-gather vs bf16 param gather: one torchrun job, one table.
 
-    torchrun --nproc-per-node 2 bench/megatron_compare.py [--steps 200] [--tiny] [-- extra Megatron args]
+    torchrun --nproc-per-node 2 bench/megatron_compare.py [--steps 200] [--rounds 2] [--tiny] [-- extra Megatron args]
 
-Runs the same GPT (same seed, data, LR schedule, no gradient clipping) five times in this process, in this order:
+Runs the same GPT (same seed, data, LR schedule, no gradient clipping) several times in this process:
 
-    bf16      plain bf16 model (no quantization at all) -> what NVFP4 does to the loss (information)
-    fp4       --fp4-param-gather: NVFP4 weights, 4-bit all-gather       -> the step time that must stay within
-    bf16 #2   the same as bf16                             1.05x of the bf16 runs' (GPUs): fp4 runs between
-              the two, so drift over the job hits both sides, and runs no checks between its steps
-    fp4 #2    fp4 again, its gathered bytes checked against quantize(full master) every --check-every steps
-                                                        -> determinism: losses and masters bit-identical to fp4
+    timing rounds, each  bf16, fp4, fp4, bf16 (ABBA)
+              bf16   plain bf16 model (no quantization at all)  -> what NVFP4 does to the loss (information)
+              fp4    --fp4-param-gather: NVFP4 weights, 4-bit all-gather, no checks between steps
+              The step-time verdict is the median step of every fp4 run over that of every bf16 run (limit
+              1.05x on GPUs). Step times drift over a job (later runs slower, by up to ~10% on an H100 with
+              the small model); in ABBA order a drift linear in time weighs both sides equally, which the
+              earlier order (bf16, fp4, bf16) did not. Each round's own ratio is shown beside it.
+    fp4 checked  fp4 again, its gathered bytes checked against quantize(full master) every --check-every
+              steps                                      -> determinism: losses and masters bit-identical to fp4
     bf16-gather  --fp4-fake-quant: bf16 weights and bf16 param gather, the weights NVFP4-quantized in the forward
               every step. This is Megatron's "--fp4-param-gather off" run (NVFP4 compute, bf16 gather; its
               test_fp4_param.py asks for loss within 1e-2) and the per-step fake-quantization reference at once
@@ -59,6 +62,7 @@ def parse() -> tuple[argparse.Namespace, list[str]]:
                    help="gpt256: hidden 256 x 4 layers, seq 256; gpt2048: hidden 2048 x 8 layers, seq 1024, "
                         "micro-batch 4; tiny: a CPU smoke run")
     p.add_argument("--tiny", action="store_true", help="same as --model tiny")
+    p.add_argument("--rounds", type=int, default=2, help="timing rounds of bf16, fp4, fp4, bf16 runs")
     p.add_argument("--check-every", type=int, default=20, help="parity check of the gathered NVFP4 bytes")
     p.add_argument("--log-interval", type=int, default=50)
     p.add_argument("--json", default=None, help="write the table and all losses here (rank 0)")
@@ -81,8 +85,12 @@ def median_ms(*results: pretrain_gpt.RunResult) -> float:
     return statistics.median([t for r in results for t in step_times(r)])
 
 
-def table(runs: dict[str, pretrain_gpt.RunResult]) -> tuple[list[tuple[str, str, str]], bool]:
-    fp4, fp4b, gather, bf16 = runs["fp4"], runs["fp4 #2"], runs["bf16-gather"], runs["bf16"]
+def table(rounds: list[dict[str, list]], fp4b, gather) -> tuple[list[tuple[str, str, str]], bool]:
+    """`rounds`: each round's {"bf16": [two results], "fp4": [two results]}; `fp4b`: the checked fp4 run;
+    `gather`: the fake-quant (bf16-gather) run."""
+    fp4, bf16 = rounds[0]["fp4"][0], rounds[0]["bf16"][0]
+    all_fp4 = [r for rnd in rounds for r in rnd["fp4"]]
+    all_bf16 = [r for rnd in rounds for r in rnd["bf16"]]
 
     def max_diff(a, b):
         diff = [abs(x - y) for x, y in zip(a.losses, b.losses)]
@@ -92,8 +100,10 @@ def table(runs: dict[str, pretrain_gpt.RunResult]) -> tuple[list[tuple[str, str,
     d_gather, at_gather = max_diff(fp4, gather)
     d_bf16, at_bf16 = max_diff(fp4, bf16)
     unequal = sum(a != b for a, b in zip(fp4.losses, gather.losses))
-    unequal_rerun = sum(a != b for a, b in zip(fp4.losses, fp4b.losses))
-    checks = [r.parity for r in fp4.records + fp4b.records if r.parity]
+    reruns = all_fp4[1:] + [fp4b]
+    unequal_rerun = sum(a != b for r in reruns for a, b in zip(fp4.losses, r.losses))
+    same_masters = all(r.master_digest == fp4.master_digest for r in reruns)
+    checks = [r.parity for r in fp4b.records if r.parity]
     rows = [
         ("fp4 vs bf16 param gather: max |loss diff|", f"{d_gather:.2e} at step {at_gather} (limit 1e-2)",
          "PASS" if d_gather <= 1e-2 else "FAIL"),
@@ -102,18 +112,25 @@ def table(runs: dict[str, pretrain_gpt.RunResult]) -> tuple[list[tuple[str, str,
         ("fp4 vs fake-quant (bf16 gather): fp32 masters",
          "identical" if fp4.master_digest == gather.master_digest else "differ",
          "PASS" if fp4.master_digest == gather.master_digest else "FAIL"),
-        ("fp4 run twice: unequal losses / masters",
-         f"{unequal_rerun} / {'identical' if fp4.master_digest == fp4b.master_digest else 'differ'}",
-         "PASS" if unequal_rerun == 0 and fp4.master_digest == fp4b.master_digest else "FAIL"),
+        (f"fp4 run {len(reruns) + 1} times: unequal losses / masters",
+         f"{unequal_rerun} / {'identical' if same_masters else 'differ'}",
+         "PASS" if unequal_rerun == 0 and same_masters else "FAIL"),
         ("gathered NVFP4 == quantize(full master)", f"{sum(c.startswith('ok') for c in checks)}/{len(checks)} checks",
          "PASS" if checks and all(c.startswith("ok") for c in checks) else "FAIL"),
         ("(info) fp4 vs unquantized bf16 model: max |loss diff|", f"{d_bf16:.2e} at step {at_bf16}; final "
          f"{fp4.losses[-1]:.4f} vs {bf16.losses[-1]:.4f}", ""),
     ]
     ok = all(r[2] != "FAIL" for r in rows)
-    for name, res in runs.items():
+    for i, rnd in enumerate(rounds, 1):
+        order = [rnd["bf16"][0], rnd["fp4"][0], rnd["fp4"][1], rnd["bf16"][1]]
+        rows.append((f"round {i}: median step bf16, fp4, fp4, bf16 (fp4 / bf16)",
+                     ", ".join(f"{median_ms(r):.1f}" for r in order) + " ms "
+                     f"({median_ms(*rnd['fp4']) / median_ms(*rnd['bf16']):.3f})", ""))
+    for name, res in (("fp4 checked", fp4b), ("bf16-gather", gather)):
+        rows.append((f"{name}: median step", f"{median_ms(res):.1f} ms", ""))
+    for name, res in (("bf16", bf16), ("fp4", fp4), ("bf16-gather", gather)):
         mib = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in sorted(res.buffer_bytes.items()))
-        rows.append((f"{name}: median step / DDP buffers", f"{median_ms(res):.1f} ms / {mib}", ""))
+        rows.append((f"{name}: DDP buffers", mib, ""))
     gather_fp4 = fp4.buffer_bytes.get("param_uint8", 0) + fp4.buffer_bytes.get("param_bfloat16", 0)
     gather_bf16 = gather.buffer_bytes.get("param_bfloat16", 0)
     rows.append(("param all-gather bytes per step, fp4 / bf16 gather",
@@ -121,43 +138,53 @@ def table(runs: dict[str, pretrain_gpt.RunResult]) -> tuple[list[tuple[str, str,
                  f"({gather_bf16 / max(gather_fp4, 1):.2f}x less)", ""))
     rows.append(("fp4 NVFP4 compute copies (bf16, next to the param buffers)",
                  f"{fp4.compute_copy_bytes / 2**20:.2f} MiB", ""))
-    ratio = median_ms(fp4) / median_ms(bf16, runs["bf16 #2"])
+    ratio = median_ms(*all_fp4) / median_ms(*all_bf16)
+    what = (f"fp4 param gather vs plain bf16: median step of {len(all_fp4)} fp4 / {len(all_bf16)} bf16 runs (ABBA)")
+    value = f"{median_ms(*all_fp4):.1f} / {median_ms(*all_bf16):.1f} ms = {ratio:.3f}"
     if torch.cuda.is_available():
         step_ok = ratio <= STEP_RATIO_LIMIT
-        rows.append(("fp4 param gather vs plain bf16: median step (fp4 / bf16 and bf16 #2)",
-                     f"{median_ms(fp4):.1f} / {median_ms(bf16, runs['bf16 #2']):.1f} ms = {ratio:.3f} "
-                     f"(limit {STEP_RATIO_LIMIT})", "PASS" if step_ok else "FAIL"))
+        rows.append((what, f"{value} (limit {STEP_RATIO_LIMIT})", "PASS" if step_ok else "FAIL"))
     else:  # CPU ranks: a smoke run, its step times say nothing about a GPU's
         step_ok = True
-        rows.append(("(info) fp4 param gather vs plain bf16: median step ratio on CPU ranks", f"{ratio:.3f}", ""))
+        rows.append(("(info, CPU ranks) " + what, value, ""))
     return rows, ok and step_ok
 
 
 def main() -> int:
     args, extra = parse()
+    if args.rounds < 1:
+        raise SystemExit("megatron_compare: --rounds must be >= 1")
     model = MODELS["tiny" if args.tiny else args.model].split()
     base = model + COMMON.split() + ["--train-iters", str(args.steps), "--log-interval", str(args.log_interval),
                                      "--lr-warmup-iters", str(max(1, args.steps // 10))]
     base += extra
-    fp4 = ["--fp4-param-gather", "--fp4-check-every", str(args.check_every)]
-    runs = {
-        "bf16": run("bf16", base, "plain bf16 model, no quantization"),
-        "fp4": run("fp4", base + ["--fp4-param-gather"], "NVFP4 weights, 4-bit param all-gather"),
-        "bf16 #2": run("bf16 #2", base, "the same as bf16 again (step time drift)"),
-        "fp4 #2": run("fp4 #2", base + fp4, "the same as fp4, gathered bytes checked (determinism, parity)"),
-        "bf16-gather": run("bf16-gather", base + ["--fp4-fake-quant"],
-                           "bf16 weights and gather, NVFP4-quantized forward (fake quant)"),
-    }
-    rows, ok = table(runs)
+    fp4 = base + ["--fp4-param-gather"]
+    rounds = []
+    for i in range(1, args.rounds + 1):
+        rnd = {"bf16": [], "fp4": []}
+        for j, kind in enumerate(("bf16", "fp4", "fp4", "bf16")):
+            what = "plain bf16 model, no quantization" if kind == "bf16" else "NVFP4 weights, 4-bit param all-gather"
+            rnd[kind].append(run(f"round {i}/{args.rounds}, run {j + 1}/4: {kind}", fp4 if kind == "fp4" else base,
+                                 what))
+        rounds.append(rnd)
+    fp4b = run("fp4 checked", fp4 + ["--fp4-check-every", str(args.check_every)],
+               "the same as fp4, gathered bytes checked (determinism, parity)")
+    gather = run("bf16-gather", base + ["--fp4-fake-quant"],
+                 "bf16 weights and gather, NVFP4-quantized forward (fake quant)")
+    rows, ok = table(rounds, fp4b, gather)
     if dist.get_rank() == 0:
         width = max(len(r[0]) for r in rows)
         print(f"\n{'check':<{width}} | result | verdict\n{'-' * (width + 30)}")
         for name, value, verdict in rows:
             print(f"{name:<{width}} | {value} | {verdict}")
-        print(f"\nOVERALL: {'PASS' if ok else 'FAIL'} ({runs['fp4'].world_size} ranks, {args.steps} steps)", flush=True)
+        print(f"\nOVERALL: {'PASS' if ok else 'FAIL'} ({fp4b.world_size} ranks, {args.steps} steps)", flush=True)
         if args.json:
-            Path(args.json).write_text(json.dumps(
-                {"rows": rows, "ok": ok, "losses": {k: v.losses for k, v in runs.items()}}, indent=1))
+            losses = {"fp4": rounds[0]["fp4"][0].losses, "bf16": rounds[0]["bf16"][0].losses,
+                      "fp4 checked": fp4b.losses, "bf16-gather": gather.losses}
+            steps = {f"round {i} {k} {j}": [r.step_ms for r in res.records]
+                     for i, rnd in enumerate(rounds, 1) for k, rs in rnd.items() for j, res in enumerate(rs, 1)}
+            Path(args.json).write_text(json.dumps({"rows": rows, "ok": ok, "losses": losses, "step_ms": steps},
+                                                  indent=1))
     shutdown()
     return 0 if ok else 1
 
