@@ -6,8 +6,8 @@
 #   tests          GPU unit tests: every CUDA kernel bit-exact against the reference (dequantize included)
 #   kernels        bench/kernels.py: each stage against the device copy bandwidth, 1,000-weight launches/host time
 #   linear         bench/linear.py: a linear layer's forward + backward with an NVFP4 weight vs bf16
-#   megatron-dp1   bench/megatron_compare.py on one GPU: --fp4-param-gather vs plain bf16 (and the fake-quant
-#                  reference), GPT hidden 256 x 4 layers and GPT hidden 2048 x 8 layers (seq 1024)
+#   megatron-dp1   bench/megatron_compare.py on one GPU: --fp4-param-gather vs plain bf16 in ABBA rounds ($ROUNDS,
+#                  default 2) and the fake-quant reference, GPT hidden 256 x 4 layers and 2048 x 8 layers (seq 1024)
 #   megatron-dp2   the same on two GPUs (needs 2; skipped with a note otherwise)
 #   step           bench/step.py on every GPU: one optimizer step's weight path (cast, gather, compute copies)
 # Megatron-Core must be importable (the device image lacks it: carry its wheel, see bench/RESULTS.md).
@@ -19,6 +19,7 @@ OUT=${OUT:-bench/out}
 PARTS=${PARTS:-"tests kernels linear megatron-dp1 megatron-dp2 step"}
 GPT256_STEPS=${GPT256_STEPS:-60}
 GPT2048_STEPS=${GPT2048_STEPS:-25}
+ROUNDS=${ROUNDS:-2}  # megatron_compare.py's timing rounds (bf16, fp4, fp4, bf16 each)
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 export PYTHONWARNINGS=ignore::FutureWarning,ignore::UserWarning
@@ -36,7 +37,7 @@ ngpu=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])" | tee "$OUT/device.txt"
 megatron() {  # megatron NPROC MODEL STEPS
   "$PY" -m torch.distributed.run --standalone --nproc_per_node="$1" bench/megatron_compare.py --model "$2" \
-    --steps "$3" --check-every 10 --log-interval 10 --json "$OUT/megatron_$2_dp$1.json"
+    --steps "$3" --rounds "$ROUNDS" --check-every 10 --log-interval 10 --json "$OUT/megatron_$2_dp$1.json"
 }
 has tests && part gpu_tests "$PY" -m pytest tests/unit -m gpu -q -n 4 -p no:cacheprovider
 has kernels && part kernels "$PY" bench/kernels.py --out "$OUT" --reps 10

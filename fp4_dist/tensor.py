@@ -37,6 +37,7 @@ MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 _FIELDS = ("rowwise_data", "rowwise_scale_inv", "amax", "columnwise_data", "columnwise_scale_inv")
 _ROWWISE_FIELDS = frozenset(_FIELDS[:3])  # what a compute copy is made from
+_ALIAS_STATE = _FIELDS + ("numerics", "_compute_copy")  # what an alias (detach, .data) shares
 
 
 class NVFP4Tensor(torch.Tensor):
@@ -352,7 +353,14 @@ def _mm(func, args, kwargs):
 
 @_implements(aten.detach.default, aten.alias.default)
 def _alias(func, args, kwargs):
-    return args[0]._with_fields(lambda t: t, alias=True)
+    # `.data` and detach run on every weight in every step (Megatron's distributed optimizer reads
+    # `param.data` per parameter per step): the fields were checked when `w` was made, so the alias only
+    # shares them (and the compute copy) instead of constructing and checking a new tensor (16 us -> ~2 us).
+    w = args[0]
+    new = torch.Tensor._make_wrapper_subclass(NVFP4Tensor, w.shape, dtype=w.dtype, device=w.device)
+    d = w.__dict__
+    new.__dict__.update({f: d[f] for f in _ALIAS_STATE})
+    return new
 
 
 @_implements(aten.clone.default)

@@ -111,20 +111,26 @@ def window_offsets(num_tokens: int, plan: BatchPlan, iteration: int) -> torch.Te
 
 
 def microbatches(tokens: torch.Tensor, plan: BatchPlan, iteration: int, device) -> Iterator[dict]:
-    """This rank's micro-batches of step ``iteration``: dicts of tokens, labels, position_ids [b, s]."""
+    """This rank's micro-batches of step ``iteration``: dicts of tokens, labels, position_ids [b, s].
+
+    On a GPU the step's windows are gathered on the host, pinned, and copied once without waiting: a copy from
+    pageable memory (or a tensor made from a Python number) synchronises with the GPU, and one such wait per
+    micro-batch would leave the GPU idle while the host launches the next forward (Megatron's own loaders pin
+    and copy with non_blocking for the same reason).
+    """
     offsets = window_offsets(tokens.numel(), plan, iteration)
     per_rank = plan.global_batch_size // plan.dp_size
     mine = offsets[plan.dp_rank * per_rank:(plan.dp_rank + 1) * per_rank]
-    steps = torch.arange(plan.seq_length + 1)
+    windows = tokens[mine.unsqueeze(1) + torch.arange(plan.seq_length + 1)]  # [per_rank, seq + 1]
     positions = torch.arange(plan.seq_length).unsqueeze(0).expand(plan.micro_batch_size, -1)
+    if torch.device(device).type == "cuda":
+        windows = windows.pin_memory().to(device, non_blocking=True)
+        positions = positions.contiguous().pin_memory().to(device, non_blocking=True)
+    else:
+        windows, positions = windows.to(device), positions.to(device)
     for m in range(plan.num_microbatches):
-        starts = mine[m * plan.micro_batch_size:(m + 1) * plan.micro_batch_size]
-        windows = tokens[starts.unsqueeze(1) + steps]
-        yield {
-            "tokens": windows[:, :-1].contiguous().to(device),
-            "labels": windows[:, 1:].contiguous().to(device),
-            "position_ids": positions.to(device),
-        }
+        w = windows[m * plan.micro_batch_size:(m + 1) * plan.micro_batch_size]
+        yield {"tokens": w[:, :-1].contiguous(), "labels": w[:, 1:].contiguous(), "position_ids": positions}
 
 
 def decode(ids: Sequence[int]) -> str:

@@ -366,7 +366,7 @@ def _forward_step(data_iterator, model):
     def loss_func(output: torch.Tensor):
         # (sum, tokens, report): Megatron divides by tokens and microbatches; the report is summed for logs.
         total = output.float().sum()
-        tokens = torch.tensor(output.numel(), dtype=torch.int, device=output.device)
+        tokens = torch.full((), output.numel(), dtype=torch.int, device=output.device)  # no host-to-device copy
         return total, tokens, {"lm loss": torch.stack([total.detach(), tokens.float()])}
 
     return per_token, loss_func

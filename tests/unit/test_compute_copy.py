@@ -213,6 +213,23 @@ def test_aliases_share_one_copy_and_clones_get_their_own():
     assert_bytes_equal(clone.compute_value(), w.compute_value(), "clone's value")
 
 
+def test_data_and_detach_share_every_field_but_not_the_parameters_attributes():
+    lin = nvfp4_linear()
+    w = lin.weight
+    w.make_columnwise()
+    w.main_grad = torch.zeros(M, K)  # what Megatron hangs on a parameter: not part of the weight
+    for alias in (w.data, w.detach()):
+        assert type(alias) is type(w) and not alias.requires_grad and not hasattr(alias, "main_grad")
+        assert (alias.shape, alias.dtype, alias.device, alias.numerics) == (w.shape, w.dtype, w.device, w.numerics)
+        for f in ("rowwise_data", "rowwise_scale_inv", "amax", "columnwise_data", "columnwise_scale_inv"):
+            assert getattr(alias, f) is getattr(w, f), f
+        assert alias._compute_copy is w._compute_copy
+    # An alias is a weight in its own right: re-quantizing through it changes the parameter (same storage),
+    # and the parameter's next use sees the new bytes.
+    w.data.quantize_(other_values())
+    assert_uses_current_bytes(lin, "after quantize_ through .data")
+
+
 def test_ops_taking_lists_and_keywords_see_the_value():
     lin = nvfp4_linear()
     w = lin.weight
