@@ -9,8 +9,8 @@ so the shard FSDP2 keeps is still an NVFP4Master. Its all-gather goes through FS
                           cast from the fp32 master with the weight's global amax (`precompute.ShardCast`: one
                           batched amax all-reduce for the whole model, before the forward)
     (FSDP2 all-gathers those bytes: 0.504 B per element instead of 2)
-    fsdp_post_all_gather  rowwise scales expanded, then one dequantize into the bf16 compute copy, which is the
-                          unsharded parameter the forward and backward read (a plain tensor: no per-op overhead)
+    fsdp_post_all_gather  one dequantize of the gathered bytes and tile scales into the bf16 compute copy, which is
+                          the unsharded parameter the forward and backward read (a plain tensor: no per-op overhead)
 
 Weights whose rows do not split into whole 16-row tile bands per rank ("bf16" mode) gather their bf16 values
 instead and are quantized after the gather (every rank quantizes the same full weight, so the bytes are those
@@ -62,7 +62,8 @@ class WeightState:
     # --- filled by fsdp_post_all_gather, valid while the weight is unsharded
     value: Optional[torch.Tensor] = None
     gathered_fields: Optional[tuple] = None
-    """(rowwise_data, rowwise_scale_inv, amax) of the last gather (`gathered()` wraps them)."""
+    """(rowwise_data, scales, amax) of the last gather: scales as gathered, the tile grid, for "nvfp4" mode;
+    the row-expanded rowwise_scale_inv for "bf16" mode (`gathered()` wraps them)."""
     buffers: dict = field(default_factory=dict)
 
     def gathered(self) -> Optional[NVFP4Tensor]:
@@ -70,6 +71,10 @@ class WeightState:
         if self.gathered_fields is None:
             return None
         data, scale_inv, amax = self.gathered_fields
+        if tuple(scale_inv.shape) == tile_grid(*self.shape):  # as gathered: expanded here, for the tensor layout
+            grid, scale_inv = scale_inv, torch.empty(rowwise_scale_shape(*self.shape), dtype=torch.uint8,
+                                                     device=scale_inv.device)  # fmt: skip
+            kernels.expand_scales(grid.reshape(-1), [self.shape], [[(0, 0)]], [scale_inv])
         return NVFP4Tensor(self.shape, self.model_dtype, data, scale_inv, amax.reshape(1), numerics=self.numerics,
                            compute_copy=False)  # fmt: skip
 
@@ -153,18 +158,20 @@ class NVFP4Master(torch.Tensor):
         if state.mode == "nvfp4":
             data, scales = (outputs[0], metadata[1]) if len(outputs) == 1 else outputs
             amax = metadata[0]
-            kernels.expand_scales(scales.reshape(-1), [(m, k)], [[(0, 0)]], [b["scale_inv"]])
+            tm, tk = tile_grid(m, k)
+            scale_inv = scales.reshape(-1)[: tm * tk].view(tm, tk)  # the tile grid, bands in order: dequantize
+            # reads it as is (one launch per weight and gather, not an expand and a dequantize)
         else:
             (values,) = outputs
-            data, amax = b["data"], b["amax"]
+            data, amax, scale_inv = b["data"], b["amax"], b["scale_inv"]
             kernels.quantize_rowwise(values[:m].reshape(-1), (m, k), round_to=state.model_dtype,
-                                     numerics=state.numerics, rowwise_data=data, scale_inv=b["scale_inv"],
+                                     numerics=state.numerics, rowwise_data=data, scale_inv=scale_inv,
                                      amax=amax, name=state.fqn)  # fmt: skip
         # The forward saved this tensor (as the unsharded parameter) for the backward, which gathers the same
         # bytes again: writing it must not look like an in-place change to autograd (FSDP2 does the same).
         with torch.autograd._unsafe_preserve_version_counter((state.value,)):
-            kernels.dequantize([data], [b["scale_inv"]], [amax], [state.value])
-        state.gathered_fields = (data, b["scale_inv"], amax)
+            kernels.dequantize([data], [scale_inv], [amax], [state.value])
+        state.gathered_fields = (data, scale_inv, amax)
         if first:
             return state.value, (state.value, *b.values())
         return None
@@ -177,13 +184,15 @@ def local_master(p) -> Optional[NVFP4Master]:
 
 
 def _gather_buffers(state: WeightState, device) -> dict:
-    """The unsharded weight's own tensors (FSDP2 frees and re-allocates them around each gather)."""
+    """The unsharded weight's own tensors besides its value (FSDP2 frees and re-allocates them around each
+    gather): the NVFP4 form a "bf16"-mode weight is quantized into after its gather ("nvfp4" mode reads
+    FSDP2's gathered bytes and tile scales in place)."""
     m, k = state.shape
-    b = {"scale_inv": torch.zeros(rowwise_scale_shape(m, k), dtype=torch.uint8, device=device)}
-    if state.mode == "bf16":
-        b["data"] = torch.zeros(rowwise_data_shape(m, k), dtype=torch.uint8, device=device)
-        b["amax"] = torch.zeros(1, dtype=torch.float32, device=device)
-    return b
+    if state.mode != "bf16":
+        return {}
+    return {"scale_inv": torch.zeros(rowwise_scale_shape(m, k), dtype=torch.uint8, device=device),
+            "data": torch.zeros(rowwise_data_shape(m, k), dtype=torch.uint8, device=device),
+            "amax": torch.zeros(1, dtype=torch.float32, device=device)}  # fmt: skip
 
 
 def local_tiles(state: WeightState, row0: int, rows: int) -> tuple[int, int]:

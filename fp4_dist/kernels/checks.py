@@ -20,6 +20,7 @@ from ..format import (
     num_tiles,
     rowwise_data_shape,
     rowwise_scale_shape,
+    tile_grid,
     tile_offsets,
 )
 
@@ -257,7 +258,12 @@ def dequant_args(rowwise_datas, scale_invs, amaxes, outs) -> None:
     for i, (data, si, amax, out) in enumerate(zip(rowwise_datas, scale_invs, amaxes, outs)):
         m, k = _rowwise_shape(data, i)
         check_u8(data, rowwise_data_shape(m, k), device, f"rowwise_data {i}")
-        check_u8(si, rowwise_scale_shape(m, k), device, f"rowwise_scale_inv {i}")
+        # The row-expanded rowwise_scale_inv or the compact tile grid (never the same shape: ceil(M/16) rows
+        # against roundup(M, 128)).
+        grid = tile_grid(m, k)
+        compact = isinstance(si, torch.Tensor) and tuple(si.shape) == grid
+        check_u8(si, grid if compact else rowwise_scale_shape(m, k), device,
+                 f"rowwise_scale_inv {i} (or its tile grid {list(grid)})")
         check_amax_out(amax, device, f"amax {i}")
         if not isinstance(out, torch.Tensor) or out.dtype not in OUT_DTYPES or tuple(out.shape) != (m, k) \
                 or not out.is_contiguous():

@@ -29,7 +29,7 @@ OWNER_FIELDS = ("amax_out", "tile_off", "enc_lo", "enc_hi", "own_lo", "own_hi", 
 EXPAND_FIELDS = (
     "scale_inv", "m", "tiles_m", "tiles_k", "cols_pad", "n_chunks", "seg_begin", "seg_count", "flags", "pad_",
 )  # fmt: skip
-DEQUANT_FIELDS = ("src", "scale", "amax", "dst", "m", "k", "cols_pad", "n_chunks", "flags", "pad_")
+DEQUANT_FIELDS = ("src", "scale", "amax", "dst", "m", "k", "scale_band", "n_chunks", "flags", "scale_row")
 
 # Flag bits and unit sizes of common.cuh.
 FLAG_BF16_SRC, FLAG_VEC_SRC, FLAG_VEC_DST, FLAG_VEC16_DST, FLAG_VEC16_SRC = 1, 2, 4, 8, 16
@@ -224,8 +224,8 @@ def scalet_plan(index: int, srcs, dsts, shapes) -> Plan:
 
 
 def dequant_plan(index: int, datas, scale_invs, amaxes, outs) -> Plan:
-    """DequantDesc rows: [M, K] outputs (bf16 / fp16 / fp32) from rowwise data, scales and amax; a unit is one
-    16-row band x 256 columns (one warp)."""
+    """DequantDesc rows: [M, K] outputs (bf16 / fp16 / fp32) from rowwise data, scales (row-expanded or the
+    compact tile grid) and amax; a unit is one 16-row band x 256 columns (one warp)."""
     rows, units = [], []
     for data, si, amax, out in zip(datas, scale_invs, amaxes, outs):
         m, k = data.shape[0], 2 * data.shape[1]
@@ -234,6 +234,10 @@ def dequant_plan(index: int, datas, scale_invs, amaxes, outs) -> Plan:
         flags |= FLAG_VEC_SRC if src % 4 == 0 else 0
         flags |= FLAG_VEC_DST if dst % 16 == 0 else 0
         n_chunks = ceil_div(k, CHUNK_COLS)
-        rows.append([src, si.data_ptr(), amax.data_ptr(), dst, m, k, si.shape[1], n_chunks, flags, 0])
+        # Scale bytes of a band's first row and the step to the next row: the row-expanded form has a row per
+        # element row; the compact tile grid (ceil(M/16) rows) one per band, read by all 16 rows.
+        compact = si.shape[0] == ceil_div(m, TILE)
+        band, step = (si.shape[1], 0) if compact else (TILE * si.shape[1], si.shape[1])
+        rows.append([src, si.data_ptr(), amax.data_ptr(), dst, m, k, band, n_chunks, flags, step])
         units.append(ceil_div(m, TILE) * n_chunks)
     return Plan(index, rows, len(DEQUANT_FIELDS), units, tiles=0)

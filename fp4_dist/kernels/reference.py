@@ -223,8 +223,14 @@ def quantize(x: torch.Tensor, numerics: str = "te", round_to: torch.dtype = torc
 def dequantize(
     rowwise_data: torch.Tensor, rowwise_scale_inv: torch.Tensor, amax: torch.Tensor, dtype=torch.float32
 ) -> torch.Tensor:
-    """[M, K] values: e2m1_value * ((float(s_t) * A) * fp32(1/2688)), evaluated left to right."""
+    """[M, K] values: e2m1_value * ((float(s_t) * A) * fp32(1/2688)), evaluated left to right.
+
+    `rowwise_scale_inv` is the row-expanded form or the compact tile grid [ceil(M/16), ceil(K/16)] (one byte per
+    16x16 tile, as all-gathered): the same tile scales, so the same values.
+    """
     m, k = rowwise_data.shape[0], rowwise_data.shape[1] * 2
+    if tuple(rowwise_scale_inv.shape) == tile_grid(m, k):
+        rowwise_scale_inv = expand_rowwise_scales(rowwise_scale_inv, m, k)
     codes = unpack_nibbles(rowwise_data).to(torch.int64)
     table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=rowwise_data.device)
     values = table[codes & 0x7]

@@ -311,15 +311,15 @@ struct ScaleTDesc {
 // warp each.
 struct DequantDesc {
     i64 src;          // uint8 [M, K/2] rowwise_data
-    i64 scale;        // uint8 [rows_pad, cols_pad] rowwise_scale_inv
+    i64 scale;        // uint8 rowwise_scale_inv [rows_pad, cols_pad] or the tile grid [ceil(M/16), ceil(K/16)]
     i64 amax;         // fp32 [1]
     i64 dst;          // [M, K] output, bf16 (default), fp16 or fp32 (flags)
     i64 m;
     i64 k;
-    i64 cols_pad;     // row stride of the scales
+    i64 scale_band;   // scale bytes from one 16-row band's first row to the next band's
     i64 n_chunks;     // ceil(K / 256)
     i64 flags;        // kFlagVecSrc: src 4-byte aligned; kFlagVecDst: dst 16-byte aligned; kFlagOutFp16/Fp32
-    i64 pad_;
+    i64 scale_row;    // scale bytes from one row to the next: the row stride (row-expanded), 0 (tile grid)
 };
 
 constexpr i64 kFlagOutFp16 = 32;

@@ -1,9 +1,11 @@
-// dequantize: NVFP4 rowwise data + row-expanded tile scales + amax -> [M, K] values in the model dtype (bf16,
-// fp16 or fp32, per weight), all weights in one launch. The compute copy of fp4_dist's NVFP4 weights.
+// dequantize: NVFP4 rowwise data + tile scales (row-expanded, or the compact tile grid as all-gathered) + amax
+// -> [M, K] values in the model dtype (bf16, fp16 or fp32, per weight), all weights in one launch. The compute
+// copy of fp4_dist's NVFP4 weights.
 //
 // Per element (spec section 3, fp32, one IEEE operation at a time, then round-to-nearest-even to the output):
 //   f   = (float(s) * A) * fp32(1/2688)       s = rowwise_scale_inv[row, col / 16] (the row's copy of its tile
-//                                             scale, as the reference reads it), A = amax
+//                                             scale, as the reference reads it) or tile_grid[row / 16, col / 16]
+//                                             (the same byte), A = amax
 //   out = cvt_rn(value(code) * f)             value: 0, .5, 1, 1.5, 2, 3, 4, 6; negative when bit 3 is set
 //
 // Work: a unit is one 16-row band x 256 columns, handled by ONE warp: lane l converts columns 8l .. 8l + 7 of
@@ -150,7 +152,7 @@ __device__ __forceinline__ void dequant_unit(const DequantDesc& d, i64 uu, int l
     const int rows = static_cast<int>(min(static_cast<i64>(kTile), d.m - row0));
     const i64 row_bytes = d.k >> 1;
     const u8* src = reinterpret_cast<const u8*>(d.src) + row0 * row_bytes + (col >> 1);
-    const u8* scale = reinterpret_cast<const u8*>(d.scale) + row0 * d.cols_pad + col / kTile;
+    const u8* scale = reinterpret_cast<const u8*>(d.scale) + band * d.scale_band + col / kTile;
     u8* dst = reinterpret_cast<u8*>(d.dst) + (row0 * d.k + col) * O::kBytes;
     const bool vec_src = d.flags & kFlagVecSrc, vec_dst = d.flags & kFlagVecDst;
     const float amax = *reinterpret_cast<const float*>(d.amax);
@@ -166,7 +168,7 @@ __device__ __forceinline__ void dequant_unit(const DequantDesc& d, i64 uu, int l
             s[r] = *scale;
         }
         src += row_bytes;
-        scale += d.cols_pad;
+        scale += d.scale_row;
     }
     const i64 out_stride = d.k * O::kBytes;
     u32 cur = 0x100u;  // no scale byte: the first row builds the table

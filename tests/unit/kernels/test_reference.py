@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 import torch
 
+import fp4_dist
+from fp4_dist.format import tile_grid
 from fp4_dist.kernels import reference as R
-from fp4_dist.testing import assert_bytes_equal, random_weight
+from fp4_dist.testing import assert_bytes_equal, poison_, random_weight
 from tests.unit import spec_oracle as O
 
 FLT_MAX = torch.finfo(torch.float32).max
@@ -146,6 +148,21 @@ def test_dequantize_error_is_what_fp4_allows_on_gaussian_data():
     data, scale_inv, amax, _ = R.quantize(w)
     err = ((R.dequantize(data, scale_inv, amax) - w).norm() / w.norm()).item()
     assert 0.05 < err < 0.15, err
+
+
+@pytest.mark.parametrize("m,k", [(1, 16), (40, 48), (130, 80), (16, 272)])
+def test_dequantize_reads_the_compact_tile_grid_as_the_row_expanded_scales(m, k):
+    q = fp4_dist.quantize(random_weight(m, k, generator=torch.Generator().manual_seed(m + k)))
+    grid = q.rowwise_scale_inv[:m:16, : tile_grid(m, k)[1]].contiguous()
+    assert tuple(grid.shape) == tile_grid(m, k)
+    want = R.dequantize(q.rowwise_data, q.rowwise_scale_inv, q.amax)
+    assert_bytes_equal(R.dequantize(q.rowwise_data, grid, q.amax), want, "reference")
+    out = poison_(torch.empty(m, k))
+    fp4_dist.kernels.dequantize([q.rowwise_data], [grid], [q.amax], [out])
+    assert_bytes_equal(out, want, "stage on the CPU")
+    with pytest.raises(ValueError, match=r"rowwise_scale_inv 0 \(or its tile grid"):
+        fp4_dist.kernels.dequantize([q.rowwise_data], [grid[:, :-1].contiguous() if grid.shape[1] > 1 else grid[:0]],
+                                    [q.amax], [out])
 
 
 def test_dequantize_uses_amax_times_scale_over_2688():

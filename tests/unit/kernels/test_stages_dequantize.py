@@ -11,7 +11,7 @@ import torch
 
 import fp4_dist
 import fp4_dist.kernels as K
-from fp4_dist.format import rowwise_scale_shape
+from fp4_dist.format import rowwise_scale_shape, tile_grid
 from fp4_dist.kernels import reference as R
 from fp4_dist.testing import assert_bytes_equal, poison_, random_weight
 
@@ -51,7 +51,9 @@ def _weight(rng: random.Random, gen: torch.Generator, m: int, k: int, kind: str)
     return data, scales, amax
 
 
-def _case(seed: int, count: int, ks=KS):
+def _case(seed: int, count: int, ks=KS, compact: float = 0.0):
+    """`compact`: the share of weights given their scales as the compact tile grid (what FSDP2 gathers): the
+    first row of each band of the row-expanded bytes."""
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     cpu, gpu, outs, dtypes = [], [], [], []
     for i in range(count):
@@ -59,6 +61,8 @@ def _case(seed: int, count: int, ks=KS):
         m = rng.randint(1, 40) if k >= 4096 else rng.randint(1, 90)
         kind = rng.choice(["quantized", "quantized", "random-positive", "random"])
         data, scales, amax = _weight(rng, gen, m, k, kind)
+        if compact and (i == 0 or rng.random() < compact):  # the first always, so every case has one
+            scales = scales[:m:16, : tile_grid(m, k)[1]].contiguous()
         dtype = rng.choice(DTYPES)
         cpu.append((data, scales, amax))
         gpu.append((_placed(data, rng.choice([0, 0, 0, 1, 2, 3])), scales.to(DEV), amax.to(DEV)))
@@ -84,6 +88,14 @@ def test_dequantize_matches_reference_on_random_lists(seed):
     _check(cpu, gpu, outs, dtypes, f"seed {seed}")
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_compact_tile_scales_give_the_reference_values_mixed_with_row_expanded_ones(seed):
+    cpu, gpu, outs, dtypes = _case(5000 + seed, random.Random(seed).randint(1, 8), compact=0.5)
+    assert tuple(cpu[0][1].shape) == tile_grid(*outs[0].shape)
+    K.dequantize(*zip(*gpu), outs)
+    _check(cpu, gpu, outs, dtypes, f"seed {seed}, compact scales")
+
+
 @pytest.mark.parametrize("count", [500, 137])
 def test_hundreds_of_weights_take_one_launch(count, monkeypatch):
     from fp4_dist.kernels import _launch
@@ -91,7 +103,7 @@ def test_hundreds_of_weights_take_one_launch(count, monkeypatch):
     keys = []
     real = _launch._launch
     monkeypatch.setattr(_launch, "_launch", lambda i, key, u, a: (keys.append(key[0]), real(i, key, u, a))[1])
-    cpu, gpu, outs, dtypes = _case(9000 + count, count, ks=(16, 48, 80, 128, 144))
+    cpu, gpu, outs, dtypes = _case(9000 + count, count, ks=(16, 48, 80, 128, 144), compact=0.3)
     K.dequantize(*zip(*gpu), outs)
     assert keys == ["dequantize"]
     _check(cpu, gpu, outs, dtypes, f"{count} weights")
