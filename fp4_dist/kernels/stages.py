@@ -492,7 +492,8 @@ def dequantize(rowwise_datas: Sequence[torch.Tensor], scale_invs: Sequence[torch
     """outs[i] [M, K] <- the values of NVFP4 weight i (spec section 3), rounded to outs[i].dtype.
 
     Args:
-        rowwise_datas: uint8 [M, K/2]; scale_invs: uint8 rowwise_scale_inv (row r uses its own row's bytes);
+        rowwise_datas: uint8 [M, K/2]; scale_invs: uint8 rowwise_scale_inv (row r uses its own row's bytes) or
+        the compact tile grid [ceil(M/16), ceil(K/16)] as all-gathered (forms may differ between weights);
         amaxes: fp32 [1]; outs: contiguous bf16, fp16 or fp32 [M, K] (dtypes may differ between weights).
     Bit-identical to `reference.dequantize` on the same device, one launch for all weights on CUDA.
     """
