@@ -23,6 +23,7 @@ import statistics
 import sys
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -50,7 +51,6 @@ def profile_gpu(argv: list[str]) -> tuple[float, dict, float, int, dict]:
     """(median step ms, {kernel: GPU ms per step}, GPU busy ms per step, profiled steps, {(kernel before,
     kernel after): GPU idle ms per step}) of one run. Only the device is traced (CUPTI), so the host runs at
     nearly its own speed and the idle gaps are the ones an untraced run has."""
-    import torch
     from torch.profiler import ProfilerActivity, schedule
 
     s = pretrain_gpt.setup(argv)
@@ -101,8 +101,6 @@ def find_syncs(argv: list[str]) -> dict:
     sync debug mode (each synchronising call warns; the innermost frames outside torch name the caller)."""
     import traceback
     import warnings
-
-    import torch
 
     s = pretrain_gpt.setup(argv)
     active = s.args.train_iters - WARMUP_STEPS
@@ -187,6 +185,8 @@ def main() -> None:
 
         cast._raise_if_bad = lambda *a, **k: None
     modes = (("bf16", []), ("fp4", ["--fp4-param-gather"]), ("bf16 #2", []), ("fp4 #2", ["--fp4-param-gather"]))
+    if args.syncs and not torch.cuda.is_available():
+        raise SystemExit("megatron_profile: --syncs counts waits for a GPU and needs a CUDA device")
     if args.syncs:
         for mode, extra in modes[:2]:
             where = find_syncs(base + extra)
