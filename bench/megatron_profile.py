@@ -21,7 +21,9 @@ import io
 import pstats
 import statistics
 import sys
+from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -47,10 +49,42 @@ def profile(argv: list[str]) -> tuple[float, str]:
     return statistics.median(r.step_ms for r in result.records[5:]), out.getvalue()
 
 
-def profile_gpu(argv: list[str]) -> tuple[float, dict, float, int, dict]:
-    """(median step ms, {kernel: GPU ms per step}, GPU busy ms per step, profiled steps, {(kernel before,
-    kernel after): GPU idle ms per step}) of one run. Only the device is traced (CUPTI), so the host runs at
-    nearly its own speed and the idle gaps are the ones an untraced run has."""
+class GpuRun(NamedTuple):
+    mode: str
+    step_ms: float
+    """median wall time of the profiled steps"""
+    kernels: dict
+    """{kernel: GPU ms per step}"""
+    calls: dict
+    """{CUDA runtime/driver call (host side): calls per step}"""
+    busy_ms: float
+    """GPU busy time per step (union of kernel intervals: streams may overlap)"""
+    gaps: dict
+    """{(kernel before, kernel after): GPU idle ms per step}"""
+    steps: int
+
+
+@contextmanager
+def _after_each_step(hook):
+    """`hook(iteration number from 1)` right after each training step of `pretrain_gpt.train` inside the block."""
+    step, n = pretrain_gpt._train_iteration, [0]
+
+    def step_then_hook(*a, **k):
+        go_on = step(*a, **k)
+        n[0] += 1
+        hook(n[0])
+        return go_on
+
+    pretrain_gpt._train_iteration = step_then_hook
+    try:
+        yield
+    finally:
+        pretrain_gpt._train_iteration = step
+
+
+def profile_gpu(mode: str, argv: list[str]) -> GpuRun:
+    """One run with steps WARMUP_STEPS + 1 .. --steps traced. Only the device is traced (CUPTI), so the host runs
+    at nearly its own speed and the idle gaps are the ones an untraced run has."""
     from torch.profiler import ProfilerActivity, schedule
 
     s = pretrain_gpt.setup(argv)
@@ -60,30 +94,17 @@ def profile_gpu(argv: list[str]) -> tuple[float, dict, float, int, dict]:
     on_gpu = torch.cuda.is_available()  # (CPU ranks: a smoke run of this script, nothing to trace on a device)
     prof = torch.profiler.profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU],
                                   schedule=schedule(wait=WARMUP_STEPS - 1, warmup=1, active=active))
-    step = pretrain_gpt._train_iteration
-
-    def step_then_tick(*a, **k):  # the profiler's schedule advances once per training step
-        go_on = step(*a, **k)
-        prof.step()
-        return go_on
-
-    pretrain_gpt._train_iteration = step_then_tick
-    try:
-        with prof:
-            result = pretrain_gpt.train(s.args, s.model, s.optimizer, s.scheduler, s.device, 0)
-    finally:
-        pretrain_gpt._train_iteration = step
-    kernels, api = {}, {}
-    intervals = []
+    with prof, _after_each_step(lambda _: prof.step()):  # the schedule advances once per training step
+        result = pretrain_gpt.train(s.args, s.model, s.optimizer, s.scheduler, s.device, 0)
+    kernels, calls, intervals = {}, {}, []
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:  # host-side records: CUDA runtime/driver calls
-            api[e.name] = api.get(e.name, 0) + 1 / active
+            calls[e.name] = calls.get(e.name, 0) + 1 / active
         # GPU-side user annotations (ProfilerStep#, Optimizer.step#...) span whole phases: not device work.
-        if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False) \
-                and not e.name.startswith("ProfilerStep"):
+        elif not getattr(e, "is_user_annotation", False) and not e.name.startswith("ProfilerStep"):
             kernels[e.name] = kernels.get(e.name, 0.0) + e.device_time / 1e3 / active
             intervals.append((e.time_range.start, e.time_range.end, e.name))
-    busy, end, last, gaps = 0.0, float("-inf"), None, {}  # union of kernel intervals (streams may overlap)
+    busy, end, last, gaps = 0.0, float("-inf"), None, {}
     for a, b, name in sorted(intervals):
         if last is not None and a > end:
             key = (_short(last, 60), _short(name, 60))
@@ -91,50 +112,42 @@ def profile_gpu(argv: list[str]) -> tuple[float, dict, float, int, dict]:
         if b > end:
             busy += b - max(a, end)
             end, last = b, name
-    kernels.update({f"(host call) {k}": v for k, v in api.items()})  # counts per step, not ms
-    return (statistics.median(r.step_ms for r in result.records[WARMUP_STEPS:]), kernels, busy / 1e3 / active,
-            active, gaps)
+    step_ms = statistics.median(r.step_ms for r in result.records[WARMUP_STEPS:])
+    return GpuRun(mode, step_ms, kernels, calls, busy / 1e3 / active, gaps, active)
 
 
 def find_syncs(argv: list[str]) -> dict:
-    """{(where in the code): synchronising CUDA calls per step} over steps 6 to --steps of one run, from torch's
-    sync debug mode (each synchronising call warns; the innermost frames outside torch name the caller)."""
+    """{(where in the code): synchronising CUDA calls per step} over steps WARMUP_STEPS + 1 .. --steps of one run,
+    from torch's sync debug mode (each synchronising call warns; the innermost frames outside torch name the
+    caller)."""
     import traceback
     import warnings
 
     s = pretrain_gpt.setup(argv)
     active = s.args.train_iters - WARMUP_STEPS
     where: dict = {}
-    step = pretrain_gpt._train_iteration
-    state = {"n": 0}
+    pass_on = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):
         if "synchroniz" not in str(message):  # other warnings (Megatron's deprecations) pass through
-            return old_show(message, category, filename, lineno, file, line)
+            return pass_on(message, category, filename, lineno, file, line)
         frames = [f for f in traceback.extract_stack()[:-2]
                   if "site-packages/torch/" not in f.filename and "warnings" not in f.filename]
         key = " <- ".join(f"{Path(f.filename).parent.name}/{Path(f.filename).name}:{f.lineno} {f.name}"
                           for f in frames[-4:][::-1])
         where[key] = where.get(key, 0) + 1 / active
 
-    def counted_step(*a, **k):
-        state["n"] += 1
-        if state["n"] == WARMUP_STEPS + 1:
+    def start_counting(n: int) -> None:
+        if n == WARMUP_STEPS:
             torch.cuda.set_sync_debug_mode("warn")
-        return step(*a, **k)
 
-    pretrain_gpt._train_iteration = counted_step
-    old_show = warnings.showwarning
-    warnings.showwarning = show
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _after_each_step(start_counting):  # restores showwarning and the filters
             warnings.simplefilter("always")
             warnings.showwarning = show
             pretrain_gpt.train(s.args, s.model, s.optimizer, s.scheduler, s.device, 0)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-        pretrain_gpt._train_iteration = step
-        warnings.showwarning = old_show
     return where
 
 
@@ -142,31 +155,28 @@ def _short(name: str, width: int = 90) -> str:
     return name if len(name) <= width else name[: width - 3] + "..."
 
 
-def report_gpu(runs: list[tuple[str, float, dict, float, int, dict]]) -> None:
-    (mb, sb, kb, bb, n, _), (mf, sf, kf, bf, _, _) = runs[0], runs[1]
-    is_call = lambda k: k.startswith("(host call) ")  # noqa: E731
-    calls = sorted((k for k in set(kb) | set(kf) if is_call(k)), key=lambda k: -abs(kf.get(k, 0.0) - kb.get(k, 0.0)))
-    kb = {k: v for k, v in kb.items() if not is_call(k)}
-    kf_calls, kf = kf, {k: v for k, v in kf.items() if not is_call(k)}
-    print(f"\nGPU per step over {n} steps (torch.profiler, device only): median wall step {mb} {sb:.1f} ms, {mf} "
-          f"{sf:.1f} ms; GPU busy {bb:.1f} ms vs {bf:.1f} ms; kernel time {sum(kb.values()):.1f} ms vs "
-          f"{sum(kf.values()):.1f} ms")
-    print(f"\n| CUDA API call (host) | {mb} calls/step | {mf} calls/step |\n|---|---|---|")
-    base_calls = dict(runs[0][2])
-    for k in calls[:12]:
-        print(f"| {k[12:]} | {base_calls.get(k, 0.0):.1f} | {kf_calls.get(k, 0.0):.1f} |")
+def report_gpu(runs: list[GpuRun]) -> None:
+    base, fp4 = runs[0], runs[1]
+    kb, kf = base.kernels, fp4.kernels
+    print(f"\nGPU per step over {base.steps} steps (torch.profiler, device only): median wall step {base.mode} "
+          f"{base.step_ms:.1f} ms, {fp4.mode} {fp4.step_ms:.1f} ms; GPU busy {base.busy_ms:.1f} ms vs "
+          f"{fp4.busy_ms:.1f} ms; kernel time {sum(kb.values()):.1f} ms vs {sum(kf.values()):.1f} ms")
+    print(f"\n| CUDA API call (host) | {base.mode} calls/step | {fp4.mode} calls/step |\n|---|---|---|")
+    cb, cf = base.calls, fp4.calls
+    for k in sorted(set(cb) | set(cf), key=lambda k: -abs(cf.get(k, 0.0) - cb.get(k, 0.0)))[:12]:
+        print(f"| {k} | {cb.get(k, 0.0):.1f} | {cf.get(k, 0.0):.1f} |")
     names = sorted(set(kb) | set(kf), key=lambda k: -max(kb.get(k, 0.0), kf.get(k, 0.0)))
-    print(f"\n| kernel | {mb} ms/step | {mf} ms/step | difference |\n|---|---|---|---|")
+    print(f"\n| kernel | {base.mode} ms/step | {fp4.mode} ms/step | difference |\n|---|---|---|---|")
     shown = [k for k in names if abs(kb.get(k, 0.0) - kf.get(k, 0.0)) > 0.05 or k in names[:15]]
     for k in shown[:40]:
         print(f"| {_short(k)} | {kb.get(k, 0.0):.3f} | {kf.get(k, 0.0):.3f} | {kf.get(k, 0.0) - kb.get(k, 0.0):+.3f} |")
-    for mode, _, _, _, _, gaps in runs[:2]:
-        print(f"\n{mode}: largest GPU idle gaps (between the kernels traced, per step; the last ones of a step "
+    for run in (base, fp4):
+        print(f"\n{run.mode}: largest GPU idle gaps (between the kernels traced, per step; the last ones of a step "
               "include the step's own synchronisation)\n| after | before | idle ms/step |\n|---|---|---|")
-        for (a, b), ms in sorted(gaps.items(), key=lambda kv: -kv[1])[:12]:
+        for (a, b), ms in sorted(run.gaps.items(), key=lambda kv: -kv[1])[:12]:
             print(f"| {a} | {b} | {ms:.3f} |")
-        print(f"| (all gaps) | | {sum(gaps.values()):.3f} |")
-    print("all runs: " + ", ".join(f"{m}: step {ms:.1f} ms, GPU busy {busy:.1f} ms" for m, ms, _, busy, _, _ in runs),
+        print(f"| (all gaps) | | {sum(run.gaps.values()):.3f} |")
+    print("all runs: " + ", ".join(f"{r.mode}: step {r.step_ms:.1f} ms, GPU busy {r.busy_ms:.1f} ms" for r in runs),
           flush=True)
 
 
@@ -197,7 +207,7 @@ def main() -> None:
         shutdown()
         return
     if args.gpu:
-        runs = [(mode, *profile_gpu(base + extra)) for mode, extra in modes]
+        runs = [profile_gpu(mode, base + extra) for mode, extra in modes]
         if dist.get_rank() == 0:
             report_gpu(runs)
         shutdown()

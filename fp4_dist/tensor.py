@@ -116,13 +116,22 @@ class NVFP4Tensor(torch.Tensor):
     def _fields(self) -> dict:
         return {f: getattr(self, f) for f in _FIELDS}
 
-    def _with_fields(self, fn: Callable[[torch.Tensor], torch.Tensor], requires_grad: bool = False, *,
-                     alias: bool = False):  # fmt: skip
-        """A tensor of `fn` applied to every field; `alias`: the result shares this one's compute copy."""
+    def _with_fields(self, fn: Callable[[torch.Tensor], torch.Tensor], requires_grad: bool = False):
+        """A new weight of `fn` applied to every field, with a compute copy of its own."""
         new = {f: (None if t is None else fn(t)) for f, t in self._fields().items()}
-        cc = self._compute_copy if alias else self._compute_copy.enabled
         return NVFP4Tensor(self.shape, self.dtype, **new, numerics=self.numerics, requires_grad=requires_grad,
-                           compute_copy=cc)  # fmt: skip
+                           compute_copy=self._compute_copy.enabled)  # fmt: skip
+
+    def _alias(self) -> "NVFP4Tensor":
+        """A tensor sharing every field and the compute copy (detach, `.data`, a view to the same shape).
+
+        Megatron's distributed optimizer reads `param.data` for every weight every step: the fields were
+        checked when this weight was made, so the alias is not constructed and checked again (16 -> 7 us).
+        """
+        new = torch.Tensor._make_wrapper_subclass(NVFP4Tensor, self.shape, dtype=self.dtype, device=self.device)
+        d = self.__dict__
+        new.__dict__.update({f: d[f] for f in _ALIAS_STATE})
+        return new
 
     # ------------------------------------------------------------------------------------------- numerics
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -353,14 +362,7 @@ def _mm(func, args, kwargs):
 
 @_implements(aten.detach.default, aten.alias.default)
 def _alias(func, args, kwargs):
-    # `.data` and detach run on every weight in every step (Megatron's distributed optimizer reads
-    # `param.data` per parameter per step): the fields were checked when `w` was made, so the alias only
-    # shares them (and the compute copy) instead of constructing and checking a new tensor (16 us -> ~2 us).
-    w = args[0]
-    new = torch.Tensor._make_wrapper_subclass(NVFP4Tensor, w.shape, dtype=w.dtype, device=w.device)
-    d = w.__dict__
-    new.__dict__.update({f: d[f] for f in _ALIAS_STATE})
-    return new
+    return args[0]._alias()
 
 
 @_implements(aten.clone.default)
@@ -372,7 +374,7 @@ def _clone(func, args, kwargs):
 def _view(func, args, kwargs):
     src, shape = args[0], list(args[1])
     if shape == list(src.shape):
-        return src._with_fields(lambda t: t, alias=True)
+        return src._alias()
     _refuse_fsdp(func)
     return func(src.compute_value(), *args[1:], **kwargs)
 

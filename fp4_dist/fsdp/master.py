@@ -216,8 +216,8 @@ class _BoundPreAllGather:
     signature); this callable carries the bound signature itself (~2.6 us)."""
 
     __slots__ = ("master",)
-    __signature__ = inspect.signature(NVFP4Master._pre_all_gather).replace(
-        parameters=list(inspect.signature(NVFP4Master._pre_all_gather).parameters.values())[1:])
+    _unbound = inspect.signature(NVFP4Master._pre_all_gather)
+    __signature__ = _unbound.replace(parameters=list(_unbound.parameters.values())[1:])  # without `self`
 
     def __init__(self, master: NVFP4Master):
         self.master = master
