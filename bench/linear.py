@@ -8,9 +8,12 @@ back-to-back iterations (so host work overlaps device work as in training); the 
 after round (so clock and temperature drift hit them alike), and each reports its median over the rounds.
 Host time: wall time of one iteration's Python call, median. Variants:
 
-    bf16               plain bf16 nn.Parameter
-    nvfp4              NVFP4 weight, compute copy current (steady state: every microbatch of a step)
+    bf16               nn.Linear with a bf16 weight
+    nvfp4              the same layer after convert_linear_weights (an NVFP4Linear: it computes with its cached
+                       view of the weight's compute copy), copy current (every microbatch of a step)
     nvfp4 + refresh    the same, plus one refresh of the copy per iteration (one microbatch per weight update)
+    nvfp4 parameter    F.linear on the NVFP4 parameter itself: every op through NVFP4Tensor's dispatch (what a
+                       layer with its own forward, or Megatron's linears before the compute view, pay)
     nvfp4 per use      compute_copy = False: a dequantize launch in forward and again in backward
     (old) reference    the plain-torch reference dequantize on every use (what every forward ran before)
     subclass floor     the bf16 weight inside a tensor subclass that does nothing but unwrap it for every op:
@@ -88,7 +91,13 @@ def variants(m: int, k: int, tokens: int):
     w32 = torch.randn(m, k, device=DEV, generator=g) * 0.02
     x = torch.randn(tokens, k, device=DEV, generator=g, dtype=torch.float32).to(torch.bfloat16).requires_grad_()
     dy = torch.randn(tokens, m, device=DEV, generator=g, dtype=torch.float32).to(torch.bfloat16)
-    plain = torch.nn.Parameter(w32.to(torch.bfloat16))
+    bf16 = torch.nn.Linear(k, m, bias=False, device=DEV, dtype=torch.bfloat16)
+    with torch.no_grad():
+        bf16.weight.copy_(w32)
+    layer = torch.nn.Linear(k, m, bias=False, device=DEV, dtype=torch.bfloat16)
+    layer.weight = torch.nn.Parameter(w32.clone())
+    fp4_dist.convert_linear_weights(layer)
+    assert type(layer) is fp4_dist.NVFP4Linear
     q = torch.nn.Parameter(fp4_dist.quantize(w32))
     per_use = torch.nn.Parameter(fp4_dist.quantize(w32))
     per_use.compute_copy = False
@@ -100,9 +109,15 @@ def variants(m: int, k: int, tokens: int):
             F.linear(x, w).backward(dy)
         return step
 
+    def module(lin):
+        def step():
+            lin.weight.grad = x.grad = None
+            lin(x).backward(dy)
+        return step
+
     def with_refresh():
-        refresh_compute_copies([q])
-        fwd_bwd(q)()
+        refresh_compute_copies([layer.weight])
+        module(layer)()
 
     class _Reference(torch.autograd.Function):  # the old compute path: plain-torch dequantize on each use
         @staticmethod
@@ -117,8 +132,9 @@ def variants(m: int, k: int, tokens: int):
         q.grad = x.grad = None
         F.linear(x, _Reference.apply(q)).backward(dy)
 
-    return {"bf16": fwd_bwd(plain), "nvfp4": fwd_bwd(q), "nvfp4 + refresh": with_refresh,
-            "nvfp4 per use": fwd_bwd(per_use), "(old) reference": old, "subclass floor": fwd_bwd(floor)}  # fmt: skip
+    return {"bf16": module(bf16), "nvfp4": module(layer), "nvfp4 + refresh": with_refresh,
+            "nvfp4 parameter": fwd_bwd(q), "nvfp4 per use": fwd_bwd(per_use), "(old) reference": old,
+            "subclass floor": fwd_bwd(floor)}  # fmt: skip
 
 
 def dequantize_vs_copy(m: int, k: int) -> dict:
@@ -144,16 +160,18 @@ def main() -> None:
         res = interleaved(variants(m, k, args.tokens))
         rows.append(dict(shape=[m, k], **{label: {"device_ms": d, "host_ms": h} for label, (d, h) in res.items()},
                          **dequantize_vs_copy(m, k)))  # fmt: skip
-    labels = ["bf16", "nvfp4", "subclass floor", "nvfp4 + refresh", "nvfp4 per use", "(old) reference"]
+    labels = ["bf16", "nvfp4", "nvfp4 parameter", "subclass floor", "nvfp4 + refresh", "nvfp4 per use",
+              "(old) reference"]  # fmt: skip
     lines = [f"device: {name}; linear forward + backward, {args.tokens} tokens, bf16 activations", "",
              "| weight [M, K] | " + " | ".join(f"{lb} ms (x bf16)" for lb in labels) +
-             " | host ms bf16 / nvfp4 / subclass floor |",
+             " | host ms bf16 / nvfp4 / nvfp4 parameter / subclass floor |",
              "|---|" + "---|" * (len(labels) + 1)]  # fmt: skip
     for r in rows:
         base = r["bf16"]["device_ms"]
         cells = [f"{r[lb]['device_ms']:.3f} ({r[lb]['device_ms'] / base:.3f}x)" for lb in labels]
         lines.append(f"| {r['shape']} | " + " | ".join(cells) +
-                     f" | {r['bf16']['host_ms']:.3f} / {r['nvfp4']['host_ms']:.3f} / {r['subclass floor']['host_ms']:.3f} |")
+                     " | " + " / ".join(f"{r[lb]['host_ms']:.3f}" for lb in
+                                         ("bf16", "nvfp4", "nvfp4 parameter", "subclass floor")) + " |")
     lines += ["", "| weight [M, K] | dequantize kernel ms | bf16 copy of the weight ms | kernel / copy | "
               "reference (torch) ms | reference / copy |", "|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:

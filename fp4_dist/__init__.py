@@ -3,10 +3,12 @@
 Public API (everything else is internal and may change)::
 
     format      NVFP4Tensor, quantize, is_nvfp4_tensor, convert_linear_weights
+    compute     NVFP4Linear (fp4_dist.compute_view: a layer's cached view of its weight's compute copy)
     zero        cast_master_weights_to_nvfp4 (= quantize_master_weights), post_all_gather_processing
 """
 
 from . import launch  # noqa: F401 - first, so that a process group made after `import fp4_dist` can be freed
+from .compute_view import NVFP4Linear
 from .convert import ConversionReport, convert_linear_weights
 from .optim import cast_master_weights_to_nvfp4, post_all_gather_processing, quantize_master_weights
 from .quantize import quantize
@@ -19,6 +21,8 @@ __all__ = [
     "is_nvfp4_tensor",
     "convert_linear_weights",
     "ConversionReport",
+    # computing with NVFP4 weights
+    "NVFP4Linear",
     # ZeRO partial cast (TransformerEngine's quantize_master_weights signature)
     "cast_master_weights_to_nvfp4",
     "quantize_master_weights",

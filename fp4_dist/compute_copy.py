@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import operator
 import warnings
+import weakref
 from typing import Optional, Sequence
 
 import torch
@@ -42,7 +43,7 @@ class ComputeCopy:
         pending: set by a cast, cleared by a refresh: the bytes are between a cast and their all-gather.
     """
 
-    __slots__ = ("enabled", "value", "pending", "epoch", "_src", "_versions", "_pending_uses")
+    __slots__ = ("enabled", "value", "pending", "epoch", "views", "_src", "_versions", "_pending_uses")
 
     def __init__(self, enabled: bool = True):
         self.enabled = bool(enabled)
@@ -51,6 +52,9 @@ class ComputeCopy:
         self.epoch = 0
         """Bumped whenever a rowwise field of the weight, the value or `enabled` is replaced: bound refreshes
         compare epochs (one int per weight) instead of every tensor they hold."""
+        self.views = weakref.WeakSet()
+        """The layers' cached views of `value` (`fp4_dist.compute_view`): cleared when `value` is dropped or
+        replaced, so that its memory goes with it."""
         self._src: tuple = ()
         self._versions: Optional[tuple] = None
         self._pending_uses = 0
@@ -72,8 +76,13 @@ class ComputeCopy:
         self._pending_uses = 0
 
     def drop(self) -> None:
+        self.forget_views()
         self.value, self._src, self._versions = None, (), None
         self.epoch += 1
+
+    def forget_views(self) -> None:
+        for view in list(self.views):
+            view.clear()
 
     def note_pending_use(self, w) -> None:
         self._pending_uses += 1
@@ -104,6 +113,7 @@ def _allocate(w) -> torch.Tensor:
     v = cc.value
     dev = w.rowwise_data.device
     if v is None or v.shape != w.shape or v.dtype != w.dtype or v.device != dev:
+        cc.forget_views()
         v = cc.value = torch.empty(tuple(w.shape), dtype=w.dtype, device=dev)
         cc.epoch += 1
     return v

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .compute_view import NVFP4Linear
 from .format import TILE
 from .quantize import quantize
 
@@ -35,6 +36,11 @@ def convert_linear_weights(
     verbose: bool = False,
 ) -> ConversionReport:
     """Replace every eligible nn.Linear weight (2D, K % 16 == 0) by an NVFP4 parameter, in place.
+
+    A converted layer whose class is nn.Linear itself becomes an `NVFP4Linear` (an nn.Linear whose forward
+    computes with a cached plain view of the weight's compute copy, `fp4_dist.compute_view`: the host cost of a
+    bf16 forward); subclasses keep their class and forward and compute through the weight's dispatch, with the
+    same values.
 
     Args:
         model: any module; its nn.Linear children are converted where eligible.
@@ -68,6 +74,8 @@ def convert_linear_weights(
             q = quantize(w.detach(), numerics=numerics, dtype=dtype, name=f"{name}.weight")
             q.compute_copy = compute_copy
             module.weight = nn.Parameter(q, requires_grad=w.requires_grad)
+            if type(module) is nn.Linear:  # its forward is F.linear: computing with the cached view is the same
+                module.__class__ = NVFP4Linear
             # An optimizer built before this call still holds `w`, which no longer gets gradients: let it say so.
             w._fp4_dist_replaced_by = f"{name}.weight"
             report.converted.append(name)

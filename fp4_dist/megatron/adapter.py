@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .. import tensor as _tensor
+from ..compute_view import compute_view
 from ..buffers.layout import Span
 from ..format import check_even_boundary
 from . import cpu_compat
@@ -47,6 +48,7 @@ _FP8 = "megatron.core.fp8_utils"
 _DDP = "megatron.core.distributed.distributed_data_parallel"
 _ARGS = "megatron.training.arguments"
 _ARGU = "megatron.training.argument_utils"
+_TPL = "megatron.core.tensor_parallel.layers"
 
 
 @dataclass(frozen=True)
@@ -275,6 +277,18 @@ def _make_load_state_dict(original):
     return load_state_dict
 
 
+def _make_forward_impl(original):
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        # Megatron's linear function reads `weight.main_grad` with gradient_accumulation_fusion and calls the
+        # weight's own gather with gtp_remat_size > 1: the parameter itself is passed then (the dispatch path).
+        if (type(weight) is _tensor.NVFP4Tensor and not kwargs.get("gradient_accumulation_fusion")
+                and kwargs.get("gtp_remat_size", 1) <= 1):  # fmt: skip
+            weight = compute_view(self, weight)
+        return original(self, input, weight, *args, **kwargs)
+
+    return _forward_impl
+
+
 _GLOO = cpu_compat.GlooCoalescing()
 
 HOOKS: tuple[Hook, ...] = (
@@ -313,6 +327,12 @@ HOOKS: tuple[Hook, ...] = (
     Hook((_DO,), "DistributedOptimizer.load_state_dict", _make_load_state_dict,
          "with the torch.optim fallback every param's Adam state gets one shared 'step' tensor on load (DO "
          "1024-1031), advanced once per param by the next step: resumed runs diverge; give each its own copy"),
+    Hook((_TPL,), "ColumnParallelLinear._forward_impl", _make_forward_impl,
+         "compute with the layer's cached plain view of its NVFP4 weight's compute copy (fp4_dist.compute_view: "
+         "one C++ autograd node to the parameter) instead of the parameter, whose every op goes through Python "
+         "dispatch (~15-20 us per use); same values and gradients (layers 1094-1098)"),
+    Hook((_TPL,), "RowParallelLinear._forward_impl", _make_forward_impl,
+         "the same for the row-parallel layers (layers 1424-1428)"),
     Hook((_PGB,), "_coalescing_manager", lambda original: _GLOO.manager,
          "gloo returns wrong bytes for coalesced all-gathers of mixed dtypes (uint8 + bf16 bucket groups); "
          "issue each collective alone, still async when Megatron asks", cpu_only=True),

@@ -1,0 +1,103 @@
+"""A layer's plain view of its NVFP4 weight's compute copy: what lets a forward cost what a bf16 forward costs.
+
+An op on an NVFP4Tensor goes through PyTorch's Python dispatch (`NVFP4Tensor.__torch_dispatch__`) even when the
+compute copy is current: ~15-20 us of host time per use of a linear weight, what any wrapper-subclass parameter
+costs, and the whole of the NVFP4 path's extra cost once the step is host-bound (bench/RESULTS.md, stop 18).
+A layer uses its weight in every microbatch but the weight changes once per step, so the layer keeps, per change
+of the copy, one plain tensor that
+
+- is a view of the compute copy (no memory of its own; a refresh overwrites the copy in place and the view sees it),
+- is connected to the parameter by a single C++ autograd node (an expand to its own shape), so the weight gradient
+  still reaches the parameter's grad accumulator and every hook on it (Megatron's DDP),
+- shares the parameter's version counter, so a backward through a graph recorded before a refresh raises, as for
+  a plain parameter changed in place.
+
+Per use the layer checks that the copy is current (`ComputeCopy.fresh_for`, a few attribute reads) and passes the
+view where it passed the weight. Whenever it is not current (bytes changed by a cast, copy_, quantize_,
+load_state_dict, ...), the layer refreshes the copy and makes the view again; between a cast and its all-gather,
+with `compute_copy = False`, or under inference mode it passes the weight itself (the dispatch path, which handles
+those cases).
+
+The cache belongs to the layer, not to the weight: the view's autograd node holds the parameter, so a cache on the
+parameter would be a reference cycle through C++ that Python's garbage collector cannot see (the weight would never
+be freed). Users: `NVFP4Linear` (what `convert_linear_weights` makes of a plain nn.Linear) and the Megatron
+adapter's hook of its parallel linear layers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .compute_copy import refresh_compute_copies
+from .tensor import NVFP4Tensor
+
+_ATTR = "_fp4_compute_view"
+
+
+class ComputeView:
+    """One layer's cached view of its NVFP4 weight's compute copy; call it with the weight on every use."""
+
+    __slots__ = ("weight", "view", "value", "grad", "__weakref__")
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget the view (and with it the references to the weight and its copy)."""
+        self.weight = self.view = self.value = self.grad = None
+
+    def __call__(self, w: NVFP4Tensor) -> torch.Tensor:
+        """The tensor to compute with in place of `w`: the cached view while it is current, else see `_make`."""
+        cc = w._compute_copy
+        grad = w.requires_grad and torch.is_grad_enabled()
+        if w is self.weight and grad is self.grad and cc.value is self.value and cc.fresh_for(w):
+            return self.view
+        return self._make(w, grad)
+
+    def _make(self, w: NVFP4Tensor, grad: bool) -> torch.Tensor:
+        self.clear()
+        cc = w._compute_copy
+        if not cc.enabled or cc.pending or torch.is_inference_mode_enabled():
+            return w
+        if not cc.fresh_for(w):
+            refresh_compute_copies([w])
+            if not cc.fresh_for(w):  # an inference tensor: nothing can prove a copy current
+                return w
+        # One dispatch per refresh: expand to its own shape is a view of the copy whose backward is one C++ node.
+        view = w.expand(w.shape)
+        self.weight, self.view, self.value, self.grad = w, view, cc.value, grad
+        cc.views.add(self)  # so that turning the copy off frees its memory now, not at this layer's next use
+        return view
+
+    # A module holding a cache is deep-copied (EMA, model surgery) or pickled: the copy starts without a view.
+    def __deepcopy__(self, memo) -> "ComputeView":
+        return ComputeView()
+
+    def __reduce__(self):
+        return ComputeView, ()
+
+
+def compute_view(module: nn.Module, w: torch.Tensor) -> torch.Tensor:
+    """What `module` computes with in place of its weight `w`: the module's cached view when `w` is an NVFP4 weight
+    (see the module docstring), `w` itself otherwise."""
+    if type(w) is not NVFP4Tensor:
+        return w
+    cache = module.__dict__.get(_ATTR)
+    if cache is None:
+        cache = ComputeView()
+        object.__setattr__(module, _ATTR, cache)  # not a submodule, parameter or buffer: no state_dict entry
+    return cache(w)
+
+
+class NVFP4Linear(nn.Linear):
+    """nn.Linear whose forward computes with the cached view of an NVFP4 weight (`compute_view`).
+
+    `convert_linear_weights` turns the plain nn.Linear layers it converts into this class (subclasses of nn.Linear
+    keep their class and their own forward: they take the dispatch path, with the same values). With a weight that
+    is not NVFP4 it is nn.Linear.
+    """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return F.linear(input, compute_view(self, self.weight), self.bias)
