@@ -18,6 +18,10 @@ Host time: wall time of one iteration's Python call, median. Variants:
     (old) reference    the plain-torch reference dequantize on every use (what every forward ran before)
     subclass floor     the bf16 weight inside a tensor subclass that does nothing but unwrap it for every op:
                        what PyTorch's dispatch of any wrapper-subclass parameter costs (NVFP4Tensor is one)
+    bf16 via view      the bf16 parameter used through a cached expand view, as NVFP4Linear uses its weight
+                       (what the view itself costs)
+    subclass via view  a do-nothing wrapper-subclass parameter used the same way: no dispatch per use, but the
+                       autograd engine still accumulates the weight gradient into a tensor-subclass leaf
 """
 
 from __future__ import annotations
@@ -103,6 +107,18 @@ def variants(m: int, k: int, tokens: int):
     per_use.compute_copy = False
     floor = torch.nn.Parameter(_PassThrough(w32.to(torch.bfloat16)))
 
+    leaf = torch.nn.Parameter(_PassThrough(w32.to(torch.bfloat16)))
+    views = {"bf16 via view": (bf16.weight.expand(m, k), bf16.weight), "subclass via view": (leaf.expand(m, k), leaf)}
+    assert all(type(v) is torch.Tensor for v, _ in views.values())  # plain views: no dispatch per use
+
+    def through_view(name):
+        v, w = views[name]
+
+        def step():
+            w.grad = x.grad = None
+            F.linear(x, v).backward(dy)
+        return step
+
     def fwd_bwd(w):
         def step():
             w.grad = x.grad = None
@@ -134,7 +150,8 @@ def variants(m: int, k: int, tokens: int):
 
     return {"bf16": module(bf16), "nvfp4": module(layer), "nvfp4 + refresh": with_refresh,
             "nvfp4 parameter": fwd_bwd(q), "nvfp4 per use": fwd_bwd(per_use), "(old) reference": old,
-            "subclass floor": fwd_bwd(floor)}  # fmt: skip
+            "subclass floor": fwd_bwd(floor), "bf16 via view": through_view("bf16 via view"),
+            "subclass via view": through_view("subclass via view")}  # fmt: skip
 
 
 def dequantize_vs_copy(m: int, k: int) -> dict:
@@ -160,18 +177,18 @@ def main() -> None:
         res = interleaved(variants(m, k, args.tokens))
         rows.append(dict(shape=[m, k], **{label: {"device_ms": d, "host_ms": h} for label, (d, h) in res.items()},
                          **dequantize_vs_copy(m, k)))  # fmt: skip
-    labels = ["bf16", "nvfp4", "nvfp4 parameter", "subclass floor", "nvfp4 + refresh", "nvfp4 per use",
-              "(old) reference"]  # fmt: skip
+    labels = ["bf16", "nvfp4", "nvfp4 parameter", "subclass floor", "bf16 via view", "subclass via view",
+              "nvfp4 + refresh", "nvfp4 per use", "(old) reference"]  # fmt: skip
+    hosts = ("bf16", "nvfp4", "nvfp4 parameter", "subclass floor", "bf16 via view", "subclass via view")
     lines = [f"device: {name}; linear forward + backward, {args.tokens} tokens, bf16 activations", "",
              "| weight [M, K] | " + " | ".join(f"{lb} ms (x bf16)" for lb in labels) +
-             " | host ms bf16 / nvfp4 / nvfp4 parameter / subclass floor |",
+             " | host ms " + " / ".join(hosts) + " |",
              "|---|" + "---|" * (len(labels) + 1)]  # fmt: skip
     for r in rows:
         base = r["bf16"]["device_ms"]
         cells = [f"{r[lb]['device_ms']:.3f} ({r[lb]['device_ms'] / base:.3f}x)" for lb in labels]
         lines.append(f"| {r['shape']} | " + " | ".join(cells) +
-                     " | " + " / ".join(f"{r[lb]['host_ms']:.3f}" for lb in
-                                         ("bf16", "nvfp4", "nvfp4 parameter", "subclass floor")) + " |")
+                     " | " + " / ".join(f"{r[lb]['host_ms']:.3f}" for lb in hosts) + " |")
     lines += ["", "| weight [M, K] | dequantize kernel ms | bf16 copy of the weight ms | kernel / copy | "
               "reference (torch) ms | reference / copy |", "|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:

@@ -1,6 +1,6 @@
 """Where a Megatron step's host time goes: cProfile of the same steps with and without --fp4-param-gather.
 
-    torchrun --nproc-per-node 2 bench/megatron_profile.py [--model gpt256] [--steps 30] [--no-sync-check] [--gpu | --syncs]
+    torchrun --nproc-per-node 2 bench/megatron_profile.py [--model gpt256] [--steps 30] [--no-sync-check] [--gpu | --syncs | --phases]
 
 Host-bound steps (small models) show every extra Python call of the NVFP4 path; rank 0 prints, for each mode,
 the median step time and the functions with the largest own time, then the fp4_dist functions by cumulative
@@ -11,6 +11,10 @@ what that wait costs (diagnostic only: a non-finite master then goes unnoticed).
 each mode, the kernels only one mode runs, and the GPU's busy time against the wall time of those steps. It
 tells extra device work of the NVFP4 path apart from host time and from the machine's run-to-run noise.
 --syncs counts the calls that make the host wait for the GPU (torch's sync debug mode), per step, by caller.
+--phases times the host (wall clock around the calls, nothing traced, no synchronisation added) per step and
+phase: Megatron's forward-backward and optimizer step, and inside the step the NVFP4 path's cast, its
+non-finite check, the post-all-gather refresh and the ops that still reach NVFP4Tensor's Python dispatch (by op),
+in runs bf16, fp4, bf16, fp4: the host cost fp4 adds, phase by phase, against the spread between runs.
 """
 
 from __future__ import annotations
@@ -116,6 +120,74 @@ def profile_gpu(mode: str, argv: list[str]) -> GpuRun:
     return GpuRun(mode, step_ms, kernels, calls, busy / 1e3 / active, gaps, active)
 
 
+@contextmanager
+def _timing(phases: dict, calls: dict):
+    """Wall time and call count per phase (`phases`, `calls`) of the wrapped functions inside the block."""
+    import time
+
+    import megatron.core.pipeline_parallel as pipeline
+    from fp4_dist import optim
+    from fp4_dist.optim import cast
+    from fp4_dist.tensor import NVFP4Tensor
+
+    def timed(label, fn, per_op=False):
+        def run(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                phases[label] = phases.get(label, 0.0) + time.perf_counter() - t
+                key = f"{label} {a[1]}" if per_op else label  # dispatch(cls, func, ...): count by op
+                calls[key] = calls.get(key, 0) + 1
+        return run
+
+    get_fb = pipeline.get_forward_backward_func
+    dispatch = NVFP4Tensor.__dict__["__torch_dispatch__"]
+    saved = [(cast.BoundCast, "run"), (cast, "_raise_if_bad"), (optim, "post_all_gather_processing")]
+    originals = [getattr(owner, name) for owner, name in saved]
+    for (owner, name), fn in zip(saved, originals):
+        setattr(owner, name, timed({"run": "cast (host, launches)", "_raise_if_bad": "cast's non-finite check (one read)",
+                                    "post_all_gather_processing": "post-all-gather refresh"}[name], fn))
+    pipeline.get_forward_backward_func = lambda: timed("forward-backward", get_fb())
+    NVFP4Tensor.__torch_dispatch__ = classmethod(timed("NVFP4Tensor dispatch", dispatch.__func__, per_op=True))
+    try:
+        yield
+    finally:
+        for (owner, name), fn in zip(saved, originals):
+            setattr(owner, name, fn)
+        pipeline.get_forward_backward_func = get_fb
+        NVFP4Tensor.__torch_dispatch__ = dispatch
+
+
+def time_phases(argv: list[str]) -> tuple[float, dict, dict]:
+    """(median step ms, {phase: host ms per step}, {phase or op: calls per step}) over steps WARMUP_STEPS + 1 ..
+    --steps of one run."""
+    import time
+
+    s = pretrain_gpt.setup(argv)
+    active = s.args.train_iters - WARMUP_STEPS
+    phases, calls = {}, {}
+    step = s.optimizer.step
+
+    def optimizer_step(*a, **k):
+        t = time.perf_counter()
+        try:
+            return step(*a, **k)
+        finally:
+            phases["optimizer step"] = phases.get("optimizer step", 0.0) + time.perf_counter() - t
+
+    def start(n: int) -> None:
+        if n == WARMUP_STEPS:
+            phases.clear()
+            calls.clear()
+
+    s.optimizer.step = optimizer_step
+    with _timing(phases, calls), _after_each_step(start):
+        result = pretrain_gpt.train(s.args, s.model, s.optimizer, s.scheduler, s.device, 0)
+    step_ms = statistics.median(r.step_ms for r in result.records[WARMUP_STEPS:])
+    return step_ms, {k: 1e3 * v / active for k, v in phases.items()}, {k: v / active for k, v in calls.items()}
+
+
 def find_syncs(argv: list[str]) -> dict:
     """{(where in the code): synchronising CUDA calls per step} over steps WARMUP_STEPS + 1 .. --steps of one run,
     from torch's sync debug mode (each synchronising call warns; the innermost frames outside torch name the
@@ -187,6 +259,7 @@ def main() -> None:
     p.add_argument("--no-sync-check", action="store_true")
     p.add_argument("--gpu", action="store_true", help="profile the device's kernels instead of the host")
     p.add_argument("--syncs", action="store_true", help="count the synchronising CUDA calls per step, by caller")
+    p.add_argument("--phases", action="store_true", help="host time per step by phase (Megatron's and fp4_dist's)")
     args = p.parse_args()
     base = MODELS[args.model].split() + COMMON.replace("--fp4-master-digest", "").split()
     base += ["--train-iters", str(args.steps), "--log-interval", str(10 * args.steps), "--lr-warmup-iters", "1"]
@@ -204,6 +277,19 @@ def main() -> None:
                 print(f"\n{mode}: synchronising CUDA calls per step ({sum(where.values()):.1f}), by caller")
                 for k, v in sorted(where.items(), key=lambda kv: -kv[1])[:25]:
                     print(f"  {v:6.1f}  {k}")
+        shutdown()
+        return
+    if args.phases:
+        runs = [(mode, *time_phases(base + extra)) for mode, extra in modes]
+        if dist.get_rank() == 0:
+            names = sorted({k for r in runs for k in r[2]}, key=lambda k: -max(r[2].get(k, 0.0) for r in runs))
+            print("\nhost ms per step by phase (wall clock around the calls; nested phases are inside the ones "
+                  "above them)\n| phase | " + " | ".join(r[0] for r in runs) + " |\n|---|" + "---|" * len(runs))
+            print("| median step | " + " | ".join(f"{r[1]:.1f}" for r in runs) + " |")
+            for k in names:
+                print(f"| {k} | " + " | ".join(f"{r[2].get(k, 0.0):.2f}" for r in runs) + " |")
+            print("\ncalls per step: " + "; ".join(f"{r[0]}: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(r[3].items()))
+                                                  for r in runs if r[3]))  # fmt: skip
         shutdown()
         return
     if args.gpu:

@@ -1,0 +1,97 @@
+"""What a tensor-subclass *parameter* costs the host even when no op dispatches to it.
+
+    PYTHONPATH=. python bench/subclass_leaf.py [--device cuda] [--size 256] [--tokens 64]
+
+NVFP4Linear computes with a cached plain view of its weight's compute copy (fp4_dist/compute_view.py), so its
+forward and backward never enter NVFP4Tensor's Python dispatch; the weight gradient still goes into the parameter,
+a tensor-subclass leaf. This times F.linear forward + backward through a cached expand view of a parameter that is
+(a) a plain bf16 tensor, (b) a wrapper subclass that does nothing, (c) an NVFP4Tensor, and the same with the
+parameter passed directly (a: plain, c: through the dispatch), in interleaved rounds (medians of 30 rounds of 50
+iterations, the GPU drained between rounds): small sizes, so that the host time is what is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import fp4_dist
+
+
+class _DoNothing(torch.Tensor):
+    """A wrapper subclass whose only op is making the view (and detach, which nn.Parameter needs)."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor):
+        self = torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+        self.inner = inner
+        return self
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.detach.default:
+            return _DoNothing(args[0].inner)
+        return func(*[a.inner if isinstance(a, _DoNothing) else a for a in args], **(kwargs or {}))
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--size", type=int, default=256)
+    p.add_argument("--tokens", type=int, default=64)
+    args = p.parse_args()
+    dev, n = torch.device(args.device), args.size
+    g = torch.Generator().manual_seed(0)
+    w32 = torch.randn(n, n, generator=g)
+    x = torch.randn(args.tokens, n, generator=g).to(dev, torch.bfloat16).requires_grad_()
+    dy = torch.randn(args.tokens, n, generator=g).to(dev, torch.bfloat16)
+    plain = torch.nn.Parameter(w32.to(dev, torch.bfloat16))
+    nothing = torch.nn.Parameter(_DoNothing(w32.to(dev, torch.bfloat16)))
+    nvfp4 = torch.nn.Parameter(fp4_dist.quantize(w32.to(dev)))
+    leaves = {"plain bf16": plain, "do-nothing subclass": nothing, "NVFP4Tensor": nvfp4}
+    views = {name: w.expand(n, n) for name, w in leaves.items()}  # plain tensors: no dispatch when used
+
+    def step(w, used):
+        def run():
+            w.grad = x.grad = None
+            F.linear(x, used).backward(dy)
+        return run
+
+    cases = {f"{name} parameter, through a cached view": step(leaves[name], v) for name, v in views.items()}
+    cases["plain bf16 parameter, directly"] = step(plain, plain)
+    cases["NVFP4Tensor parameter, directly (dispatch)"] = step(nvfp4, nvfp4)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    times = {k: [] for k in cases}
+    for run in cases.values():
+        for _ in range(50):
+            run()
+    sync()
+    gc.disable()
+    try:
+        for _ in range(30):
+            for name, run in cases.items():
+                t0 = time.perf_counter()
+                for _ in range(50):
+                    run()
+                times[name].append((time.perf_counter() - t0) / 50 * 1e6)
+                sync()
+    finally:
+        gc.enable()
+    base = statistics.median(times["plain bf16 parameter, directly"])
+    name = torch.cuda.get_device_name() if dev.type == "cuda" else "CPU"
+    print(f"device: {name}; F.linear forward + backward, weight [{n}, {n}], {args.tokens} tokens, host us per "
+          "iteration (median of 30 rounds)\n\n| parameter | us | x plain |\n|---|---|---|")
+    for k, v in times.items():
+        med = statistics.median(v)
+        print(f"| {k} | {med:.1f} | {med / base:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
