@@ -277,6 +277,17 @@ def _make_load_state_dict(original):
     return load_state_dict
 
 
+def _make_is_distopt_quantized(original):
+    def _is_distopt_quantized_param(cls, tensor) -> bool:
+        # fp4_dist's weights are neither TE Float8Tensors nor grouped quantized tensors, which is all the original
+        # tests; it finds that out through `param.data`, an alias built by NVFP4Tensor's Python dispatch.
+        if type(tensor) is _tensor.NVFP4Tensor:
+            return False
+        return original(cls, tensor)
+
+    return _is_distopt_quantized_param
+
+
 def _make_forward_impl(original):
     def _forward_impl(self, input, weight, *args, **kwargs):
         # Megatron's linear function reads `weight.main_grad` with gradient_accumulation_fusion and calls the
@@ -327,6 +338,9 @@ HOOKS: tuple[Hook, ...] = (
     Hook((_DO,), "DistributedOptimizer.load_state_dict", _make_load_state_dict,
          "with the torch.optim fallback every param's Adam state gets one shared 'step' tensor on load (DO "
          "1024-1031), advanced once per param by the next step: resumed runs diverge; give each its own copy"),
+    Hook((_DO,), "DistributedOptimizer._is_distopt_quantized_param", _make_is_distopt_quantized,
+         "false for fp4_dist.NVFP4Tensor without reading `param.data` (an alias through Python dispatch, for every "
+         "NVFP4 weight in every step's _copy_main_params_to_model_params; DO 1125-1127, 2868): same answer"),
     Hook((_TPL,), "ColumnParallelLinear._forward_impl", _make_forward_impl,
          "compute with the layer's cached plain view of its NVFP4 weight's compute copy (fp4_dist.compute_view: "
          "one C++ autograd node to the parameter) instead of the parameter, whose every op goes through Python "
