@@ -360,6 +360,15 @@ def _mm(func, args, kwargs):
     return torch.mm(_value(a), _value(b))
 
 
+@_implements(aten.expand.default)
+def _expand(func, args, kwargs):
+    # Autograd replays this on the weight to remake each layer's cached view (fp4_dist.compute_view) after every
+    # refresh of the copy: once per weight per step.
+    if kwargs:
+        return func(args[0].compute_value(), *args[1:], **kwargs)
+    return args[0].compute_value().expand(args[1])
+
+
 @_implements(aten.detach.default, aten.alias.default)
 def _alias(func, args, kwargs):
     return args[0]._alias()
