@@ -62,7 +62,7 @@ class ComputeCopy:
     def fresh_for(self, w) -> bool:
         """True when `value` holds the values of `w`'s current bytes."""
         v, src = self.value, self._src
-        if v is None or self.pending or not src:
+        if v is None or self.pending or not src or v.dtype != w.dtype:  # module.float() changes the weight's dtype
             return False
         if src[0] is not w.rowwise_data or src[1] is not w.rowwise_scale_inv or src[2] is not w.amax:
             return False

@@ -20,8 +20,9 @@ those cases).
 
 The cache belongs to the layer, not to the weight: the view's autograd node holds the parameter, so a cache on the
 parameter would be a reference cycle through C++ that Python's garbage collector cannot see (the weight would never
-be freed). Users: `NVFP4Linear` (what `convert_linear_weights` makes of a plain nn.Linear) and the Megatron
-adapter's hook of its parallel linear layers.
+be freed), and it is dropped before the layer is moved or cast (`forget`: torch swaps a subclass parameter in place
+then and refuses while the view holds it). Users: `NVFP4Linear` (what `convert_linear_weights` makes of a plain
+nn.Linear) and the Megatron adapter's hooks of its parallel linear layers.
 """
 
 from __future__ import annotations
@@ -91,6 +92,15 @@ def compute_view(module: nn.Module, w: torch.Tensor) -> torch.Tensor:
     return cache(w)
 
 
+def forget(module: nn.Module) -> None:
+    """Drop `module`'s cached view. `nn.Module._apply` (`.to`, `.cuda`, `.bfloat16`, ...) swaps a tensor-subclass
+    parameter in place, which torch refuses while anything else holds it, and the view holds it through its
+    autograd node: layers that cache a view call this first (the view is remade at the next use)."""
+    cache = module.__dict__.get(_ATTR)
+    if cache is not None:
+        cache.clear()
+
+
 class NVFP4Linear(nn.Linear):
     """nn.Linear whose forward computes with the cached view of an NVFP4 weight (`compute_view`).
 
@@ -101,3 +111,7 @@ class NVFP4Linear(nn.Linear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return F.linear(input, compute_view(self, self.weight), self.bias)
+
+    def _apply(self, fn, *args, **kwargs):
+        forget(self)
+        return super()._apply(fn, *args, **kwargs)

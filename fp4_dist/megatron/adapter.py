@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .. import tensor as _tensor
-from ..compute_view import compute_view
+from ..compute_view import compute_view, forget
 from ..buffers.layout import Span
 from ..format import check_even_boundary
 from . import cpu_compat
@@ -300,6 +300,14 @@ def _make_forward_impl(original):
     return _forward_impl
 
 
+def _make_apply(original):
+    def _apply(self, fn, *args, **kwargs):
+        forget(self)  # the cached view holds the parameter, which torch's in-place swap would refuse
+        return original(self, fn, *args, **kwargs)
+
+    return _apply
+
+
 _GLOO = cpu_compat.GlooCoalescing()
 
 HOOKS: tuple[Hook, ...] = (
@@ -347,6 +355,11 @@ HOOKS: tuple[Hook, ...] = (
          "dispatch (~15-20 us per use); same values and gradients (layers 1094-1098)"),
     Hook((_TPL,), "RowParallelLinear._forward_impl", _make_forward_impl,
          "the same for the row-parallel layers (layers 1424-1428)"),
+    Hook((_TPL,), "ColumnParallelLinear._apply", _make_apply,
+         "drop the layer's cached view before nn.Module._apply (.to/.cuda/.bfloat16) swaps the NVFP4 parameter in "
+         "place: torch refuses the swap while the view's autograd node holds the parameter (inherited method: "
+         "uninstall deletes the class attribute again)"),
+    Hook((_TPL,), "RowParallelLinear._apply", _make_apply, "the same for the row-parallel layers"),
     Hook((_PGB,), "_coalescing_manager", lambda original: _GLOO.manager,
          "gloo returns wrong bytes for coalesced all-gathers of mixed dtypes (uint8 + bf16 bucket groups); "
          "issue each collective alone, still async when Megatron asks", cpu_only=True),
@@ -397,8 +410,8 @@ def installed_megatron_version() -> str:
 
 # ------------------------------------------------------------------------------------------ install
 _lock = threading.Lock()
-_installed: Optional[list[tuple[Any, str, Any]]] = None
-"""(owner object, attribute, original) for every patched binding, in install order."""
+_installed: Optional[list[tuple[Any, str, Any, bool]]] = None
+"""(owner object, attribute, original, whether the owner held it itself) for every patched binding, in install order."""
 
 
 def python_311_shim() -> None:
@@ -468,13 +481,14 @@ def install(*, cpu: Optional[bool] = None, allow_untested_version: bool = False,
         originals: dict[tuple[str, str], Any] = {}
         for hook, (owner, attr) in targets:
             original = _raw_attr(owner, attr)
+            owned = not isinstance(owner, type) or attr in owner.__dict__
             key = (hook.name, id(hook))
             # One replacement object per row, built from the first binding's original, so identity checks
             # (`a is b`) across modules keep holding.
             if key not in originals:
                 originals[key] = _wrap_like(original, hook.make(_unwrap(original)))
             setattr(owner, attr, originals[key])
-            done.append((owner, attr, original))
+            done.append((owner, attr, original, owned))
         _installed, _options = done, options
 
 
@@ -484,8 +498,11 @@ def uninstall() -> None:
     with _lock:
         if _installed is None:
             return
-        for owner, attr, original in reversed(_installed):
-            setattr(owner, attr, original)
+        for owner, attr, original, owned in reversed(_installed):
+            if owned:
+                setattr(owner, attr, original)
+            else:  # an inherited method: the class gets its base's back, not a copy of it
+                delattr(owner, attr)
         _installed = None
         _options = AdapterOptions()
         cpu_compat.disable()

@@ -296,3 +296,19 @@ def test_megatron_hook_passes_the_view_unless_megatrons_function_reads_the_param
     impl(lin, input=x_in(), weight=lin.weight, bias=None, **kwargs)
     assert (type(seen[0]) is torch.Tensor) is passes_view
     assert passes_view or seen[0] is lin.weight
+
+
+@pytest.mark.parametrize("move", ["to_cpu", "bfloat16", "float", "to_meta"])
+def test_moving_or_casting_the_layer_after_a_forward_works_and_computes_in_the_new_dtype(move):
+    lin = nvfp4_linear()
+    x = x_in()
+    lin(x).sum().backward()
+    {"to_cpu": lambda: lin.to("cpu"), "bfloat16": lin.bfloat16, "float": lin.float,
+     "to_meta": lambda: lin.to("meta")}[move]()  # fmt: skip
+    w = lin.weight
+    assert type(w) is NVFP4Tensor
+    if move == "to_meta":
+        assert w.device.type == "meta"
+        return
+    x = x.to(w.dtype)
+    assert_bytes_equal(lin(x), x @ w.dequantize(w.dtype).t(), f"forward after {move}")

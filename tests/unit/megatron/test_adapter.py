@@ -126,3 +126,33 @@ def test_distopt_quantized_param_check_gives_the_originals_answer_without_readin
     assert DistributedOptimizer._is_distopt_quantized_param(param) is want is False
     assert seen == []
     assert DistributedOptimizer._is_distopt_quantized_param(plain) is original(DistributedOptimizer, plain)
+
+
+def test_inherited_methods_patched_on_a_class_are_deleted_again_on_uninstall(clean):
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    for cls in (ColumnParallelLinear, RowParallelLinear):
+        assert "_apply" not in cls.__dict__
+    adapter.install(cpu=True)
+    assert all("_apply" in cls.__dict__ for cls in (ColumnParallelLinear, RowParallelLinear))
+    adapter.uninstall()
+    for cls in (ColumnParallelLinear, RowParallelLinear):
+        assert "_apply" not in cls.__dict__ and cls._apply is torch.nn.Module._apply
+
+
+def test_apply_row_drops_the_layers_cached_view_so_torch_can_swap_the_parameter():
+    import fp4_dist
+    from fp4_dist.compute_view import compute_view
+
+    def layer_after_a_forward():
+        m = torch.nn.Module()
+        m.weight = torch.nn.Parameter(fp4_dist.quantize(torch.randn(32, 32)))
+        x = torch.randn(4, 32).to(torch.bfloat16)
+        torch.nn.functional.linear(x, compute_view(m, m.weight)).sum().backward()
+        return m
+
+    with pytest.raises(RuntimeError, match="swap"):
+        torch.nn.Module._apply(layer_after_a_forward(), lambda t: t)  # what the row exists for
+    m = layer_after_a_forward()
+    adapter._make_apply(torch.nn.Module._apply)(m, lambda t: t.to("meta"))
+    assert m.weight.device.type == "meta"
