@@ -71,7 +71,7 @@ def interleaved(steps: dict, iters: int = 20, rounds: int = 9) -> dict:
     return {k: (statistics.median(device[k]), 1e3 * statistics.median(host[k])) for k in steps}
 
 
-class _PassThrough(torch.Tensor):
+class PassThrough(torch.Tensor):
     """A wrapper subclass that runs every op on the plain tensor it holds (detach keeps the wrapper, as
     nn.Parameter needs): the host cost of subclass dispatch with no work of its own."""
 
@@ -84,8 +84,8 @@ class _PassThrough(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         if func is torch.ops.aten.detach.default:
-            return _PassThrough(args[0].inner)
-        return func(*[a.inner if isinstance(a, _PassThrough) else a for a in args], **(kwargs or {}))
+            return PassThrough(args[0].inner)
+        return func(*[a.inner if isinstance(a, PassThrough) else a for a in args], **(kwargs or {}))
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -105,9 +105,9 @@ def variants(m: int, k: int, tokens: int):
     q = torch.nn.Parameter(fp4_dist.quantize(w32))
     per_use = torch.nn.Parameter(fp4_dist.quantize(w32))
     per_use.compute_copy = False
-    floor = torch.nn.Parameter(_PassThrough(w32.to(torch.bfloat16)))
+    floor = torch.nn.Parameter(PassThrough(w32.to(torch.bfloat16)))
 
-    leaf = torch.nn.Parameter(_PassThrough(w32.to(torch.bfloat16)))
+    leaf = torch.nn.Parameter(PassThrough(w32.to(torch.bfloat16)))
     views = {"bf16 via view": (bf16.weight.expand(m, k), bf16.weight), "subclass via view": (leaf.expand(m, k), leaf)}
     assert all(type(v) is torch.Tensor for v, _ in views.values())  # plain views: no dispatch per use
 

@@ -120,40 +120,44 @@ def profile_gpu(mode: str, argv: list[str]) -> GpuRun:
     return GpuRun(mode, step_ms, kernels, calls, busy / 1e3 / active, gaps, active)
 
 
-@contextmanager
-def _timing(phases: dict, calls: dict):
-    """Wall time and call count per phase (`phases`, `calls`) of the wrapped functions inside the block."""
+def _timed(phases: dict, calls: dict, label: str, fn, per_op: bool = False):
+    """`fn`, adding its wall time to `phases[label]` and counting its calls in `calls` (by op for the dispatch)."""
     import time
 
+    def run(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            phases[label] = phases.get(label, 0.0) + time.perf_counter() - t
+            key = f"{label} {a[1]}" if per_op else label  # dispatch(cls, func, ...): count by op
+            calls[key] = calls.get(key, 0) + 1
+    return run
+
+
+@contextmanager
+def _timing(optimizer, phases: dict, calls: dict):
+    """Wall time and call count per phase (`phases`, `calls`) of the wrapped functions inside the block."""
     import megatron.core.pipeline_parallel as pipeline
     from fp4_dist import optim
     from fp4_dist.optim import cast
     from fp4_dist.tensor import NVFP4Tensor
 
-    def timed(label, fn, per_op=False):
-        def run(*a, **k):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                phases[label] = phases.get(label, 0.0) + time.perf_counter() - t
-                key = f"{label} {a[1]}" if per_op else label  # dispatch(cls, func, ...): count by op
-                calls[key] = calls.get(key, 0) + 1
-        return run
-
+    targets = [(optimizer, "step", "optimizer step"), (cast.BoundCast, "run", "cast (host, launches)"),
+               (cast, "_raise_if_bad", "cast's non-finite check (one read)"),
+               (optim, "post_all_gather_processing", "post-all-gather refresh")]  # fmt: skip
+    originals = [getattr(owner, name) for owner, name, _ in targets]
+    for (owner, name, label), fn in zip(targets, originals):
+        setattr(owner, name, _timed(phases, calls, label, fn))
     get_fb = pipeline.get_forward_backward_func
+    pipeline.get_forward_backward_func = lambda: _timed(phases, calls, "forward-backward", get_fb())
     dispatch = NVFP4Tensor.__dict__["__torch_dispatch__"]
-    saved = [(cast.BoundCast, "run"), (cast, "_raise_if_bad"), (optim, "post_all_gather_processing")]
-    originals = [getattr(owner, name) for owner, name in saved]
-    for (owner, name), fn in zip(saved, originals):
-        setattr(owner, name, timed({"run": "cast (host, launches)", "_raise_if_bad": "cast's non-finite check (one read)",
-                                    "post_all_gather_processing": "post-all-gather refresh"}[name], fn))
-    pipeline.get_forward_backward_func = lambda: timed("forward-backward", get_fb())
-    NVFP4Tensor.__torch_dispatch__ = classmethod(timed("NVFP4Tensor dispatch", dispatch.__func__, per_op=True))
+    NVFP4Tensor.__torch_dispatch__ = classmethod(_timed(phases, calls, "NVFP4Tensor dispatch", dispatch.__func__,
+                                                        per_op=True))  # fmt: skip
     try:
         yield
     finally:
-        for (owner, name), fn in zip(saved, originals):
+        for (owner, name, _), fn in zip(targets, originals):
             setattr(owner, name, fn)
         pipeline.get_forward_backward_func = get_fb
         NVFP4Tensor.__torch_dispatch__ = dispatch
@@ -162,27 +166,16 @@ def _timing(phases: dict, calls: dict):
 def time_phases(argv: list[str]) -> tuple[float, dict, dict]:
     """(median step ms, {phase: host ms per step}, {phase or op: calls per step}) over steps WARMUP_STEPS + 1 ..
     --steps of one run."""
-    import time
-
     s = pretrain_gpt.setup(argv)
     active = s.args.train_iters - WARMUP_STEPS
     phases, calls = {}, {}
-    step = s.optimizer.step
-
-    def optimizer_step(*a, **k):
-        t = time.perf_counter()
-        try:
-            return step(*a, **k)
-        finally:
-            phases["optimizer step"] = phases.get("optimizer step", 0.0) + time.perf_counter() - t
 
     def start(n: int) -> None:
         if n == WARMUP_STEPS:
             phases.clear()
             calls.clear()
 
-    s.optimizer.step = optimizer_step
-    with _timing(phases, calls), _after_each_step(start):
+    with _timing(s.optimizer, phases, calls), _after_each_step(start):
         result = pretrain_gpt.train(s.args, s.model, s.optimizer, s.scheduler, s.device, 0)
     step_ms = statistics.median(r.step_ms for r in result.records[WARMUP_STEPS:])
     return step_ms, {k: 1e3 * v / active for k, v in phases.items()}, {k: v / active for k, v in calls.items()}

@@ -1,6 +1,6 @@
 """What a tensor-subclass *parameter* costs the host even when no op dispatches to it.
 
-    PYTHONPATH=. python bench/subclass_leaf.py [--device cuda] [--size 256] [--tokens 64]
+    python bench/subclass_leaf.py [--device cuda] [--size 256] [--tokens 64]
 
 NVFP4Linear computes with a cached plain view of its weight's compute copy (fp4_dist/compute_view.py), so its
 forward and backward never enter NVFP4Tensor's Python dispatch; the weight gradient still goes into the parameter,
@@ -15,30 +15,16 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-import fp4_dist
-
-
-class _DoNothing(torch.Tensor):
-    """A wrapper subclass whose only op is making the view (and detach, which nn.Parameter needs)."""
-
-    @staticmethod
-    def __new__(cls, inner: torch.Tensor):
-        self = torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
-        self.inner = inner
-        return self
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.detach.default:
-            return _DoNothing(args[0].inner)
-        return func(*[a.inner if isinstance(a, _DoNothing) else a for a in args], **(kwargs or {}))
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import fp4_dist  # noqa: E402
+from bench.linear import PassThrough  # noqa: E402  (the do-nothing subclass of linear.py's floor column)
 
 
 def main() -> None:
@@ -53,7 +39,7 @@ def main() -> None:
     x = torch.randn(args.tokens, n, generator=g).to(dev, torch.bfloat16).requires_grad_()
     dy = torch.randn(args.tokens, n, generator=g).to(dev, torch.bfloat16)
     plain = torch.nn.Parameter(w32.to(dev, torch.bfloat16))
-    nothing = torch.nn.Parameter(_DoNothing(w32.to(dev, torch.bfloat16)))
+    nothing = torch.nn.Parameter(PassThrough(w32.to(dev, torch.bfloat16)))
     nvfp4 = torch.nn.Parameter(fp4_dist.quantize(w32.to(dev)))
     leaves = {"plain bf16": plain, "do-nothing subclass": nothing, "NVFP4Tensor": nvfp4}
     views = {name: w.expand(n, n) for name, w in leaves.items()}  # plain tensors: no dispatch when used
