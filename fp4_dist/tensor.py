@@ -365,7 +365,7 @@ def _expand(func, args, kwargs):
     # Autograd replays this on the weight to remake each layer's cached view (fp4_dist.compute_view) after every
     # refresh of the copy: once per weight per step.
     if kwargs:
-        return func(args[0].compute_value(), *args[1:], **kwargs)
+        return _compute(func, args, kwargs)
     return args[0].compute_value().expand(args[1])
 
 

@@ -9,3 +9,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def dispatches(monkeypatch):
+    """The ops that reach NVFP4Tensor.__torch_dispatch__ while the test runs, in order."""
+    from fp4_dist.tensor import NVFP4Tensor
+
+    seen = []
+    original = NVFP4Tensor.__dict__["__torch_dispatch__"].__func__
+
+    def counting(cls, func, types, args=(), kwargs=None):
+        seen.append(func)
+        return original(cls, func, types, args, kwargs)
+
+    monkeypatch.setattr(NVFP4Tensor, "__torch_dispatch__", classmethod(counting))
+    return seen

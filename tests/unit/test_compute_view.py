@@ -45,20 +45,6 @@ def _other(lin):
     return other_values(device=lin.weight.device)
 
 
-@pytest.fixture
-def dispatches(monkeypatch):
-    """Counts the ops that reach NVFP4Tensor.__torch_dispatch__."""
-    seen = []
-    original = NVFP4Tensor.__dict__["__torch_dispatch__"].__func__
-
-    def counting(cls, func, types, args=(), kwargs=None):
-        seen.append(func)
-        return original(cls, func, types, args, kwargs)
-
-    monkeypatch.setattr(NVFP4Tensor, "__torch_dispatch__", classmethod(counting))
-    return seen
-
-
 def test_convert_makes_plain_linears_nvfp4_linears_and_leaves_subclasses_alone():
     class MyLinear(nn.Linear):
         pass

@@ -107,18 +107,14 @@ def test_every_row_states_a_reason_and_a_tested_version():
     assert "packed layout" in adapter.describe()
 
 
-def test_distopt_quantized_param_check_gives_the_originals_answer_without_reading_data(clean, monkeypatch):
+def test_distopt_quantized_param_check_gives_the_originals_answer_without_reading_data(clean, dispatches):
     import fp4_dist
-    from fp4_dist.tensor import NVFP4Tensor
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     original = adapter._unwrap(adapter._raw_attr(DistributedOptimizer, "_is_distopt_quantized_param"))
     param = torch.nn.Parameter(fp4_dist.quantize(torch.randn(32, 32)))
     plain = torch.nn.Parameter(torch.randn(32, 32))
-    seen = []
-    dispatch = NVFP4Tensor.__dict__["__torch_dispatch__"].__func__
-    monkeypatch.setattr(NVFP4Tensor, "__torch_dispatch__",
-                        classmethod(lambda cls, f, t, a=(), k=None: seen.append(f) or dispatch(cls, f, t, a, k)))
+    seen = dispatches
     want = original(DistributedOptimizer, param)
     assert seen, "the original reads param.data (so the check below can fail)"
     adapter.install(cpu=True)
