@@ -44,6 +44,12 @@ def tile_grid(m: int, k: int) -> tuple[int, int]:
     return ceil_div(m, TILE), ceil_div(k, TILE)
 
 
+def is_tile_grid(scale_shape, m: int, k: int) -> bool:
+    """Whether tile scales of this shape are the compact tile grid [ceil(M/16), ceil(K/16)] (as all-gathered)
+    rather than row-expanded [roundup(M, 128), roundup(ceil(K/16), 4)]: the two shapes never coincide."""
+    return tuple(scale_shape) == tile_grid(m, k)
+
+
 def num_tiles(m: int, k: int) -> int:
     tm, tk = tile_grid(m, k)
     return tm * tk

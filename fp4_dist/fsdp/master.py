@@ -27,7 +27,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import kernels
-from ..format import ceil_div, rowwise_data_shape, rowwise_scale_shape, tile_grid
+from ..format import ceil_div, is_tile_grid, rowwise_data_shape, rowwise_scale_shape, tile_grid
 from ..tensor import NVFP4Tensor
 
 aten = torch.ops.aten
@@ -71,7 +71,7 @@ class WeightState:
         if self.gathered_fields is None:
             return None
         data, scale_inv, amax = self.gathered_fields
-        if tuple(scale_inv.shape) == tile_grid(*self.shape):  # as gathered: expanded here, for the tensor layout
+        if is_tile_grid(scale_inv.shape, *self.shape):  # as gathered: expanded here, for the tensor layout
             grid, scale_inv = scale_inv, torch.empty(rowwise_scale_shape(*self.shape), dtype=torch.uint8,
                                                      device=scale_inv.device)  # fmt: skip
             kernels.expand_scales(grid.reshape(-1), [self.shape], [[(0, 0)]], [scale_inv])

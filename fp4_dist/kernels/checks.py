@@ -17,6 +17,7 @@ from ..format import (
     check_weight_shape,
     columnwise_data_shape,
     columnwise_scale_shape,
+    is_tile_grid,
     num_tiles,
     rowwise_data_shape,
     rowwise_scale_shape,
@@ -261,7 +262,7 @@ def dequant_args(rowwise_datas, scale_invs, amaxes, outs) -> None:
         # The row-expanded rowwise_scale_inv or the compact tile grid (never the same shape: ceil(M/16) rows
         # against roundup(M, 128)).
         grid = tile_grid(m, k)
-        compact = isinstance(si, torch.Tensor) and tuple(si.shape) == grid
+        compact = isinstance(si, torch.Tensor) and is_tile_grid(si.shape, m, k)
         check_u8(si, grid if compact else rowwise_scale_shape(m, k), device,
                  f"rowwise_scale_inv {i} (or its tile grid {list(grid)})")
         check_amax_out(amax, device, f"amax {i}")

@@ -16,7 +16,15 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..format import TILE, ceil_div, columnwise_scale_shape, rowwise_scale_shape, tile_grid, tile_offsets
+from ..format import (
+    TILE,
+    ceil_div,
+    columnwise_scale_shape,
+    is_tile_grid,
+    rowwise_scale_shape,
+    tile_grid,
+    tile_offsets,
+)
 
 SHARD_FIELDS = (
     "src", "dst", "start", "end", "m", "k", "tiles_k", "tile_off", "band_lo", "n_chunks", "owned_units",
@@ -236,7 +244,7 @@ def dequant_plan(index: int, datas, scale_invs, amaxes, outs) -> Plan:
         n_chunks = ceil_div(k, CHUNK_COLS)
         # Scale bytes of a band's first row and the step to the next row: the row-expanded form has a row per
         # element row; the compact tile grid (ceil(M/16) rows) one per band, read by all 16 rows.
-        compact = si.shape[0] == ceil_div(m, TILE)
+        compact = is_tile_grid(si.shape, m, k)
         band, step = (si.shape[1], 0) if compact else (TILE * si.shape[1], si.shape[1])
         rows.append([src, si.data_ptr(), amax.data_ptr(), dst, m, k, band, n_chunks, flags, step])
         units.append(ceil_div(m, TILE) * n_chunks)

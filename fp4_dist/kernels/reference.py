@@ -37,6 +37,7 @@ from ..format import (
     check_numerics,
     columnwise_data_shape,
     columnwise_scale_shape,
+    is_tile_grid,
     rowwise_scale_shape,
     tile_grid,
 )
@@ -229,7 +230,7 @@ def dequantize(
     16x16 tile, as all-gathered): the same tile scales, so the same values.
     """
     m, k = rowwise_data.shape[0], rowwise_data.shape[1] * 2
-    if tuple(rowwise_scale_inv.shape) == tile_grid(m, k):
+    if is_tile_grid(rowwise_scale_inv.shape, m, k):
         rowwise_scale_inv = expand_rowwise_scales(rowwise_scale_inv, m, k)
     codes = unpack_nibbles(rowwise_data).to(torch.int64)
     table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=rowwise_data.device)
