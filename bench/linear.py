@@ -10,7 +10,7 @@ Host time: wall time of one iteration's Python call, median. Variants:
 
     bf16               nn.Linear with a bf16 weight
     nvfp4              the same layer after convert_linear_weights (an NVFP4Linear: it computes with its cached
-                       view of the weight's compute copy), copy current (every microbatch of a step)
+                       alias of the weight's compute copy), copy current (every microbatch of a step)
     nvfp4 + refresh    the same, plus one refresh of the copy per iteration (one microbatch per weight update)
     nvfp4 parameter    F.linear on the NVFP4 parameter itself: every op through NVFP4Tensor's dispatch (what a
                        layer with its own forward, or Megatron's linears before the compute view, pay)
@@ -18,9 +18,9 @@ Host time: wall time of one iteration's Python call, median. Variants:
     (old) reference    the plain-torch reference dequantize on every use (what every forward ran before)
     subclass floor     the bf16 weight inside a tensor subclass that does nothing but unwrap it for every op:
                        what PyTorch's dispatch of any wrapper-subclass parameter costs (NVFP4Tensor is one)
-    bf16 via view      the bf16 parameter used through a cached expand view, as NVFP4Linear uses its weight
-                       (what the view itself costs)
-    subclass via view  a do-nothing wrapper-subclass parameter used the same way: no dispatch per use, but the
+    bf16 via alias     the bf16 parameter used through a cached tensor linked to it by clone's autograd node, as
+                       NVFP4Linear uses its weight (what that node itself costs)
+    subclass via alias a do-nothing wrapper-subclass parameter used the same way: no dispatch per use, but the
                        autograd engine still accumulates the weight gradient into a tensor-subclass leaf
 """
 
@@ -108,8 +108,8 @@ def variants(m: int, k: int, tokens: int):
     floor = torch.nn.Parameter(PassThrough(w32.to(torch.bfloat16)))
 
     leaf = torch.nn.Parameter(PassThrough(w32.to(torch.bfloat16)))
-    views = {"bf16 via view": (bf16.weight.expand(m, k), bf16.weight), "subclass via view": (leaf.expand(m, k), leaf)}
-    assert all(type(v) is torch.Tensor for v, _ in views.values())  # plain views: no dispatch per use
+    views = {"bf16 via alias": (bf16.weight.clone(), bf16.weight), "subclass via alias": (leaf.clone(), leaf)}
+    assert all(type(v) is torch.Tensor and v.grad_fn is not None for v, _ in views.values())  # no dispatch per use
 
     def through_view(name):
         v, w = views[name]
@@ -150,8 +150,8 @@ def variants(m: int, k: int, tokens: int):
 
     return {"bf16": module(bf16), "nvfp4": module(layer), "nvfp4 + refresh": with_refresh,
             "nvfp4 parameter": fwd_bwd(q), "nvfp4 per use": fwd_bwd(per_use), "(old) reference": old,
-            "subclass floor": fwd_bwd(floor), "bf16 via view": through_view("bf16 via view"),
-            "subclass via view": through_view("subclass via view")}  # fmt: skip
+            "subclass floor": fwd_bwd(floor), "bf16 via alias": through_view("bf16 via alias"),
+            "subclass via alias": through_view("subclass via alias")}  # fmt: skip
 
 
 def dequantize_vs_copy(m: int, k: int) -> dict:
@@ -177,9 +177,9 @@ def main() -> None:
         res = interleaved(variants(m, k, args.tokens))
         rows.append(dict(shape=[m, k], **{label: {"device_ms": d, "host_ms": h} for label, (d, h) in res.items()},
                          **dequantize_vs_copy(m, k)))  # fmt: skip
-    labels = ["bf16", "nvfp4", "nvfp4 parameter", "subclass floor", "bf16 via view", "subclass via view",
+    labels = ["bf16", "nvfp4", "nvfp4 parameter", "subclass floor", "bf16 via alias", "subclass via alias",
               "nvfp4 + refresh", "nvfp4 per use", "(old) reference"]  # fmt: skip
-    hosts = ("bf16", "nvfp4", "nvfp4 parameter", "subclass floor", "bf16 via view", "subclass via view")
+    hosts = ("bf16", "nvfp4", "nvfp4 parameter", "subclass floor", "bf16 via alias", "subclass via alias")
     lines = [f"device: {name}; linear forward + backward, {args.tokens} tokens, bf16 activations", "",
              "| weight [M, K] | " + " | ".join(f"{lb} ms (x bf16)" for lb in labels) +
              " | host ms " + " / ".join(hosts) + " |",

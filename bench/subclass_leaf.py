@@ -2,12 +2,14 @@
 
     python bench/subclass_leaf.py [--device cuda] [--size 256] [--tokens 64]
 
-NVFP4Linear computes with a cached plain view of its weight's compute copy (fp4_dist/compute_view.py), so its
+NVFP4Linear computes with a cached plain alias of its weight's compute copy (fp4_dist/compute_view.py), so its
 forward and backward never enter NVFP4Tensor's Python dispatch; the weight gradient still goes into the parameter,
-a tensor-subclass leaf. This times F.linear forward + backward through a cached expand view of a parameter that is
-(a) a plain bf16 tensor, (b) a wrapper subclass that does nothing, (c) an NVFP4Tensor, and the same with the
-parameter passed directly (a: plain, c: through the dispatch), in interleaved rounds (medians of 30 rounds of 50
-iterations, the GPU drained between rounds): small sizes, so that the host time is what is measured.
+a tensor-subclass leaf. This times F.linear forward + backward through a cached plain tensor linked to a parameter
+that is (a) a plain bf16 tensor, (b) a wrapper subclass that does nothing, (c) an NVFP4Tensor, by an expand view
+(an autograd view of the parameter; what stop 19 used) or by clone's node (not a view: `tensor.compute_alias`,
+what the layers use now), and with the parameter passed directly (a: plain, c: through the dispatch), in
+interleaved rounds (medians of 30 rounds of 50 iterations, the GPU drained between rounds): small sizes, so that
+the host time is what is measured.
 """
 
 from __future__ import annotations
@@ -42,7 +44,11 @@ def main() -> None:
     nothing = torch.nn.Parameter(PassThrough(w32.to(dev, torch.bfloat16)))
     nvfp4 = torch.nn.Parameter(fp4_dist.quantize(w32.to(dev)))
     leaves = {"plain bf16": plain, "do-nothing subclass": nothing, "NVFP4Tensor": nvfp4}
-    views = {name: w.expand(n, n) for name, w in leaves.items()}  # plain tensors: no dispatch when used
+    fp4_dist.post_all_gather_processing([nvfp4])  # its compute copy, which compute_alias aliases
+    links = {"an expand view": lambda w: w.expand(n, n),
+             "clone's node": lambda w: fp4_dist.tensor.compute_alias(w) if w is nvfp4 else w.clone()}
+    views = {(name, how): link(w) for name, w in leaves.items() for how, link in links.items()}
+    assert all(type(v) is torch.Tensor for v in views.values())  # plain tensors: no dispatch when used
 
     def step(w, used):
         def run():
@@ -50,7 +56,7 @@ def main() -> None:
             F.linear(x, used).backward(dy)
         return run
 
-    cases = {f"{name} parameter, through a cached view": step(leaves[name], v) for name, v in views.items()}
+    cases = {f"{name} parameter, through {how}": step(leaves[name], v) for (name, how), v in views.items()}
     cases["plain bf16 parameter, directly"] = step(plain, plain)
     cases["NVFP4Tensor parameter, directly (dispatch)"] = step(nvfp4, nvfp4)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)

@@ -17,9 +17,9 @@ weight's (an in-place op on a view of the value bumps the weight's counter), and
 on any difference. A cast marks its weights *pending* until the post-all-gather refresh: the gather writes
 through the all-gather buffer, which the weights' own counters do not see (`NVFP4Tensor.set_rowwise_storage`
 gives each weight counters of its own), so until the refresh every use gets a fresh dequantization instead
-of a copy the gather would silently outdate. A refresh overwrites the copy in place and bumps the weight's
-version counter, so a backward through a graph recorded with the previous values raises, as it does for a
-plain parameter changed in place.
+of a copy the gather would silently outdate. A refresh overwrites the copy in place and bumps the version
+counters of the weight and of the layers' cached views of the copy, so a backward through a graph recorded with
+the previous values raises, as it does for a plain parameter changed in place.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class ComputeCopy:
         pending: set by a cast, cleared by a refresh: the bytes are between a cast and their all-gather.
     """
 
-    __slots__ = ("enabled", "value", "pending", "epoch", "views", "_src", "_versions", "_pending_uses")
+    __slots__ = ("enabled", "value", "pending", "epoch", "views", "aliases", "_src", "_versions", "_pending_uses")
 
     def __init__(self, enabled: bool = True):
         self.enabled = bool(enabled)
@@ -55,6 +55,11 @@ class ComputeCopy:
         self.views = weakref.WeakSet()
         """The layers' cached views of `value` (`fp4_dist.compute_view`): cleared when `value` is dropped or
         replaced, so that its memory goes with it."""
+        self.aliases: list = []
+        """Weak references to every plain alias of `value` made for a layer (`tensor.compute_alias`), including
+        those only a recorded graph still holds (torch keeps a tensor's Python object alive while its C++ tensor
+        lives): each refresh bumps their version counters. Emptied when `value` is dropped or replaced (the old
+        memory is then never overwritten)."""
         self._src: tuple = ()
         self._versions: Optional[tuple] = None
         self._pending_uses = 0
@@ -81,8 +86,17 @@ class ComputeCopy:
         self.epoch += 1
 
     def forget_views(self) -> None:
+        """`value` is being dropped or replaced: layers let go of their views of it."""
         for view in list(self.views):
             view.clear()
+        self.aliases = []
+
+    def live_aliases(self) -> list:
+        """The aliases of `value` still alive (see `aliases`), forgetting the dead ones."""
+        live = [t for t in map(_call, self.aliases) if t is not None]
+        if len(live) != len(self.aliases):
+            self.aliases = [weakref.ref(t) for t in live]
+        return live
 
     def note_pending_use(self, w) -> None:
         self._pending_uses += 1
@@ -94,6 +108,10 @@ class ComputeCopy:
                 "refreshes the compute copies",
                 stacklevel=4,
             )
+
+
+def _call(f):
+    return f()
 
 
 def _has_copy(w) -> bool:
@@ -150,10 +168,11 @@ def _fields(weights) -> list:
 def _mark_refreshed(weights, fields: list, counted: Optional[list] = None) -> None:
     """`ComputeCopy.record` for every weight just refreshed from `fields` (`_fields(weights)`), in bulk: it runs
     every step for every weight."""
-    # The weights' own version counters first: views of a copy made by ops on a weight share the weight's
-    # counter, so this is what makes autograd refuse a graph recorded with the previous values.
-    torch.autograd.graph.increment_version(counted if counted is not None
-                                           else [w for w in weights if not w.is_inference()])  # fmt: skip
+    # The weights' own version counters first (views of a copy made by ops on a weight share the weight's counter)
+    # and the layers' cached views (counters of their own): this is what makes autograd refuse a graph recorded
+    # with the previous values.
+    counted = counted if counted is not None else [w for w in weights if not w.is_inference()]
+    torch.autograd.graph.increment_version(counted + [a for w in counted for a in w._compute_copy.live_aliases()])
     try:
         v = [t._version for t in fields]
         wv = [w._version for w in weights]

@@ -6,23 +6,26 @@ costs, and the whole of the NVFP4 path's extra cost once the step is host-bound 
 A layer uses its weight in every microbatch but the weight changes once per step, so the layer keeps, per change
 of the copy, one plain tensor that
 
-- is a view of the compute copy (no memory of its own; a refresh overwrites the copy in place and the view sees it),
-- is connected to the parameter by a single C++ autograd node (an expand to its own shape), so the weight gradient
-  still reaches the parameter's grad accumulator and every hook on it (Megatron's DDP),
-- shares the parameter's version counter, so a backward through a graph recorded before a refresh raises, as for
-  a plain parameter changed in place.
+- aliases the compute copy (no memory of its own; a refresh overwrites the copy in place and the view sees it),
+- is connected to the parameter by a single C++ autograd node (`tensor.compute_alias`: clone's, whose backward
+  passes the gradient through), so the weight gradient still reaches the parameter's grad accumulator and every
+  hook on it (Megatron's DDP),
+- has a version counter of its own, which every refresh of the copy bumps (`compute_copy._mark_refreshed`), so a
+  backward through a graph recorded before a refresh raises, as for a plain parameter changed in place. It is not
+  an autograd view of the parameter: were it one, the bump of the parameter's counter at each refresh would make
+  autograd rebuild its node by replaying the view op through the Python dispatch, once per weight per step.
 
 Per use the layer checks that the copy is current (`ComputeCopy.fresh_for`, a few attribute reads) and passes the
-view where it passed the weight. Whenever it is not current (bytes changed by a cast, copy_, quantize_,
-load_state_dict, ...), the layer refreshes the copy and makes the view again; between a cast and its all-gather,
-with `compute_copy = False`, or under inference mode it passes the weight itself (the dispatch path, which handles
-those cases).
+view where it passed the weight: a training step (cast, all-gather, one refresh of every copy) keeps the same view
+and node. When the copy is not current at a use (bytes changed by copy_, quantize_, load_state_dict, ...), the
+layer refreshes it and makes the view again; between a cast and its all-gather, with `compute_copy = False`, or
+under inference mode it passes the weight itself (the dispatch path, which handles those cases).
 
 The cache belongs to the layer, not to the weight: the view's autograd node holds the parameter, so a cache on the
 parameter would be a reference cycle through C++ that Python's garbage collector cannot see (the weight would never
-be freed), and it is dropped before the layer is moved or cast (`forget`: torch swaps a subclass parameter in place
-then and refuses while the view holds it). Users: `NVFP4Linear` (what `convert_linear_weights` makes of a plain
-nn.Linear) and the Megatron adapter's hooks of its parallel linear layers.
+be freed), and it is dropped before the layer is moved or cast (`forget`: torch then swaps a subclass parameter in
+place and poisons the grad accumulator the view's node leads to). Users: `NVFP4Linear` (what
+`convert_linear_weights` makes of a plain nn.Linear) and the Megatron adapter's hooks of its parallel linear layers.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .compute_copy import refresh_compute_copies
-from .tensor import NVFP4Tensor
+from .tensor import NVFP4Tensor, compute_alias
 
 _ATTR = "_fp4_compute_view"
 
@@ -66,8 +69,7 @@ class ComputeView:
             refresh_compute_copies([w])
             if not cc.fresh_for(w):  # an inference tensor: nothing can prove a copy current
                 return w
-        # One dispatch per refresh: expand to its own shape is a view of the copy whose backward is one C++ node.
-        view = w.expand(w.shape)
+        view = compute_alias(w)  # one dispatch per copy (made again only when the copy is replaced or reallocated)
         self.weight, self.view, self.value, self.grad = w, view, cc.value, grad
         cc.views.add(self)  # so that turning the copy off frees its memory now, not at this layer's next use
         return view
@@ -94,8 +96,9 @@ def compute_view(module: nn.Module, w: torch.Tensor) -> torch.Tensor:
 
 def forget(module: nn.Module) -> None:
     """Drop `module`'s cached view. `nn.Module._apply` (`.to`, `.cuda`, `.bfloat16`, ...) swaps a tensor-subclass
-    parameter in place, which torch refuses while anything else holds it, and the view holds it through its
-    autograd node: layers that cache a view call this first (the view is remade at the next use)."""
+    parameter in place and poisons its old grad accumulator, the one the view's autograd node leads to (a backward
+    through the view would then raise): layers that cache a view call this first (the view is remade at the next
+    use, linked to the parameter as it is after the swap)."""
     cache = module.__dict__.get(_ATTR)
     if cache is not None:
         cache.clear()

@@ -15,6 +15,8 @@ It reports the logical shape [M, K] and the model dtype (bf16 by default) and ho
 from __future__ import annotations
 
 import sys
+import threading
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -362,8 +364,7 @@ def _mm(func, args, kwargs):
 
 @_implements(aten.expand.default)
 def _expand(func, args, kwargs):
-    # Autograd replays this on the weight to remake each layer's cached view (fp4_dist.compute_view) after every
-    # refresh of the copy: once per weight per step.
+    # Megatron's DDP takes each parameter's grad accumulator through `param.expand_as(param)`.
     if kwargs:
         return _compute(func, args, kwargs)
     return args[0].compute_value().expand(args[1])
@@ -374,8 +375,36 @@ def _alias(func, args, kwargs):
     return args[0]._alias()
 
 
+_ALIAS_REQUEST = threading.local()
+
+
+def compute_alias(w: NVFP4Tensor) -> torch.Tensor:
+    """A plain tensor that aliases `w`'s current compute copy and is linked to `w` by one C++ autograd node whose
+    backward passes the gradient through (clone's): what a layer caches to compute with (`fp4_dist.compute_view`).
+
+    Unlike a view op on `w` (expand, alias, ...), it is not an autograd view of `w`: it has a version counter of
+    its own, so bumping `w`'s counter (every refresh of the copy does) does not make autograd rebuild its node,
+    which for a tensor subclass means replaying the view op through the Python dispatch, once per weight per
+    step. Every refresh of the copy bumps this tensor's counter instead (`ComputeCopy.aliases`), for as long as
+    it lives, in a layer's cache or only in a recorded graph. The caller makes sure the copy is current; nothing
+    else should call this.
+    """
+    _ALIAS_REQUEST.on = True
+    try:
+        alias = w.clone()
+    finally:
+        _ALIAS_REQUEST.on = False
+    w._compute_copy.aliases.append(weakref.ref(alias))
+    return alias
+
+
 @_implements(aten.clone.default)
 def _clone(func, args, kwargs):
+    if getattr(_ALIAS_REQUEST, "on", False):
+        _ALIAS_REQUEST.on = False  # this one call only
+        value = args[0].compute_value()
+        return value.view(value.shape)  # a new tensor on the copy's memory (never the copy itself: autograd
+        # gives the returned tensor its grad_fn)
     return args[0]._with_fields(lambda t: t.clone())
 
 

@@ -302,7 +302,7 @@ def _make_forward_impl(original):
 
 def _make_apply(original):
     def _apply(self, fn, *args, **kwargs):
-        forget(self)  # the cached view holds the parameter, which torch's in-place swap would refuse
+        forget(self)  # the cached view leads to the grad accumulator that torch's in-place swap poisons
         return original(self, fn, *args, **kwargs)
 
     return _apply
@@ -357,8 +357,8 @@ HOOKS: tuple[Hook, ...] = (
          "the same for the row-parallel layers (layers 1424-1428)"),
     Hook((_TPL,), "ColumnParallelLinear._apply", _make_apply,
          "drop the layer's cached view before nn.Module._apply (.to/.cuda/.bfloat16) swaps the NVFP4 parameter in "
-         "place: torch refuses the swap while the view's autograd node holds the parameter (inherited method: "
-         "uninstall deletes the class attribute again)"),
+         "place: the swap poisons the grad accumulator the view's autograd node leads to, so the next backward "
+         "would raise (inherited method: uninstall deletes the class attribute again)"),
     Hook((_TPL,), "RowParallelLinear._apply", _make_apply, "the same for the row-parallel layers"),
     Hook((_PGB,), "_coalescing_manager", lambda original: _GLOO.manager,
          "gloo returns wrong bytes for coalesced all-gathers of mixed dtypes (uint8 + bf16 bucket groups); "

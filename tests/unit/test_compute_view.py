@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fp4_dist
-from fp4_dist.compute_view import NVFP4Linear, compute_view
+from fp4_dist.compute_view import NVFP4Linear, compute_view, forget
 from fp4_dist.megatron import adapter
 from fp4_dist.optim import cast_master_weights_to_nvfp4, post_all_gather_processing
 from fp4_dist.tensor import NVFP4Tensor
@@ -86,16 +86,20 @@ def test_view_path_gives_the_dispatch_paths_outputs_and_gradients_bit_for_bit(bi
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_the_view_shares_the_copys_memory_and_the_weights_version_counter(device):
+def test_the_view_shares_the_copys_memory_and_outlives_refreshes_with_its_version_bumped(device):
     lin = nvfp4_linear(device=device)
     w = lin.weight
     v = compute_view(lin, w)
     assert type(v) is torch.Tensor and v.shape == w.shape and v.dtype == w.dtype
     assert v.data_ptr() == w._compute_copy.value.data_ptr()
-    assert v.grad_fn is not None and v.grad_fn.next_functions[0][0].variable is w
+    node = v.grad_fn
+    assert node is not None and node.next_functions[0][0].variable is w
+    assert not v._is_view(), "an autograd view of the weight would have its node replayed after every refresh"
     before = v._version
-    post_all_gather_processing([w])
+    _cast_and_gather(lin)
     assert v._version > before, "a refresh must bump the version autograd checks saved tensors against"
+    assert compute_view(lin, w) is v and v.grad_fn is node, "the same view and node serve across steps"
+    assert_bytes_equal(v, w.dequantize(torch.bfloat16), "the view after the refresh")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -111,6 +115,24 @@ def test_a_steady_state_forward_and_backward_never_enter_the_weights_dispatch(di
     # and the parameter path still dispatches (so the check above can fail)
     F.linear(x, lin.weight).sum().backward()
     assert dispatches
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_training_steps_enter_the_weights_dispatch_only_in_the_cast(dispatches, device):
+    lin = nvfp4_linear(device=device)
+    x = x_in(device=device)
+    lin(x).sum().backward()
+    master = lin.weight.dequantize(torch.float32).view(-1)
+    for step in range(3):
+        dispatches.clear()
+        lin.weight.grad = None
+        for _ in range(2):  # microbatches
+            lin(x).sum().backward()
+        assert dispatches == [], f"step {step}: forward/backward after a refresh dispatched {dispatches}"
+        master.sub_(lin.weight.grad.float().view(-1), alpha=0.01)
+        cast_master_weights_to_nvfp4([lin.weight], [master], [0])
+        post_all_gather_processing([lin.weight])
+    assert_bytes_equal(lin(x), x @ lin.weight.dequantize(torch.bfloat16).t(), "forward after the last step")
 
 
 def _copy_fp32(lin):
@@ -194,12 +216,19 @@ def test_between_a_cast_and_its_gather_the_layer_computes_with_the_fresh_bytes()
     assert_bytes_equal(lin(x), x @ lin.weight.dequantize(torch.bfloat16).t())
 
 
-def test_backward_through_a_graph_recorded_before_a_refresh_raises():
+def _forgotten_then_gathered(lin):
+    forget(lin)  # the layer lets go of its view; only the recorded graph still holds it
+    _cast_and_gather(lin)
+
+
+@pytest.mark.parametrize("refresh", [_cast_and_gather, _forgotten_then_gathered, lambda lin: lin.weight.quantize_(
+    other_values())], ids=["cast_and_gather", "forgotten_then_gathered", "quantize_then_next_use"])
+def test_backward_through_a_graph_recorded_before_a_refresh_raises(refresh):
     lin = nvfp4_linear()
     x = x_in().requires_grad_()
     y = lin(x)
-    lin.weight.quantize_(other_values())
-    lin(x)  # the layer's next use refreshes the copy the first graph saved
+    refresh(lin)
+    lin(x)  # the layer's next use (which refreshes the copy the first graph saved after quantize_)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
 

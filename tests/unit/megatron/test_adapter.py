@@ -136,19 +136,29 @@ def test_inherited_methods_patched_on_a_class_are_deleted_again_on_uninstall(cle
         assert "_apply" not in cls.__dict__ and cls._apply is torch.nn.Module._apply
 
 
-def test_apply_row_drops_the_layers_cached_view_so_torch_can_swap_the_parameter():
+def test_apply_row_drops_the_layers_cached_view_so_a_moved_layer_still_trains():
     import fp4_dist
     from fp4_dist.compute_view import compute_view
+
+    x = torch.randn(4, 32).to(torch.bfloat16)
+
+    def forward_backward(m):
+        m.weight.grad = None
+        torch.nn.functional.linear(x, compute_view(m, m.weight)).sum().backward()
+        return m.weight.grad
 
     def layer_after_a_forward():
         m = torch.nn.Module()
         m.weight = torch.nn.Parameter(fp4_dist.quantize(torch.randn(32, 32)))
-        x = torch.randn(4, 32).to(torch.bfloat16)
-        torch.nn.functional.linear(x, compute_view(m, m.weight)).sum().backward()
+        forward_backward(m)
         return m
 
-    with pytest.raises(RuntimeError, match="swap"):
-        torch.nn.Module._apply(layer_after_a_forward(), lambda t: t)  # what the row exists for
     m = layer_after_a_forward()
+    torch.nn.Module._apply(m, lambda t: t.to("cpu"))  # already there: what the row exists for: torch swaps the
+    with pytest.raises(RuntimeError, match="swap"):  # parameter in place and poisons the view's accumulator
+        forward_backward(m)
+    m = layer_after_a_forward()
+    adapter._make_apply(torch.nn.Module._apply)(m, lambda t: t.to("cpu"))
+    assert type(forward_backward(m)) is torch.Tensor
     adapter._make_apply(torch.nn.Module._apply)(m, lambda t: t.to("meta"))
     assert m.weight.device.type == "meta"
