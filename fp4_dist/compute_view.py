@@ -56,8 +56,14 @@ class ComputeView:
         """The tensor to compute with in place of `w`: the cached view while it is current, else see `_make`."""
         cc = w._compute_copy
         grad = w.requires_grad and torch.is_grad_enabled()
-        if w is self.weight and grad is self.grad and cc.value is self.value and cc.fresh_for(w):
-            return self.view
+        if w is self.weight and grad is self.grad and cc.value is self.value and not cc.pending:
+            # ComputeCopy.fresh_for inlined (every use of every weight runs this), less its dtype test: a weight's
+            # dtype changes only by a parameter swap (nn.Module._apply), and the layer drops its view before one.
+            src, stamp = cc._src, cc._versions
+            if (stamp is not None and src[0] is w.rowwise_data and src[1] is w.rowwise_scale_inv
+                    and src[2] is w.amax and stamp == (src[0]._version, src[1]._version, src[2]._version,
+                                                       self.value._version, w._version)):  # fmt: skip
+                return self.view
         return self._make(w, grad)
 
     def _make(self, w: NVFP4Tensor, grad: bool) -> torch.Tensor:

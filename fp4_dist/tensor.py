@@ -166,7 +166,7 @@ class NVFP4Tensor(torch.Tensor):
             cc = self.__dict__.get("_compute_copy")
             if cc is not None:
                 cc.epoch += 1
-        super().__setattr__(name, value)
+        _SETATTR(self, name, value)  # not super(): Megatron's grad hook sets `param.grad = None` every microbatch
 
     def compute_value(self) -> torch.Tensor:
         """The [M, K] model-dtype value that ops on this weight use (its compute copy when current).
@@ -279,6 +279,9 @@ class NVFP4Tensor(torch.Tensor):
         return handler(func, args, kwargs or _NO_KWARGS)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
+
+
+_SETATTR = torch.Tensor.__setattr__
 
 
 def _rebuild(shape, dtype, fields, numerics, requires_grad, compute_copy=True):
