@@ -397,7 +397,9 @@ def compute_alias(w: NVFP4Tensor) -> torch.Tensor:
         alias = w.clone()
     finally:
         _ALIAS_REQUEST.on = False
-    w._compute_copy.aliases.append(weakref.ref(alias))
+    cc = w._compute_copy
+    cc.live_aliases()  # forgets the dead ones: a weight that is never refreshed must not collect them
+    cc.aliases.append(weakref.ref(alias))
     return alias
 
 
