@@ -3,7 +3,7 @@
 Public API (everything else is internal and may change)::
 
     format      NVFP4Tensor, quantize, is_nvfp4_tensor, convert_linear_weights
-    compute     NVFP4Linear (fp4_dist.compute_view: a layer's cached view of its weight's compute copy)
+    compute     NVFP4Linear (fp4_dist.compute_view: a layer's cached alias of its weight's compute copy)
     zero        cast_master_weights_to_nvfp4 (= quantize_master_weights), post_all_gather_processing
 """
 

@@ -1,4 +1,5 @@
-"""A layer's plain view of its NVFP4 weight's compute copy: what lets a forward cost what a bf16 forward costs.
+"""A layer's view of its NVFP4 weight: a plain alias of the weight's compute copy, what lets a forward cost what a
+bf16 forward costs.
 
 An op on an NVFP4Tensor goes through PyTorch's Python dispatch (`NVFP4Tensor.__torch_dispatch__`) even when the
 compute copy is current: ~15-20 us of host time per use of a linear weight, what any wrapper-subclass parameter

@@ -38,7 +38,7 @@ def convert_linear_weights(
     """Replace every eligible nn.Linear weight (2D, K % 16 == 0) by an NVFP4 parameter, in place.
 
     A converted layer whose class is nn.Linear itself becomes an `NVFP4Linear` (an nn.Linear whose forward
-    computes with a cached plain view of the weight's compute copy, `fp4_dist.compute_view`: the host cost of a
+    computes with a cached plain alias of the weight's compute copy, `fp4_dist.compute_view`: the host cost of a
     bf16 forward); subclasses keep their class and forward and compute through the weight's dispatch, with the
     same values.
 

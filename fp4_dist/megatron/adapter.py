@@ -350,7 +350,7 @@ HOOKS: tuple[Hook, ...] = (
          "false for fp4_dist.NVFP4Tensor without reading `param.data` (an alias through Python dispatch, for every "
          "NVFP4 weight in every step's _copy_main_params_to_model_params; DO 1125-1127, 2868): same answer"),
     Hook((_TPL,), "ColumnParallelLinear._forward_impl", _make_forward_impl,
-         "compute with the layer's cached plain view of its NVFP4 weight's compute copy (fp4_dist.compute_view: "
+         "compute with the layer's cached plain alias of its NVFP4 weight's compute copy (fp4_dist.compute_view: "
          "one C++ autograd node to the parameter) instead of the parameter, whose every op goes through Python "
          "dispatch (~15-20 us per use); same values and gradients (layers 1094-1098)"),
     Hook((_TPL,), "RowParallelLinear._forward_impl", _make_forward_impl,
