@@ -18,7 +18,7 @@ on any difference. A cast marks its weights *pending* until the post-all-gather 
 through the all-gather buffer, which the weights' own counters do not see (`NVFP4Tensor.set_rowwise_storage`
 gives each weight counters of its own), so until the refresh every use gets a fresh dequantization instead
 of a copy the gather would silently outdate. A refresh overwrites the copy in place and bumps the version
-counters of the weight and of the layers' cached views of the copy, so a backward through a graph recorded with
+counters of the weight and of every alias of the copy a layer computes with (`fp4_dist.compute_view`), so a backward through a graph recorded with
 the previous values raises, as it does for a plain parameter changed in place.
 """
 
@@ -168,9 +168,9 @@ def _fields(weights) -> list:
 def _mark_refreshed(weights, fields: list, counted: Optional[list] = None) -> None:
     """`ComputeCopy.record` for every weight just refreshed from `fields` (`_fields(weights)`), in bulk: it runs
     every step for every weight."""
-    # The weights' own version counters first (views of a copy made by ops on a weight share the weight's counter)
-    # and the layers' cached views (counters of their own): this is what makes autograd refuse a graph recorded
-    # with the previous values.
+    # The weights' own version counters (views of a copy made by ops on a weight share the weight's counter) and
+    # those of the aliases layers compute with (counters of their own): this is what makes autograd refuse a graph
+    # recorded with the previous values.
     counted = counted if counted is not None else [w for w in weights if not w.is_inference()]
     torch.autograd.graph.increment_version(counted + [a for w in counted for a in w._compute_copy.live_aliases()])
     try:
