@@ -281,7 +281,9 @@ def main() -> None:
             print("| median step | " + " | ".join(f"{r[1]:.1f}" for r in runs) + " |")
             for k in names:
                 print(f"| {k} | " + " | ".join(f"{r[2].get(k, 0.0):.2f}" for r in runs) + " |")
-            print("\ncalls per step: " + "; ".join(f"{r[0]}: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(r[3].items()))
+            print("\nops reaching NVFP4Tensor's dispatch per step: " + "; ".join(
+                f"{r[0]} {sum(v for k, v in r[3].items() if k.startswith('NVFP4Tensor dispatch')):.1f}" for r in runs))
+            print("calls per step: " + "; ".join(f"{r[0]}: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(r[3].items()))
                                                   for r in runs if r[3]))  # fmt: skip
         shutdown()
         return
