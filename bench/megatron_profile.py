@@ -1,6 +1,7 @@
 """Where a Megatron step's host time goes: cProfile of the same steps with and without --fp4-param-gather.
 
-    torchrun --nproc-per-node 2 bench/megatron_profile.py [--model gpt256] [--steps 30] [--no-sync-check] [--gpu | --syncs | --phases]
+    torchrun --nproc-per-node 2 bench/megatron_profile.py [--model gpt256] [--steps 30] [--no-sync-check]
+        [--gpu | --syncs | --phases] [-- extra Megatron args, e.g. --overlap-param-gather --overlap-grad-reduce]
 
 Host-bound steps (small models) show every extra Python call of the NVFP4 path; rank 0 prints, for each mode,
 the median step time and the functions with the largest own time, then the fp4_dist functions by cumulative
@@ -253,8 +254,9 @@ def main() -> None:
     p.add_argument("--gpu", action="store_true", help="profile the device's kernels instead of the host")
     p.add_argument("--syncs", action="store_true", help="count the synchronising CUDA calls per step, by caller")
     p.add_argument("--phases", action="store_true", help="host time per step by phase (Megatron's and fp4_dist's)")
-    args = p.parse_args()
+    args, extra_args = p.parse_known_args()
     base = MODELS[args.model].split() + COMMON.replace("--fp4-master-digest", "").split()
+    base += [a for a in extra_args if a != "--"]  # Megatron's own flags, e.g. -- --overlap-param-gather
     base += ["--train-iters", str(args.steps), "--log-interval", str(10 * args.steps), "--lr-warmup-iters", "1"]
     if args.no_sync_check:
         from fp4_dist.optim import cast
