@@ -299,3 +299,17 @@ def test_converting_after_building_the_optimizer_is_refused_at_the_first_step():
     loss_of(model, data(0)).backward()
     with pytest.raises(ValueError, match=r"replaced by the NVFP4 weight '0.weight'.*build the optimizer"):
         opt.step()
+
+
+def test_training_steps_never_enter_the_weights_dispatch(dispatches):
+    model, init = mlp()
+    opt = Zero1Optimizer(model.parameters(), adam, master_init=init)
+    for step in range(4):
+        if step == 1:  # the first forward makes each layer's alias of its weight's copy (a dispatch per weight)
+            dispatches.clear()
+        loss_of(model, data(step)).backward()
+        opt.step()  # cast, all-gather, one refresh of every copy: the layers keep their aliases
+        opt.zero_grad()
+    assert dispatches == []
+    fp4_dist.quantize(torch.randn(16, 16)).t()
+    assert dispatches, "the fixture must see a dispatch (else this test cannot fail)"
