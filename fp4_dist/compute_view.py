@@ -18,7 +18,7 @@ of the copy, one plain tensor that
 
 Per use the layer checks that the copy is current (`ComputeCopy.fresh_for`, a few attribute reads) and passes the
 view where it passed the weight: a training step (cast, all-gather, one refresh of every copy) keeps the same view
-and node. When the copy is not current at a use (bytes changed by copy_, quantize_, load_state_dict, ...), the
+and node, and so do uses under no_grad (evaluation, the no_grad forward of reentrant activation checkpointing). When the copy is not current at a use (bytes changed by copy_, quantize_, load_state_dict, ...), the
 layer refreshes it and makes the view again; between a cast and its all-gather, with `compute_copy = False`, or
 under inference mode it passes the weight itself (the dispatch path, which handles those cases).
 
@@ -56,8 +56,11 @@ class ComputeView:
     def __call__(self, w: NVFP4Tensor) -> torch.Tensor:
         """The tensor to compute with in place of `w`: the cached view while it is current, else see `_make`."""
         cc = w._compute_copy
-        grad = w.requires_grad and torch.is_grad_enabled()
-        if w is self.weight and grad is self.grad and cc.value is self.value and not cc.pending:
+        enabled = torch.is_grad_enabled()
+        grad = enabled and w.requires_grad
+        # With grad off, a view made with grad serves as well (nothing is recorded): evaluation under no_grad, and
+        # the no_grad forward of reentrant activation checkpointing (Megatron's recompute), keep the one view.
+        if w is self.weight and (grad is self.grad or not enabled) and cc.value is self.value and not cc.pending:
             # ComputeCopy.fresh_for inlined (every use of every weight runs this), less its dtype test: a weight's
             # dtype changes only by a parameter swap (nn.Module._apply), and the layer drops its view before one.
             src, stamp = cc._src, cc._versions

@@ -235,13 +235,32 @@ def test_backward_through_a_graph_recorded_before_a_refresh_raises(refresh):
 
 def test_remade_views_do_not_pile_up_on_the_weight():
     lin = nvfp4_linear()
-    x = x_in()
-    for _ in range(50):  # each switch of grad mode makes the view again; nothing ever refreshes the copy
-        with torch.no_grad():
-            lin(x)
+    x = x_in().requires_grad_()
+    for i in range(50):  # each freeze or thaw makes the view again; nothing ever refreshes the copy
+        lin.weight.requires_grad_(i % 2 == 0)
         lin(x).sum().backward()
     gc.collect()
     assert len(lin.weight._compute_copy.aliases) <= 2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_grad_uses_and_reentrant_checkpointing_keep_the_view(dispatches, device):
+    from torch.utils.checkpoint import checkpoint
+
+    lin = nvfp4_linear(device=device)
+    ref = nvfp4_linear(device=device)
+    x = x_in(device=device).requires_grad_()
+    lin(x).sum().backward()
+    dispatches.clear()
+    for _ in range(3):  # forward under no_grad, recomputed with grad in the backward
+        checkpoint(lin, x, use_reentrant=True).sum().backward()
+        with torch.no_grad():
+            lin(x)
+    assert dispatches == []
+    lin.weight.grad = ref.weight.grad = None
+    checkpoint(lin, x, use_reentrant=True).sum().backward()
+    ref(x).sum().backward()
+    assert_bytes_equal(lin.weight.grad, ref.weight.grad, "weight gradient through the checkpoint")
 
 
 def test_no_grad_inference_mode_and_frozen_weights():
