@@ -100,11 +100,16 @@ class Paired(NamedTuple):
     bf16_ms: list[float]
     fp4_ms: list[float]
 
+    def _timed(self) -> tuple[list[float], list[float]]:  # after the warm-up, as `step_times` (all if that is all)
+        skip = WARMUP if len(self.fp4_ms) > WARMUP else 0
+        return self.fp4_ms[skip:], self.bf16_ms[skip:]
+
     def medians(self) -> tuple[float, float]:
-        return statistics.median(self.fp4_ms[WARMUP:]), statistics.median(self.bf16_ms[WARMUP:])
+        fp4, bf16 = self._timed()
+        return statistics.median(fp4), statistics.median(bf16)
 
     def pair_ratio(self) -> float:
-        return statistics.median(f / b for f, b in zip(self.fp4_ms[WARMUP:], self.bf16_ms[WARMUP:]))
+        return statistics.median(f / b for f, b in zip(*self._timed()))
 
 
 WARMUP = 5  # steps of each model left out of the medians (compilation, allocator warm-up)
@@ -203,8 +208,7 @@ def table(rounds: list[dict[str, list]], fp4b, gather, pair: Paired) -> tuple[li
                  f"{median_ms(*all_fp4):.1f} / {median_ms(*all_bf16):.1f} ms = {abba:.3f}", ""))
     f, b = pair.medians()
     ratio = f / b
-    what = (f"fp4 param gather vs plain bf16: median step, paired ({len(pair.fp4_ms) - WARMUP} alternating steps "
-            "each)")
+    what = (f"fp4 param gather vs plain bf16: median step, paired ({len(pair._timed()[0])} alternating steps each)")
     value = f"{f:.1f} / {b:.1f} ms = {ratio:.3f}; median per-pair ratio {pair.pair_ratio():.3f}"
     if torch.cuda.is_available():
         step_ok = ratio <= STEP_RATIO_LIMIT
@@ -219,6 +223,8 @@ def main() -> int:
     args, extra = parse()
     if args.rounds < 1:
         raise SystemExit("megatron_compare: --rounds must be >= 1")
+    if args.paired_steps is not None and args.paired_steps < 1:
+        raise SystemExit("megatron_compare: --paired-steps must be >= 1")
     model = MODELS["tiny" if args.tiny else args.model].split()
     base = model + COMMON.split() + ["--train-iters", str(args.steps), "--log-interval", str(args.log_interval),
                                      "--lr-warmup-iters", str(max(1, args.steps // 10))]
