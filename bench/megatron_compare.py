@@ -143,6 +143,10 @@ def paired(base: list[str], fp4: list[str], steps: int) -> Paired:
                 gc.collect()
     finally:
         gc.enable()
+    for s in sessions.values():  # as pretrain_gpt.train: no overlapped param all-gather left in flight
+        if s.model.ddp_config.overlap_param_gather:
+            s.model.disable_forward_pre_hook(param_sync=True)
+            s.model.enable_forward_pre_hook()
     result = Paired(times["bf16"], times["fp4"])
     if not dist.is_initialized() or dist.get_rank() == 0:
         f, b = result.medians()
