@@ -79,7 +79,7 @@ class ComputeView:
             refresh_compute_copies([w])
             if not cc.fresh_for(w):  # an inference tensor: nothing can prove a copy current
                 return w
-        view = compute_alias(w)  # one dispatch per copy (made again only when the copy is replaced or reallocated)
+        view = compute_alias(w)  # one dispatch; a training step's refresh keeps it (see the module docstring)
         self.weight, self.view, self.value, self.grad = w, view, cc.value, grad
         cc.views.add(self)  # so that turning the copy off frees its memory now, not at this layer's next use
         return view
