@@ -18,8 +18,9 @@ on any difference. A cast marks its weights *pending* until the post-all-gather 
 through the all-gather buffer, which the weights' own counters do not see (`NVFP4Tensor.set_rowwise_storage`
 gives each weight counters of its own), so until the refresh every use gets a fresh dequantization instead
 of a copy the gather would silently outdate. A refresh overwrites the copy in place and bumps the version
-counters of the weight and of every alias of the copy a layer computes with (`fp4_dist.compute_view`), so a backward through a graph recorded with
-the previous values raises, as it does for a plain parameter changed in place.
+counters of the weight and of every alias of the copy a layer computes with (`fp4_dist.compute_view`), so a
+backward through a graph recorded with the previous values raises, as it does for a plain parameter changed in
+place.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ class ComputeCopy:
 
     def live_aliases(self) -> list:
         """The aliases of `value` still alive (see `aliases`), forgetting the dead ones."""
-        live = [t for t in map(_call, self.aliases) if t is not None]
+        live = [t for t in (ref() for ref in self.aliases) if t is not None]
         if len(live) != len(self.aliases):
             self.aliases = [weakref.ref(t) for t in live]
         return live
@@ -108,10 +109,6 @@ class ComputeCopy:
                 "refreshes the compute copies",
                 stacklevel=4,
             )
-
-
-def _call(f):
-    return f()
 
 
 def _has_copy(w) -> bool:

@@ -365,14 +365,6 @@ def _mm(func, args, kwargs):
     return torch.mm(_value(a), _value(b))
 
 
-@_implements(aten.expand.default)
-def _expand(func, args, kwargs):
-    # Megatron's DDP takes each parameter's grad accumulator through `param.expand_as(param)`.
-    if kwargs:
-        return _compute(func, args, kwargs)
-    return args[0].compute_value().expand(args[1])
-
-
 @_implements(aten.detach.default, aten.alias.default)
 def _alias(func, args, kwargs):
     return args[0]._alias()
