@@ -108,11 +108,11 @@ def variants(m: int, k: int, tokens: int):
     floor = torch.nn.Parameter(PassThrough(w32.to(torch.bfloat16)))
 
     leaf = torch.nn.Parameter(PassThrough(w32.to(torch.bfloat16)))
-    views = {"bf16 via alias": (bf16.weight.clone(), bf16.weight), "subclass via alias": (leaf.clone(), leaf)}
-    assert all(type(v) is torch.Tensor and v.grad_fn is not None for v, _ in views.values())  # no dispatch per use
+    aliases = {"bf16 via alias": (bf16.weight.clone(), bf16.weight), "subclass via alias": (leaf.clone(), leaf)}
+    assert all(type(v) is torch.Tensor and v.grad_fn is not None for v, _ in aliases.values())  # no dispatch per use
 
-    def through_view(name):
-        v, w = views[name]
+    def through_alias(name):
+        v, w = aliases[name]
 
         def step():
             w.grad = x.grad = None
@@ -150,8 +150,8 @@ def variants(m: int, k: int, tokens: int):
 
     return {"bf16": module(bf16), "nvfp4": module(layer), "nvfp4 + refresh": with_refresh,
             "nvfp4 parameter": fwd_bwd(q), "nvfp4 per use": fwd_bwd(per_use), "(old) reference": old,
-            "subclass floor": fwd_bwd(floor), "bf16 via alias": through_view("bf16 via alias"),
-            "subclass via alias": through_view("subclass via alias")}  # fmt: skip
+            "subclass floor": fwd_bwd(floor), "bf16 via alias": through_alias("bf16 via alias"),
+            "subclass via alias": through_alias("subclass via alias")}  # fmt: skip
 
 
 def dequantize_vs_copy(m: int, k: int) -> dict:

@@ -87,9 +87,16 @@ def run(name: str, argv: list[str], what: str) -> pretrain_gpt.RunResult:
     return pretrain_gpt.main(argv)
 
 
+WARMUP = 5  # steps left out of every median (compilation, allocator warm-up)
+
+
+def after_warmup(ms: list[float]) -> list[float]:
+    """Step times after the first WARMUP (all of them when that is all there are)."""
+    return ms[WARMUP:] or ms
+
+
 def step_times(result: pretrain_gpt.RunResult) -> list[float]:
-    """Step times after the first 5 (compilation, allocator warm-up)."""
-    return [r.step_ms for r in result.records[5:]] or [r.step_ms for r in result.records]
+    return after_warmup([r.step_ms for r in result.records])
 
 
 def median_ms(*results: pretrain_gpt.RunResult) -> float:
@@ -100,9 +107,8 @@ class Paired(NamedTuple):
     bf16_ms: list[float]
     fp4_ms: list[float]
 
-    def _timed(self) -> tuple[list[float], list[float]]:  # after the warm-up, as `step_times` (all if that is all)
-        skip = WARMUP if len(self.fp4_ms) > WARMUP else 0
-        return self.fp4_ms[skip:], self.bf16_ms[skip:]
+    def _timed(self) -> tuple[list[float], list[float]]:
+        return after_warmup(self.fp4_ms), after_warmup(self.bf16_ms)
 
     def medians(self) -> tuple[float, float]:
         fp4, bf16 = self._timed()
@@ -111,8 +117,6 @@ class Paired(NamedTuple):
     def pair_ratio(self) -> float:
         return statistics.median(f / b for f, b in zip(*self._timed()))
 
-
-WARMUP = 5  # steps of each model left out of the medians (compilation, allocator warm-up)
 
 
 def paired(base: list[str], fp4: list[str], steps: int) -> Paired:
