@@ -125,14 +125,17 @@ class NVFP4Tensor(torch.Tensor):
                            compute_copy=self._compute_copy.enabled)  # fmt: skip
 
     def _alias(self) -> "NVFP4Tensor":
-        """A tensor sharing every field and the compute copy (detach, `.data`, a view to the same shape).
+        """A tensor sharing every field, the compute copy and the Python attributes (detach, `.data`, a view to the
+        same shape).
 
         Megatron's distributed optimizer reads `param.data` for every weight every step: the fields were
         checked when this weight was made, so the alias is not constructed and checked again (16 -> 7 us).
         """
         new = torch.Tensor._make_wrapper_subclass(NVFP4Tensor, self.shape, dtype=self.dtype, device=self.device)
-        d = self.__dict__
-        new.__dict__.update({f: d[f] for f in _ALIAS_STATE})
+        # The Python attributes beside the NVFP4 state come along (see `_carry_attributes`); being a Parameter
+        # does not: nn.Parameter sets that flag on its own detach.
+        new.__dict__.update(self.__dict__)
+        new.__dict__.pop("_is_param", None)
         return new
 
     # ------------------------------------------------------------------------------------------- numerics
@@ -442,7 +445,22 @@ def _to_copy(func, args, kwargs):
     device = kwargs.get("device", src.device)
     if dtype != src.dtype:  # w.float(), w.to(torch.float32): the value, not the container
         return src.dequantize(dtype).to(device)
-    return src._with_fields(lambda t: t.to(device=device, copy=True))
+    return _carry_attributes(src, src._with_fields(lambda t: t.to(device=device, copy=True)))
+
+
+def _carry_attributes(src: NVFP4Tensor, dst: NVFP4Tensor) -> NVFP4Tensor:
+    """Give `dst` the Python attributes `src` carries beside its NVFP4 state (Megatron's tensor-parallel
+    attributes, `get_high_precision_init_val`, a user's own).
+
+    `nn.Module._apply` (`.cuda()`, `.to(device)`, `.bfloat16()`, Megatron's Float16Module) moves a tensor-subclass
+    parameter by `swap_tensors(param, nn.Parameter(fn(param)))`, which swaps the objects' `__dict__`s: the
+    parameter keeps exactly the attributes of `nn.Parameter(fn(param))`, a detach of `fn(param)`. So both the
+    device move and the alias (detach, `.data`) carry them, as `param.data = ...` keeps them for a plain tensor.
+    """
+    extra = {k: v for k, v in src.__dict__.items() if k not in _ALIAS_STATE and k != "_is_param"}
+    if extra:
+        dst.__dict__.update(extra)
+    return dst
 
 
 @_implements(aten.copy_.default)

@@ -21,7 +21,9 @@ from typing import Optional
 __all__ = ["enable", "disable", "is_enabled"]
 
 
-def enable(*, cpu: Optional[bool] = None, allow_untested_version: bool = False, columnwise: bool = False) -> None:
+def enable(*, cpu: Optional[bool] = None, allow_untested_version: bool = False, columnwise: bool = False,
+           numerics: str = "te", compute_copy: bool = True, check_every: int = 0,
+           log_json: Optional[str] = None) -> None:  # fmt: skip
     """Install the hook table into megatron-core (idempotent).
 
     Args:
@@ -29,13 +31,18 @@ def enable(*, cpu: Optional[bool] = None, allow_untested_version: bool = False, 
         allow_untested_version: accept a megatron-core release outside the tested range.
         columnwise: build the NVFP4 weights' columnwise copies after every param all-gather (as
             TransformerEngine does). Off by default: the compute path reads the compute copies, not these.
+        numerics, compute_copy: for the weights converted when ``megatron.training`` wraps the model in DDP.
+        check_every: every N iterations of ``megatron.training``'s loop, check on every rank that the gathered
+            NVFP4 weights equal ``quantize(full fp32 master)`` (0: off).
+        log_json: rank 0 writes the run's record (losses, checks, master digests) to this path.
     Raises:
         RuntimeError for an unsupported megatron-core version or a missing hook target (nothing patched).
     """
     from . import adapter
 
-    adapter.install(cpu=cpu, allow_untested_version=allow_untested_version,
-                    options=adapter.AdapterOptions(columnwise=columnwise))  # fmt: skip
+    options = adapter.AdapterOptions(columnwise=columnwise, numerics=numerics, compute_copy=compute_copy,
+                                     check_every=check_every, log_json=log_json)  # fmt: skip
+    adapter.install(cpu=cpu, allow_untested_version=allow_untested_version, options=options)
 
 
 def disable() -> None:

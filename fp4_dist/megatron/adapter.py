@@ -22,6 +22,8 @@ so rank r's byte shard of a bucket is exactly half its element shard and holds e
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import inspect
 import math
 import threading
 from dataclasses import dataclass
@@ -34,12 +36,14 @@ from ..compute_view import compute_view, forget
 from ..buffers.layout import Span
 from ..format import check_even_boundary
 from . import cpu_compat
+from .monitor import MONITOR
 
-TESTED_VERSIONS = ("0.19.2",)
-"""megatron-core releases this table was checked against (by reading and by the CPU test suite)."""
-SUPPORTED_RANGE = ((0, 19, 2), (0, 20, 0))
-"""[low, high) range accepted by `check_megatron_version`: the NVFP4 code paths are byte-identical in
-0.19.2 and main (0.20.0.dev) per the notes, but 0.20 moves line numbers and has not been run here."""
+TESTED_VERSIONS = ("0.19.1", "0.19.2")
+"""megatron-core versions whose hook-table tests pass: the 0.19.2 wheel (CI) and a Megatron-LM ``core_r0.19.0``
+source checkout, which reports 0.19.1 and carries the same ``megatron/training`` and hooked modules."""
+SUPPORTED_RANGE = ((0, 19, 1), (0, 20, 0))
+"""[low, high) range accepted by `check_megatron_version`: the tested versions. 0.20 (main) moves line numbers
+and names the hooks rely on and has not been run here."""
 
 _PGB = "megatron.core.distributed.param_and_grad_buffer"
 _DO = "megatron.core.optimizer.distrib_optimizer"
@@ -49,6 +53,10 @@ _DDP = "megatron.core.distributed.distributed_data_parallel"
 _ARGS = "megatron.training.arguments"
 _ARGU = "megatron.training.argument_utils"
 _TPL = "megatron.core.tensor_parallel.layers"
+_TRAINING = "megatron.training.training"
+_INIT = "megatron.training.initialize"
+_DIST_UTILS = "megatron.training.models.dist_utils"
+_DATASET_UTILS = "megatron.core.datasets.utils"
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,13 @@ def _make_is_nvfp4tensor(original):
         return _tensor.is_nvfp4_tensor(tensor) or original(tensor)
 
     return is_nvfp4tensor
+
+
+def _is_any_nvfp4(tensor) -> bool:
+    """An fp4_dist weight or one of TransformerEngine's (Megatron's own test, through the patched binding)."""
+    from megatron.core import fp4_utils
+
+    return fp4_utils.is_nvfp4tensor(tensor)
 
 
 def _make_modify_storage(original):
@@ -145,6 +160,15 @@ class AdapterOptions:
     """Build the columnwise NVFP4 copies after every param all-gather, as TransformerEngine does. Nothing in
     Megatron's compute path through fp4_dist reads them (linears run on each weight's compute copy), so by
     default they are not built: ``columnwise_data`` stays None and ``make_columnwise()`` builds it on demand."""
+    numerics: str = "te"
+    """Block-scale formula of the weights converted when Megatron wraps the model in DDP ("te" or "te-2.14")."""
+    compute_copy: bool = True
+    """Converted weights keep a bf16 compute copy between updates (False: dequantize on every use)."""
+    check_every: int = 0
+    """Every N training iterations of ``megatron.training``'s loop, check on every rank that the gathered NVFP4
+    weights equal ``quantize(full fp32 master)`` and stop with an error if not (0: off)."""
+    log_json: Optional[str] = None
+    """Rank 0 writes the run's record here (per-iteration loss, checks, master digests; `monitor`)."""
 
 
 _options = AdapterOptions()
@@ -236,8 +260,69 @@ def _hiding_fp4_param_gather(original):
     return wrapper
 
 
+def _make_validate_args(original):
+    hidden = _hiding_fp4_param_gather(original)
+
+    def validate_args(args, *rest, **kwargs):
+        out = hidden(args, *rest, **kwargs)
+        refuse_unsupported_args(args)
+        return out
+
+    return validate_args
+
+
+def refuse_unsupported_args(args) -> None:
+    """Refuse, at start-up and on every rank, what fp4_dist's --fp4-param-gather path does not serve (each would
+    otherwise fail deep inside a step, or train on without a word), and a checkpoint load that fails upstream."""
+    problems = []
+    load = getattr(args, "load", None)
+    if (load and getattr(args, "ckpt_format", None) == "torch_dist" and _has_checkpoint(load)
+            and not _have_te_or_apex()):  # fmt: skip
+        problems.append(
+            f"--load {load} with --ckpt-format torch_dist: megatron-core without TransformerEngine or apex "
+            "cannot load a torch_dist distributed-optimizer checkpoint (distrib_optimizer.py asserts on the "
+            "torch.optim fallback's missing state, bf16 runs too); save and load with --ckpt-format torch")
+    if getattr(args, "fp4_param_gather", False):
+        unsupported = [
+            (getattr(args, "pipeline_model_parallel_size", 1) > 1, "--pipeline-model-parallel-size > 1"),
+            (bool(getattr(args, "num_experts", None)), "--num-experts (MoE)"),
+            (getattr(args, "transformer_impl", "local") == "transformer_engine",
+             "--transformer-impl transformer_engine (use --transformer-impl local)"),
+            (getattr(args, "fp16", False), "--fp16 (loss-scaled fp16 is not tested with NVFP4 weights; use --bf16)"),
+            (getattr(args, "async_save", False), "--async-save (needs the torch_dist format; use --ckpt-format torch)"),
+            (getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False),
+             "--use-torch-fsdp2 / --use-megatron-fsdp (for FSDP2 use fp4_dist.fsdp.fully_shard_nvfp4)"),
+            (not getattr(args, "use_distributed_optimizer", False), "a run without --use-distributed-optimizer"),
+            (getattr(args, "data_parallel_random_init", False), "--data-parallel-random-init"),
+            (getattr(args, "overlap_param_gather_with_optimizer_step", False),
+             "--overlap-param-gather-with-optimizer-step"),
+        ]
+        problems += [f"--fp4-param-gather with {what} is not supported by fp4_dist" for bad, what in unsupported
+                     if bad]  # fmt: skip
+    if problems:
+        raise ValueError("fp4_dist.megatron: " + "; ".join(problems))
+
+
+def _has_checkpoint(path: str) -> bool:
+    import os
+
+    return os.path.isfile(os.path.join(path, "latest_checkpointed_iteration.txt"))
+
+
+def _have_te_or_apex() -> bool:
+    from megatron.core.optimizer import distrib_optimizer
+
+    return bool(getattr(distrib_optimizer, "HAVE_APEX_OR_TE", False))
+
+
 def _make_ddp_init(original):
     def __init__(self, config, ddp_config, module, *args, **kwargs):
+        if ddp_config.fp4_param_gather and not any(_is_any_nvfp4(p) for p in module.parameters()):
+            raise ValueError(
+                "fp4_dist.megatron: the DDP config asks for fp4_param_gather but the model has no NVFP4 weight, so "
+                "the distributed optimizer would fail at its first step asking for TransformerEngine. Launch the "
+                "script through `python -m fp4_dist.megatron.run` (it converts the weights before DDP), or call "
+                "fp4_dist.megatron.model.convert_to_nvfp4(model, config) before wrapping the model in DDP")
         ours = [n for n, p in module.named_parameters() if _tensor.is_nvfp4_tensor(p)]
         if ours and not (ddp_config.fp4_param_gather and ddp_config.use_distributed_optimizer):
             raise ValueError(
@@ -308,6 +393,105 @@ def _make_apply(original):
     return _apply
 
 
+def _convert_before_ddp(chunks, ddp_config, data_parallel: str) -> None:
+    """Make the linear weights of every model chunk NVFP4 parameters when the run asks for
+    ``--fp4-param-gather``: the moment is Megatron's own, after ``.cuda()`` / Float16Module (which would swap the
+    parameters) and before DDP lays out its buffers and the distributed optimizer makes fp32 masters from each
+    weight's ``get_high_precision_init_val`` (the bf16 init)."""
+    if not getattr(ddp_config, "fp4_param_gather", False):
+        return
+    if data_parallel != "ddp":
+        raise ValueError(
+            f"fp4_dist.megatron: --fp4-param-gather through fp4_dist needs Megatron's DistributedDataParallel with "
+            f"the distributed optimizer; this run wraps the model in {data_parallel}. Drop --use-torch-fsdp2 / "
+            "--use-megatron-fsdp (or --fp4-param-gather); for PyTorch FSDP2 use fp4_dist.fsdp.fully_shard_nvfp4")
+    from megatron.core.utils import get_model_config
+
+    from .model import convert_to_nvfp4
+
+    converted = 0
+    for chunk in chunks:
+        converted += len(convert_to_nvfp4(chunk, get_model_config(chunk), numerics=_options.numerics,
+                                          compute_copy=_options.compute_copy))  # fmt: skip
+    if converted and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+        print(f"fp4_dist: {converted} linear weights converted to NVFP4 before DDP (their fp32 masters start "
+              "from the bf16 init)", flush=True)
+
+
+def _make_ddp_wrap(original):
+    signature = inspect.signature(original)
+
+    def _ddp_wrap(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        dp = ("Megatron FSDP" if a.get("use_megatron_fsdp") else "torch FSDP2" if a.get("use_torch_fsdp2")
+              else "ddp")  # fmt: skip
+        _convert_before_ddp(a["model"], a["ddp_config"], dp)
+        return original(*args, **kwargs)
+
+    return _ddp_wrap
+
+
+def _make_wrap_chunks(original):
+    signature = inspect.signature(original)
+
+    def wrap_model_chunks_with_ddp(*args, **kwargs):
+        from megatron.core.distributed import DistributedDataParallel
+
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        dp = "ddp" if a["DP"] is DistributedDataParallel else getattr(a["DP"], "__name__", str(a["DP"]))
+        _convert_before_ddp(a["model_chunks"], a["ddp_config"], dp)
+        return original(*args, **kwargs)
+
+    return wrap_model_chunks_with_ddp
+
+
+def _make_compile_helpers(original):
+    def compile_helpers():
+        # megatron.training's initialize runs `make` in megatron/core/datasets and exits the job when it fails;
+        # the megatron-core wheel ships the compiled module but no Makefile. A module that imports needs no build.
+        try:
+            importlib.import_module("megatron.core.datasets.helpers_cpp")
+            return None
+        except ImportError:
+            pass
+        if importlib.util.find_spec("pybind11") is None:  # the Makefile's build needs it; upstream would exit(1)
+            raise RuntimeError(
+                "fp4_dist.megatron: Megatron's dataset helpers (megatron/core/datasets/helpers_cpp) are not built "
+                "and cannot be: pybind11 is not installed. `pip install pybind11` (a Megatron-LM source checkout "
+                "builds them at start-up), or install the megatron-core wheel, which ships them compiled")
+        # The Makefile asks `python3` (from PATH) for pybind11's includes and the extension suffix: this
+        # interpreter's, also when its environment is not activated.
+        import os
+        import sys
+
+        path = os.environ.get("PATH", "")
+        os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), path])
+        try:
+            return original()
+        finally:
+            os.environ["PATH"] = path
+
+    return compile_helpers
+
+
+def _make_initialize_megatron(original):
+    def initialize_megatron(*args, **kwargs):
+        # initialize_megatron asserts CUDA unless allow_no_cuda; on CPU ranks the CPU layer stands in for it.
+        kwargs["allow_no_cuda"] = True
+        return original(*args, **kwargs)
+
+    return initialize_megatron
+
+
+def current_options() -> AdapterOptions:
+    """The options of the installed adapter (defaults when it is not installed)."""
+    return _options
+
+
 _GLOO = cpu_compat.GlooCoalescing()
 
 HOOKS: tuple[Hook, ...] = (
@@ -329,11 +513,33 @@ HOOKS: tuple[Hook, ...] = (
     Hook((_DO,), "pad_bucket_end", _make_pad_bucket_end,
          "bucket ends padded to lcm(2*dp, 128) so every rank's element shard is even (same as upstream unless "
          "dp is a multiple of 128; DO 542-550)"),
-    Hook((_ARGS,), "validate_args", _hiding_fp4_param_gather,
+    Hook((_ARGS,), "validate_args", _make_validate_args,
          "--fp4-param-gather selects fp4_dist here, not TransformerEngine: validate_args would demand --fp4-format "
-         "(TE >= 2.7); the flag is hidden from it and restored"),
-    Hook((_ARGU,), "core_transformer_config_from_args", _hiding_fp4_param_gather,
-         "the TransformerConfig's fp4_param would ask TE for NVFP4 model init; fp4_dist converts the weights itself"),
+         "(TE >= 2.7); the flag is hidden from it and restored, then what fp4_dist does not serve is refused at "
+         "start-up (refuse_unsupported_args)"),
+    Hook((_ARGU, _ARGS), "core_transformer_config_from_args", _hiding_fp4_param_gather,
+         "the TransformerConfig's fp4_param would ask TE for NVFP4 model init (and refuses it without --fp4-format); "
+         "fp4_dist converts the weights itself. Bound in argument_utils (its home, and gpt_config_from_args's) and "
+         "re-exported by arguments, where pretrain_gpt.py and gpt_builders.py import it from"),
+    Hook((_TRAINING,), "wrap_model_chunks_with_ddp", _make_wrap_chunks,
+         "the model_provider route (get_model): convert the linear weights to NVFP4 after .cuda() and Float16Module, "
+         "before DDP and the distributed optimizer (training.py 1570, 1880)"),
+    Hook((_DIST_UTILS,), "_ddp_wrap", _make_ddp_wrap,
+         "the model-builder route (GPTModelBuilder.build_distributed_models, pretrain_gpt.py's): the same moment "
+         "(models/dist_utils.py 189, after _wrap_with_mp_wrapper; a pre_wrap_hook runs before .cuda() and "
+         "Float16Module)"),
+    Hook((_DATASET_UTILS,), "compile_helpers", _make_compile_helpers,
+         "initialize_megatron runs `make` for the dataset helpers and exits when it fails; the wheel ships them "
+         "compiled without a Makefile: skip the build when the module imports"),
+    Hook((_TRAINING,), "setup_model_and_optimizer", MONITOR.wrap_setup,
+         "hand the model and optimizer pretrain() builds to fp4_dist.megatron.monitor (the master digest after "
+         "setup with AdapterOptions.log_json; nothing otherwise)"),
+    Hook((_TRAINING,), "train_step", MONITOR.wrap_train_step,
+         "after each of megatron.training's steps: the parity check every AdapterOptions.check_every iterations "
+         "and the run record (both off by default: the step is passed through)"),
+    Hook((_INIT, _TRAINING), "initialize_megatron", _make_initialize_megatron,
+         "initialize.py:66 asserts torch.cuda.is_available() unless allow_no_cuda; the CPU layer covers the rest",
+         cpu_only=True),
     Hook((_ARGS,), "get_device_arch_version", lambda original: (lambda: 0),
          "validate_args reads the CUDA architecture for tensor parallel performance hints; a CPU rank has none",
          cpu_only=True),
@@ -391,8 +597,9 @@ def check_megatron_version(version: str) -> None:
             f"fp4_dist.megatron supports megatron-core >= {'.'.join(map(str, low))}, < {'.'.join(map(str, high))} "
             f"(tested: {', '.join(TESTED_VERSIONS)}); found {version}. Its hooks patch named internals of "
             "DistributedOptimizer and _ParamAndGradBuffer that other releases may lay out differently. Install "
-            f"megatron-core=={TESTED_VERSIONS[-1]}, or pass allow_untested_version=True (--fp4-allow-untested-megatron) "
-            "to try anyway"
+            f"megatron-core=={TESTED_VERSIONS[-1]} (or check out Megatron-LM's core_r0.19.0 branch), or try anyway "
+            "with `python -m fp4_dist.megatron.run --allow-untested-megatron ...` (enable(allow_untested_version=True) "
+            "in your own script)"
         )
 
 
@@ -490,6 +697,7 @@ def install(*, cpu: Optional[bool] = None, allow_untested_version: bool = False,
             setattr(owner, attr, originals[key])
             done.append((owner, attr, original, owned))
         _installed, _options = done, options
+        MONITOR.reset()
 
 
 def uninstall() -> None:

@@ -105,6 +105,10 @@ def _cuda_api_stand_ins() -> dict[tuple[Any, str], Any]:
     cuda, cuda_random = torch.cuda, torch.cuda.random
     return {
         (cuda, "current_device"): lambda: torch.device("cpu"),
+        # megatron.training's initialize sets up its model-parallel groups and seeds its RNG tracker only when it
+        # counts a device; the one "device" is the CPU, which set_device has nothing to select on.
+        (cuda, "device_count"): lambda: 1,
+        (cuda, "set_device"): lambda *a, **k: None,
         (cuda, "current_stream"): lambda *a, **k: _NullStream(),
         (cuda, "default_stream"): lambda *a, **k: _NullStream(),
         (cuda, "Stream"): _NullStream,

@@ -27,6 +27,7 @@ from torch.nn.utils import parametrize
 
 from ..format import TILE
 from ..quantize import quantize
+from ..tensor import is_nvfp4_tensor
 
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -90,11 +91,45 @@ def build_gpt_model(
 
 
 def _gpt(model: nn.Module) -> GPTModel:
+    from megatron.core.distributed import DistributedDataParallel
+
+    outer = type(model).__name__
     while not isinstance(model, GPTModel):
+        if isinstance(model, DistributedDataParallel):
+            raise ValueError(
+                "fp4_dist.megatron: convert_to_nvfp4 got a model already wrapped in DistributedDataParallel; its "
+                "buffers were laid out for bf16 weights, so NVFP4 weights put in now would never be cast from the "
+                "updated masters. Convert the model before wrapping it in DDP (after Float16Module and .cuda()), "
+                "or run through `python -m fp4_dist.megatron.run`, which converts at that moment")
         if not hasattr(model, "module"):
-            raise TypeError(f"expected a GPTModel (possibly wrapped in .module), got {type(model).__name__}")
+            raise TypeError(
+                f"fp4_dist.megatron: --fp4-param-gather converts the transformer-layer linear weights of Megatron's "
+                f"GPTModel (possibly wrapped in Float16Module); this model is a {outer}, which fp4_dist does not "
+                "convert. Drop --fp4-param-gather for it")
         model = model.module
     return model
+
+
+def _check_supported(gpt: GPTModel, config: TransformerConfig) -> None:
+    """Refuse the model parts whose weights fp4_dist cannot make NVFP4 parameters, before any is converted."""
+    if getattr(config, "num_moe_experts", None):
+        raise ValueError(
+            f"fp4_dist.megatron: --fp4-param-gather with MoE layers (num_moe_experts={config.num_moe_experts}) is "
+            "not supported: the experts' grouped weights are not NVFP4 parameters here. Drop --num-experts or "
+            "--fp4-param-gather")
+    layer = gpt.decoder.layers[0] if len(gpt.decoder.layers) else None
+    linear = getattr(getattr(layer, "self_attention", None), "linear_qkv", None)
+    if linear is not None and type(linear).__module__.startswith("megatron.core.extensions.transformer_engine"):
+        raise ValueError(
+            "fp4_dist.megatron: --fp4-param-gather needs Megatron's local transformer layers (--transformer-impl "
+            f"local); this model's linears are TransformerEngine modules ({type(linear).__name__}), whose own NVFP4 "
+            "path needs a Blackwell GPU")
+    for name, p in gpt.named_parameters():
+        if hasattr(p, "main_grad"):
+            raise ValueError(
+                f"fp4_dist.megatron: {name} already has a DDP main_grad: the model was wrapped in "
+                "DistributedDataParallel before the conversion. Convert it first (after Float16Module and .cuda(), "
+                "before DDP)")
 
 
 def _bf16_layer(layer_number: int, config: TransformerConfig) -> bool:
@@ -164,8 +199,17 @@ def _clear_init(self) -> None:
 
 def convert_to_nvfp4(model: nn.Module, config: TransformerConfig, *, numerics: str = "te",
                      compute_copy: bool = True) -> list[str]:  # fmt: skip
-    """Replace the NVFP4-eligible linear weights by ``nn.Parameter(NVFP4Tensor)`` in place; returns names."""
-    named = _linear_modules(model, config)
+    """Replace the NVFP4-eligible linear weights by ``nn.Parameter(NVFP4Tensor)`` in place; returns names.
+
+    Call it after ``.cuda()`` and Float16Module and before DistributedDataParallel (a DDP-wrapped model is
+    refused); weights that are NVFP4 already are left as they are, so a second call changes nothing. Each new
+    parameter keeps the old one's Python attributes and serves its bf16 value through
+    ``get_high_precision_init_val``, so the distributed optimizer's fp32 master starts from the bf16 init.
+    Raises for models and layers fp4_dist does not convert (not a GPTModel, MoE, TransformerEngine linears),
+    before any weight is converted.
+    """
+    _check_supported(_gpt(model), config)
+    named = [(n, m) for n, m in _linear_modules(model, config) if not is_nvfp4_tensor(m.weight)]
     _check_k(named)
     for name, module in named:
         old = module.weight
@@ -216,6 +260,4 @@ def apply_fake_quant(model: nn.Module, config: TransformerConfig, *, numerics: s
 
 def nvfp4_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """(name, parameter) of every NVFP4 parameter of ``model``, in ``named_parameters`` order."""
-    from ..tensor import is_nvfp4_tensor
-
     return [(n, p) for n, p in model.named_parameters() if is_nvfp4_tensor(p)]

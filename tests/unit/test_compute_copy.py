@@ -213,13 +213,15 @@ def test_aliases_share_one_copy_and_clones_get_their_own():
     assert_bytes_equal(clone.compute_value(), w.compute_value(), "clone's value")
 
 
-def test_data_and_detach_share_every_field_but_not_the_parameters_attributes():
+def test_data_and_detach_share_every_field_and_the_parameters_python_attributes():
     lin = nvfp4_linear()
     w = lin.weight
     w.make_columnwise()
-    w.main_grad = torch.zeros(M, K)  # what Megatron hangs on a parameter: not part of the weight
+    w.tensor_model_parallel = True  # what Megatron hangs on a parameter; nn.Module._apply keeps exactly the
+    # attributes of nn.Parameter(fn(param)), a detach, so an alias must carry them (test_module_apply below)
     for alias in (w.data, w.detach()):
-        assert type(alias) is type(w) and not alias.requires_grad and not hasattr(alias, "main_grad")
+        assert type(alias) is type(w) and not alias.requires_grad and alias.tensor_model_parallel is True
+        assert not isinstance(alias, torch.nn.Parameter) and "_is_param" not in vars(alias)
         assert (alias.shape, alias.dtype, alias.device, alias.numerics) == (w.shape, w.dtype, w.device, w.numerics)
         for f in ("rowwise_data", "rowwise_scale_inv", "amax", "columnwise_data", "columnwise_scale_inv"):
             assert getattr(alias, f) is getattr(w, f), f

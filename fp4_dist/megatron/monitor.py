@@ -1,0 +1,144 @@
+"""What fp4_dist watches inside ``megatron.training``'s own loop: the parity check and the run record.
+
+Two adapter rows hand Megatron's ``setup_model_and_optimizer`` and ``train_step`` to `Monitor`, which does nothing
+unless the run asks (`AdapterOptions.check_every`, `AdapterOptions.log_json`; the launcher's ``--check-every`` and
+``--log-json``):
+
+- every N iterations, on every rank, the gathered NVFP4 weights are compared with ``quantize(full fp32 master)``
+  (`parity.check_nvfp4_weights`, after a forced param sync so that an overlapped all-gather has landed); a
+  mismatch on any rank stops the run with an error on every rank;
+- rank 0 writes a JSON record after setup and after every iteration: the digest of every full fp32 master after
+  setup (a fresh run's equals a bf16 run's init; a resumed run's equals the saved masters), each iteration's
+  loss, grad norm and check, and the masters' digest at the last iteration.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..tensor import is_nvfp4_tensor
+from . import parity
+
+
+class Monitor:
+    """State of one run: the model and optimizer Megatron built, and the record so far."""
+
+    def __init__(self) -> None:
+        self.model: Optional[list] = None
+        self.optimizer: Any = None
+        self.record: dict[str, Any] = {"iterations": []}
+
+    def reset(self) -> None:
+        self.__init__()
+
+    # -------------------------------------------------------------------------------------- the two rows
+    def wrap_setup(self, original):
+        def setup_model_and_optimizer(*args, **kwargs):
+            out = original(*args, **kwargs)
+            model, optimizer = out[0], out[1]
+            self.model, self.optimizer = (model if isinstance(model, list) else [model]), optimizer
+            options = _options()
+            if options.log_json and optimizer is not None:
+                self.record["nvfp4_weights"] = sum(is_nvfp4_tensor(p) for m in self.model for p in m.parameters())
+                self.record["master_digest_after_setup"] = self.master_digest()
+                self._write(options.log_json)
+            return out
+
+        return setup_model_and_optimizer
+
+    def wrap_train_step(self, original):
+        def train_step(*args, **kwargs):
+            out = original(*args, **kwargs)
+            options = _options()
+            if not (options.check_every or options.log_json) or self.optimizer is None:
+                return out
+            from megatron.training.global_vars import get_args
+
+            iteration = kwargs.get("iteration")
+            iteration = (get_args().curr_iteration if iteration is None else iteration) + 1  # the one just done
+            entry: dict[str, Any] = {"iteration": iteration, "loss": _loss(out[0]), "skipped": bool(out[1]),
+                                     "grad_norm": _float(out[5])}  # fmt: skip
+            if options.check_every and iteration % options.check_every == 0:
+                entry["check"] = self.check(iteration)
+            last = iteration == get_args().train_iters
+            if options.log_json:
+                self.record["iterations"].append(entry)
+                if last:
+                    self.record["master_digest_final"] = self.master_digest()
+                self._write(options.log_json)
+            return out
+
+        return train_step
+
+    # -------------------------------------------------------------------------------------------- checks
+    def check(self, iteration: int) -> str:
+        """Parity of every NVFP4 weight on every rank; raises on a mismatch anywhere, else returns a summary."""
+        from megatron.training.training import force_param_sync
+
+        force_param_sync(self.model, self.optimizer)  # an overlapped all-gather must have landed
+        weights = checked = 0
+        mismatches: list[str] = []
+        for chunk in self.model:
+            report = parity.check_nvfp4_weights(chunk, self.optimizer)
+            weights, checked, mismatches = weights + report.weights, checked + report.bytes_checked, \
+                mismatches + report.mismatches  # fmt: skip
+        bad = torch.tensor([float(bool(mismatches))], device=_collective_device())
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if bad.item():
+            mine = "; ".join(mismatches[:3]) or "this rank matched; see the other ranks"
+            raise RuntimeError(f"fp4_dist: iteration {iteration}: the gathered NVFP4 weights differ from "
+                               f"quantize(full fp32 master) on some rank (rank {dist.get_rank()}: {mine})")
+        summary = f"ok ({weights} weights, {checked} bytes on rank {dist.get_rank()})"
+        if dist.get_rank() == 0:
+            print(f"fp4_dist: iteration {iteration}: gathered NVFP4 weights == quantize(master) on every rank: "
+                  f"{summary}", flush=True)
+        return summary
+
+    def master_digest(self) -> str:
+        """sha256 over every rank's digest of its full fp32 masters (a collective over the whole job)."""
+        local = "".join(parity.master_digest(chunk, self.optimizer) for chunk in self.model)
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, local)
+        return hashlib.sha256("".join(every).encode()).hexdigest()
+
+    def _write(self, path: str) -> None:
+        if dist.get_rank() != 0:
+            return
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.record, f, indent=1)
+        os.replace(tmp, path)
+
+
+def _options():
+    from .adapter import current_options
+
+    return current_options()
+
+
+def _collective_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _float(x) -> Optional[float]:
+    if x is None:
+        return None
+    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
+
+
+def _loss(loss_dict) -> Optional[float]:
+    if not loss_dict:
+        return None
+    value = loss_dict.get("lm loss", next(iter(loss_dict.values())))
+    if isinstance(value, torch.Tensor) and value.numel() == 2:  # (sum, tokens) as Megatron's loss_func reports
+        return float(value[0] / value[1])
+    return _float(value)
+
+
+MONITOR = Monitor()

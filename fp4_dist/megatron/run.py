@@ -1,0 +1,160 @@
+"""Run a Megatron-LM training script with fp4_dist as the backend of its ``--fp4-param-gather``.
+
+    torchrun --nproc-per-node 8 -m fp4_dist.megatron.run pretrain_gpt.py <Megatron arguments> --fp4-param-gather
+
+The script runs unmodified (Megatron-LM's own ``pretrain_gpt.py``, or any script around
+``megatron.training.pretrain``); before it starts, this launcher
+
+- finds the job's ranks: torchrun (or any launcher that sets ``RANK``/``WORLD_SIZE``), ``mpirun``/``mpiexec``
+  (mpi4py), ``srun`` (SLURM's step variables), or none (one rank); Megatron's initialization reads the torchrun
+  variables, which it sets for the others;
+- installs `fp4_dist.megatron.enable()`: ``--fp4-param-gather`` then means fp4_dist's NVFP4 weights (no
+  TransformerEngine; Hopper GPUs and CPU ranks), the linear weights become NVFP4 parameters inside Megatron's own
+  build path (after ``.cuda()`` and Float16Module, before DDP), and what fp4_dist does not serve is refused at
+  start-up;
+- on a machine without CUDA, adds ``--distributed-backend gloo`` and runs Megatron on CPU ranks through fp4_dist's
+  CPU layer; without TransformerEngine, adds ``--transformer-impl local`` (each addition is printed, and a value
+  given on the command line wins).
+
+Options before the script path are the launcher's (``--help``); everything after it goes to the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import runpy
+import sys
+from typing import Optional, Sequence
+
+from .. import launch
+
+USAGE = "python -m fp4_dist.megatron.run [launcher options] SCRIPT.py [script arguments]"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m fp4_dist.megatron.run", usage=USAGE,
+        description="Run a Megatron-LM training script (e.g. pretrain_gpt.py) with fp4_dist as the backend of "
+                    "--fp4-param-gather: no TransformerEngine, Hopper GPUs and CPU ranks.")  # fmt: skip
+    p.add_argument("--check-every", type=int, default=0, metavar="N",
+                   help="every N iterations, check on every rank that the gathered NVFP4 weights equal "
+                        "quantize(full fp32 master); stop with an error if not (0: off)")
+    p.add_argument("--log-json", default=None, metavar="PATH",
+                   help="rank 0 writes the run's record here: per-iteration loss and grad norm, checks, and the "
+                        "digest of every fp32 master after setup and at the last iteration")
+    p.add_argument("--numerics", default="te", choices=("te", "te-2.14"),
+                   help="NVFP4 block-scale formula (TransformerEngine main, or its v2.14 variant)")
+    p.add_argument("--columnwise", action="store_true",
+                   help="also build the columnwise NVFP4 copies after every param all-gather, as TransformerEngine "
+                        "does (nothing in the compute path reads them)")
+    p.add_argument("--no-compute-copy", action="store_true",
+                   help="dequantize NVFP4 weights on every use instead of keeping a bf16 copy between updates")
+    p.add_argument("--allow-untested-megatron", action="store_true",
+                   help="run with a megatron-core version outside the tested range")
+    p.add_argument("script", help="the training script, e.g. Megatron-LM's pretrain_gpt.py")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments (Megatron's)")
+    return p
+
+
+# ---------------------------------------------------------------------------------------------- ranks
+def export_rank_environment(environ=os.environ) -> str:
+    """Set ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` from whatever launched this
+    process, the way torchrun would; returns the launcher's name. Raises RuntimeError for a launch it cannot
+    serve (every rank raises alike: each reads its own environment)."""
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in environ]
+        if missing:
+            raise RuntimeError(f"RANK and WORLD_SIZE are set but {' and '.join(missing)} not: set them, or launch "
+                               "with torchrun")
+        environ.setdefault("LOCAL_RANK", "0")
+        return "torchrun"
+    if "SLURM_STEP_ID" in environ and "SLURM_PROCID" in environ:
+        return _export_slurm(environ)
+    if launch.launched_by() == "mpi":
+        launch.export_mpi_env()  # raises with the remedy when mpi4py is missing
+        return "mpi"
+    environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    environ.setdefault("MASTER_PORT", str(launch._free_port()))
+    return "single"
+
+
+def _export_slurm(environ) -> str:
+    tasks = int(environ.get("SLURM_STEP_NUM_TASKS", environ.get("SLURM_NTASKS", "1")))
+    nodes = int(environ.get("SLURM_STEP_NUM_NODES", environ.get("SLURM_NNODES", "1")))
+    if "MASTER_ADDR" not in environ:
+        if nodes > 1:
+            raise RuntimeError(
+                f"srun started {tasks} tasks on {nodes} nodes but MASTER_ADDR is not set: export it to the first "
+                "node's address before srun (e.g. MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | "
+                "head -n 1)), and MASTER_PORT to a free port")
+        environ["MASTER_ADDR"] = "127.0.0.1"
+    # Every task derives the same port from the job and step, so no task has to tell the others.
+    environ.setdefault("MASTER_PORT", str(20000 + (int(environ.get("SLURM_JOB_ID", "0")) * 7
+                                                   + int(environ["SLURM_STEP_ID"] or 0)) % 30000))  # fmt: skip
+    environ.update(RANK=environ["SLURM_PROCID"], WORLD_SIZE=str(tasks),
+                   LOCAL_RANK=environ.get("SLURM_LOCALID", "0"))  # fmt: skip
+    return "srun"
+
+
+# --------------------------------------------------------------------------------------- script arguments
+def _given(args: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def platform_arguments(script_args: Sequence[str], *, cuda: bool, have_te: bool) -> list[str]:
+    """Megatron flags this machine needs that the command line does not give (what each is for: the module
+    docstring)."""
+    added = []
+    if not cuda and not _given(script_args, "--distributed-backend"):
+        added += ["--distributed-backend", "gloo"]
+    if not have_te and not _given(script_args, "--transformer-impl"):
+        added += ["--transformer-impl", "local"]
+    return added
+
+
+def refuse_launch(script_args: Sequence[str]) -> None:
+    """What this launcher refuses whatever the run: the checkpoint worker Megatron spawns for --async-save is a
+    fresh interpreter that fp4_dist's set-up (the adapter, the Python 3.11 shim, the CPU layer) never reaches."""
+    if _given(script_args, "--async-save"):
+        raise RuntimeError("fp4_dist.megatron.run: --async-save is not supported: Megatron's checkpoint worker "
+                           "process starts without fp4_dist. Drop it (saves then block the step while they write)")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    opts = _parser().parse_args(argv)
+    script = opts.script
+    if not os.path.isfile(script):
+        raise SystemExit(f"fp4_dist.megatron.run: no such script: {script}\nusage: {USAGE}")
+    import torch
+
+    launcher = export_rank_environment()
+    rank0 = os.environ["RANK"] == "0"
+    refuse_launch(opts.script_args)
+    cuda = torch.cuda.is_available()
+    have_te = importlib.util.find_spec("transformer_engine") is not None
+    added = platform_arguments(opts.script_args, cuda=cuda, have_te=have_te)
+    if rank0:
+        note = f"; added {' '.join(added)}" if added else ""
+        print(f"fp4_dist.megatron.run: {script} on {os.environ['WORLD_SIZE']} rank(s) ({launcher}, "
+              f"{'CUDA' if cuda else 'CPU'}){note}", flush=True)
+
+    from . import adapter, enable
+
+    adapter.python_311_shim()
+    # The script's own folder first on the path, as `python script.py` would have it (pretrain_gpt.py imports
+    # gpt_builders and model_provider from beside it).
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    enable(allow_untested_version=opts.allow_untested_megatron, columnwise=opts.columnwise,
+           numerics=opts.numerics, compute_copy=not opts.no_compute_copy, check_every=opts.check_every,
+           log_json=opts.log_json)  # fmt: skip
+    sys.argv = [script, *opts.script_args, *added]
+    runpy.run_path(script, run_name="__main__")
+    launch.shutdown()  # not after an error: its barrier would wait for ranks that may never come
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
