@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.megatron_compare import COMMON, MODELS  # noqa: E402
-from fp4_dist.examples import megatron_pretrain_gpt as pretrain_gpt  # noqa: E402
+from examples import megatron_pretrain_gpt as pretrain_gpt  # noqa: E402
 from fp4_dist.launch import shutdown  # noqa: E402
 
 WARMUP_STEPS = 5

@@ -7,8 +7,8 @@ cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONUNBUFFERED=1
 if [[ " $* " == *" --help "* || " $* " == *" -h "* ]]; then  # once, not once per rank
-  exec .venv/bin/python -m fp4_dist.examples.train_lm --help
+  exec .venv/bin/python -m examples.train_lm --help
 fi
 ngpu=$(.venv/bin/python -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
 nproc=${NPROC:-$([[ "$ngpu" -gt 0 ]] && echo "$ngpu" || echo 2)}
-exec .venv/bin/torchrun --standalone --nproc-per-node "$nproc" -m fp4_dist.examples.train_lm "$@"
+exec .venv/bin/torchrun --standalone --nproc-per-node "$nproc" -m examples.train_lm "$@"

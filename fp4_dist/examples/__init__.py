@@ -1,1 +1,1 @@
-"""Runnable examples: a small language model trained with ZeRO-1 and an NVFP4 parameter all-gather."""
+"""Deprecated home of the example applications, now ``examples/`` at the repository root (not installed)."""

@@ -41,10 +41,6 @@ from .monitor import MONITOR
 TESTED_VERSIONS = ("0.19.1", "0.19.2")
 """megatron-core versions whose hook-table tests pass: the 0.19.2 wheel (CI) and a Megatron-LM ``core_r0.19.0``
 source checkout, which reports 0.19.1 and carries the same ``megatron/training`` and hooked modules."""
-SUPPORTED_RANGE = ((0, 19, 1), (0, 20, 0))
-"""[low, high) range accepted by `check_megatron_version`: the tested versions. 0.20 (main) moves line numbers
-and names the hooks rely on and has not been run here."""
-
 _PGB = "megatron.core.distributed.param_and_grad_buffer"
 _DO = "megatron.core.optimizer.distrib_optimizer"
 _FP4 = "megatron.core.fp4_utils"
@@ -282,6 +278,15 @@ def refuse_unsupported_args(args) -> None:
             f"--load {load} with --ckpt-format torch_dist: megatron-core without TransformerEngine or apex "
             "cannot load a torch_dist distributed-optimizer checkpoint (distrib_optimizer.py asserts on the "
             "torch.optim fallback's missing state, bf16 runs too); save and load with --ckpt-format torch")
+    step = getattr(args, "ckpt_step", None)
+    if (load and step is not None and getattr(args, "ckpt_format", None) == "torch"
+            and getattr(args, "use_distributed_optimizer", False) and _latest_iteration(load) not in (None, step)):
+        problems.append(
+            f"--ckpt-step {step} with --ckpt-format torch: megatron-core loads the model from iteration {step} but "
+            f"the distributed optimizer's fp32 masters from the latest iteration ({_latest_iteration(load)}, "
+            "checkpointing.py reads the tracker file), so the run would silently continue from mismatched "
+            f"weights; copy iter_{step:07d} into a folder of its own (with latest_checkpointed_iteration.txt "
+            f"saying {step}) and --load that")
     if getattr(args, "fp4_param_gather", False):
         unsupported = [
             (getattr(args, "pipeline_model_parallel_size", 1) > 1, "--pipeline-model-parallel-size > 1"),
@@ -307,6 +312,17 @@ def _has_checkpoint(path: str) -> bool:
     import os
 
     return os.path.isfile(os.path.join(path, "latest_checkpointed_iteration.txt"))
+
+
+def _latest_iteration(path: str) -> Optional[int]:
+    import os
+
+    try:
+        with open(os.path.join(path, "latest_checkpointed_iteration.txt")) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
 
 
 def _have_te_or_apex() -> bool:
@@ -589,18 +605,17 @@ def _parse_version(version: str) -> tuple[int, int, int]:
 
 
 def check_megatron_version(version: str) -> None:
-    """Raise RuntimeError unless ``version`` lies in `SUPPORTED_RANGE` (the hook table names line-level facts)."""
-    low, high = SUPPORTED_RANGE
-    v = _parse_version(version)
-    if not (low <= v < high):
-        raise RuntimeError(
-            f"fp4_dist.megatron supports megatron-core >= {'.'.join(map(str, low))}, < {'.'.join(map(str, high))} "
-            f"(tested: {', '.join(TESTED_VERSIONS)}); found {version}. Its hooks patch named internals of "
-            "DistributedOptimizer and _ParamAndGradBuffer that other releases may lay out differently. Install "
-            f"megatron-core=={TESTED_VERSIONS[-1]} (or check out Megatron-LM's core_r0.19.0 branch), or try anyway "
-            "with `python -m fp4_dist.megatron.run --allow-untested-megatron ...` (enable(allow_untested_version=True) "
-            "in your own script)"
-        )
+    """Raise RuntimeError unless ``version`` is one of `TESTED_VERSIONS` (the hook table names line-level facts of
+    exactly those; a later patch release is accepted once the tests pass against it and it is added there)."""
+    if _parse_version(version) in {_parse_version(v) for v in TESTED_VERSIONS}:
+        return
+    raise RuntimeError(
+        f"fp4_dist.megatron is tested with megatron-core {' and '.join(TESTED_VERSIONS)} (a Megatron-LM core_r0.19.0 "
+        f"checkout reports 0.19.1); found {version}. Its hooks patch named internals of DistributedOptimizer, "
+        "_ParamAndGradBuffer and megatron.training that other releases may lay out differently. Install "
+        f"megatron-core=={TESTED_VERSIONS[-1]} (or check out Megatron-LM's core_r0.19.0 branch), or try anyway with "
+        "`python -m fp4_dist.megatron.run --allow-untested-megatron ...` (enable(allow_untested_version=True) in "
+        "your own script)")
 
 
 def installed_megatron_version() -> str:

@@ -44,7 +44,11 @@ class Monitor:
             model, optimizer = out[0], out[1]
             self.model, self.optimizer = (model if isinstance(model, list) else [model]), optimizer
             options = _options()
-            if options.log_json and optimizer is not None:
+            if optimizer is None:
+                return out
+            if options.check_every:  # the weights set up (from the init, or loaded from a checkpoint) too
+                self.record["check_after_setup"] = self.check(0)
+            if options.log_json:
                 self.record["nvfp4_weights"] = sum(is_nvfp4_tensor(p) for m in self.model for p in m.parameters())
                 self.record["master_digest_after_setup"] = self.master_digest()
                 self._write(options.log_json)
@@ -96,16 +100,19 @@ class Monitor:
                                f"quantize(full fp32 master) on some rank (rank {dist.get_rank()}: {mine})")
         summary = f"ok ({weights} weights, {checked} bytes on rank {dist.get_rank()})"
         if dist.get_rank() == 0:
-            print(f"fp4_dist: iteration {iteration}: gathered NVFP4 weights == quantize(master) on every rank: "
+            print(f"fp4_dist: {f'iteration {iteration}' if iteration else 'after setup'}: gathered NVFP4 weights == quantize(master) on every rank: "
                   f"{summary}", flush=True)
         return summary
 
     def master_digest(self) -> str:
-        """sha256 over every rank's digest of its full fp32 masters (a collective over the whole job)."""
+        """sha256 over the full fp32 masters of every model-parallel slice (a collective over the whole job): the
+        same for the same masters at any data-parallel size."""
+        from megatron.core import parallel_state
+
         local = "".join(parity.master_digest(chunk, self.optimizer) for chunk in self.model)
         every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, local)
-        return hashlib.sha256("".join(every).encode()).hexdigest()
+        dist.all_gather_object(every, (parallel_state.get_data_parallel_rank(), local))
+        return hashlib.sha256("".join(d for dp_rank, d in every if dp_rank == 0).encode()).hexdigest()
 
     def _write(self, path: str) -> None:
         if dist.get_rank() != 0:

@@ -1,9 +1,6 @@
-"""``python -m fp4_dist.megatron.pretrain_gpt``: the documented command of the example Megatron trainer, which
-lives with the other examples (`fp4_dist/examples/megatron_pretrain_gpt.py`)."""
-
-import sys
-
-from ..examples.megatron_pretrain_gpt import _cli
+"""Deprecated: ``python -m fp4_dist.megatron.pretrain_gpt`` runs ``python -m examples.megatron_pretrain_gpt``."""
 
 if __name__ == "__main__":
-    sys.exit(_cli())
+    from .._moved import run_moved_example
+
+    run_moved_example("fp4_dist.megatron.pretrain_gpt", "examples.megatron_pretrain_gpt")

@@ -124,6 +124,16 @@ def refuse_launch(script_args: Sequence[str]) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        return _main(argv)
+    except Exception as e:
+        # One line per rank naming it, above the traceback: what stopped the job is read on every rank alike.
+        print(f"fp4_dist.megatron.run: rank {os.environ.get('RANK', '?')}: {type(e).__name__}: {e}", file=sys.stderr,
+              flush=True)  # fmt: skip
+        raise
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     opts = _parser().parse_args(argv)
     script = opts.script
     if not os.path.isfile(script):

@@ -12,7 +12,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from fp4_dist.examples import megatron_pretrain_gpt as pretrain_gpt  # noqa: E402
+from examples import megatron_pretrain_gpt as pretrain_gpt  # noqa: E402
 
 FAIL_RANK = int(sys.argv.pop(1))
 real_build = pretrain_gpt.build

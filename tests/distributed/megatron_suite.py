@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from fp4_dist.examples import megatron_pretrain_gpt as pretrain_gpt  # noqa: E402
+from examples import megatron_pretrain_gpt as pretrain_gpt  # noqa: E402
 from fp4_dist.launch import shutdown  # noqa: E402
 from fp4_dist.megatron.parity import stale_packed_bytes  # noqa: E402
 from fp4_dist.testing import bytes_mismatch  # noqa: E402

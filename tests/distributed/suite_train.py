@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import fp4_dist
-from fp4_dist.examples.model import TinyLMConfig, build_model
+from examples.model import TinyLMConfig, build_model
 from fp4_dist.optim import CommStats
 from fp4_dist.optim.zero1 import Zero1Config, Zero1Optimizer
 

@@ -123,7 +123,7 @@ def test_mpirun_bootstrap_runs_the_cast_suites_with_the_same_bytes():
 
 def test_train_lm_example_runs_on_two_ranks_and_passes_its_parity_check(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "fp4_dist.examples.train_lm", "--steps", "6", "--dim", "32", "--hidden", "64", "--seq", "32",
+           "examples.train_lm", "--steps", "6", "--dim", "32", "--hidden", "64", "--seq", "32",
            "--backend", "gloo", "--no-progress"]
     proc = subprocess.run(cmd, env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT_S)
     log = proc.stdout + proc.stderr

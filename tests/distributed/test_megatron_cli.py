@@ -27,16 +27,16 @@ SUITE = REPO / "tests" / "distributed" / "megatron_suite.py"
 
 
 def run(nproc: int, *args: str, module: bool = True, timeout: int = TIMEOUT_S) -> subprocess.CompletedProcess:
-    target = ["-m", "fp4_dist.megatron.pretrain_gpt"] if module else []
+    target = ["-m", "examples.megatron_pretrain_gpt"] if module else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *target, *args]
     env = dict(_env(), CUDA_VISIBLE_DEVICES="")
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def test_data_path_evaluation_and_tensorboard_work_as_in_megatron(tmp_path):
-    from fp4_dist.examples.megatron_preprocess import write_indexed
+    from examples.megatron_preprocess import write_indexed
 
-    docs = write_indexed([str(REPO / "fp4_dist" / "data" / "tiny_corpus.txt")], str(tmp_path / "data" / "corpus"))
+    docs = write_indexed([str(REPO / "examples" / "data" / "tiny_corpus.txt")], str(tmp_path / "data" / "corpus"))
     assert docs > 10
     proc = run(2, *TINY, "--global-batch-size", "8", "--train-iters", "4", "--data-path", str(tmp_path / "data" /
                "corpus"), "--split", "90,10,0", "--eval-interval", "2", "--eval-iters", "2", "--tensorboard-dir",
@@ -108,7 +108,7 @@ def test_mpirun_launches_form_one_job():
     env = dict(_env(), CUDA_VISIBLE_DEVICES="")
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    proc = subprocess.run([_mpirun(), "-n", "2", sys.executable, "-m", "fp4_dist.megatron.pretrain_gpt", *TINY,
+    proc = subprocess.run([_mpirun(), "-n", "2", sys.executable, "-m", "examples.megatron_pretrain_gpt", *TINY,
                            "--global-batch-size", "8", "--train-iters", "2"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=TIMEOUT_S)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp4_dist.examples.megatron_data import BatchPlan, microbatches, window_offsets
+from examples.megatron_data import BatchPlan, microbatches, window_offsets
 
 
 @pytest.mark.parametrize("dp_rank", [0, 1, 2])

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from fp4_dist.examples import megatron_pretrain_gpt as pretrain_gpt  # noqa: E402
+from examples import megatron_pretrain_gpt as pretrain_gpt  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 

@@ -45,8 +45,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..launch import export_mpi_env, shutdown
-from ..megatron import adapter
+from fp4_dist.launch import export_mpi_env, shutdown
+from fp4_dist.megatron import adapter
 from .megatron_data import VOCAB_SIZE, BatchPlan, load_indexed, load_tokens, microbatches, split_stream
 
 UNSUPPORTED_BACKEND_FLAGS = ("--fp4-format", "--fp4-recipe")
@@ -100,7 +100,7 @@ def add_fp4_dist_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--fp4-allow-untested-megatron", action="store_true",
                        help="run with a megatron-core version outside the tested range")
     group.add_argument("--fp4-corpus", default=None, metavar="PATH",
-                       help="text file or folder of *.txt (default: the corpus embedded in fp4_dist/data)")
+                       help="text file or folder of *.txt (default: the corpus embedded in examples/data)")
     group.add_argument("--fp4-log-json", default=None, metavar="PATH",
                        help="rank 0 writes the per-step records and the run summary here")
     group.add_argument("--fp4-master-digest", action="store_true",
@@ -318,7 +318,7 @@ def build(args: argparse.Namespace, device: torch.device):
     from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
     from megatron.core.optimizer import get_megatron_optimizer
 
-    from ..megatron.model import build_gpt_model
+    from fp4_dist.megatron.model import build_gpt_model
 
     _, argument_utils, global_vars, training = _megatron_training()
     global_vars.set_args(args)  # Megatron's scheduler/config helpers read the global args
@@ -433,7 +433,7 @@ def _run_config(args) -> dict:
 
 
 def _check_parity(model, optimizer) -> str:
-    from ..megatron.parity import all_ranks_ok, check_nvfp4_weights
+    from fp4_dist.megatron.parity import all_ranks_ok, check_nvfp4_weights
 
     report = check_nvfp4_weights(model.module, optimizer)
     if all_ranks_ok(report):
@@ -495,7 +495,7 @@ def evaluate(args, valid: torch.Tensor, model, device, iteration: int) -> float:
 
 
 def train(args, model, optimizer, scheduler, device, start_iteration: int) -> RunResult:
-    from ..megatron.model import nvfp4_parameters
+    from fp4_dist.megatron.model import nvfp4_parameters
 
     tokens, valid = data_streams(args)
     writer = None
@@ -534,10 +534,10 @@ def train(args, model, optimizer, scheduler, device, start_iteration: int) -> Ru
         model.disable_forward_pre_hook(param_sync=True)
         model.enable_forward_pre_hook()
     if args.fp4_master_digest:
-        from ..megatron.parity import master_digest
+        from fp4_dist.megatron.parity import master_digest
 
         result.master_digest = master_digest(model.module, optimizer)
-    from ..compute_copy import compute_copy_bytes
+    from fp4_dist.compute_copy import compute_copy_bytes
 
     result.compute_copy_bytes = compute_copy_bytes(model.module)
     return result

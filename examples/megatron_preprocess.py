@@ -1,6 +1,6 @@
 """Text -> a Megatron indexed dataset of byte tokens (``PREFIX.bin`` + ``PREFIX.idx``), for ``--data-path``.
 
-    python -m fp4_dist.examples.megatron_preprocess --input corpus.txt [more.txt ...] --output-prefix data/corpus
+    python -m examples.megatron_preprocess --input corpus.txt [more.txt ...] --output-prefix data/corpus
 
 One document per paragraph (blank-line separated), each a list of its UTF-8 bytes followed by the end-of-document
 token 255 (the vocabulary is 256, as for the embedded corpus). Written with megatron-core's own

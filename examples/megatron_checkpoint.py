@@ -30,8 +30,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..tensor import is_nvfp4_tensor
-from ..compare import bytes_mismatch
+from fp4_dist.tensor import is_nvfp4_tensor
+from fp4_dist.compare import bytes_mismatch
 
 LATEST = "latest_checkpointed_iteration.txt"
 

@@ -1,4 +1,4 @@
-"""Training and validation batches: the text corpus embedded in the package (``fp4_dist/data/*.txt``, one token
+"""Training and validation batches: the text corpus embedded in the package (``examples/data/*.txt``, one token
 per byte) or Megatron indexed datasets (``--data-path PREFIX``: ``PREFIX.bin`` / ``PREFIX.idx``, any tokenizer).
 
 The data is split by ``--split`` (Megatron's "train,valid,test" weights; whole documents for indexed data) into
@@ -18,11 +18,11 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 VOCAB_SIZE = 256
-DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+DATA_DIR = Path(__file__).resolve().parent / "data"
 
 
 def corpus_files(path: Optional[str] = None) -> list[Path]:
-    """The corpus: ``path`` (a file or a folder of *.txt) or the embedded ``fp4_dist/data``; sorted names."""
+    """The corpus: ``path`` (a file or a folder of *.txt) or the embedded ``examples/data``; sorted names."""
     root = Path(path) if path else DATA_DIR
     files = [root] if root.is_file() else sorted(root.glob("*.txt")) if root.is_dir() else []
     if not files:
@@ -67,7 +67,7 @@ def load_indexed(prefixes: Sequence[str], split: str) -> list[torch.Tensor]:
         if missing:
             raise FileNotFoundError(f"--data-path {prefix}: no indexed dataset there (missing {', '.join(missing)}); "
                                     "build one with megatron.core.datasets.indexed_dataset.IndexedDatasetBuilder or "
-                                    "`python -m fp4_dist.examples.megatron_preprocess`")
+                                    "`python -m examples.megatron_preprocess`")
         ds = IndexedDataset(prefix)
         n = len(ds)
         bounds = [0, *(round(n * sum(w[:i + 1])) for i in range(3))]

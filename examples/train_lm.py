@@ -1,0 +1,219 @@
+"""Train a small character-level language model with ZeRO-1 and a 4-bit NVFP4 parameter all-gather.
+
+    torchrun --standalone --nproc-per-node 2 -m examples.train_lm      # 2 CPU ranks (gloo)
+    mpirun -n 2 python -m examples.train_lm                          # the same, bootstrapped by MPI
+    python -m examples.train_lm --steps 50                           # one process
+
+On GPUs (one rank per GPU) the same command uses NCCL and the CUDA kernels. Data: examples/data/tiny_corpus.txt.
+Every linear weight is NVFP4; each rank keeps fp32 masters and Adam state for its shard only, and after each
+step casts its shard straight into the packed NVFP4 bytes that are all-gathered. The job prints the loss, the
+bytes all-gathered against a bf16 gather, and ends with a parity check: every rank's NVFP4 weights must be
+bit-identical to `fp4_dist.quantize` of the full fp32 master (assembled from all shards), run on the CPU oracle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import fp4_dist
+from examples.model import TinyLMConfig, build_model
+from fp4_dist.launch import init_distributed, shutdown
+from fp4_dist.optim import CommStats, Zero1Config, Zero1Optimizer
+from fp4_dist.optim.collectives import all_reduce_sum_
+
+DATA = Path(__file__).resolve().parent / "data" / "tiny_corpus.txt"
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--batch", type=int, default=16, help="sequences per rank per step")
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=384)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=6e-3)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--bucket-numel", type=int, default=200_000, help="elements per all-gather bucket")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--log-every", type=int, default=25)
+    ap.add_argument("--data", type=Path, default=DATA)
+    ap.add_argument("--backend", default=None, help="gloo or nccl (default: nccl when CUDA is available)")
+    ap.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+    return ap.parse_args(argv)
+
+
+# --------------------------------------------------------------------------------------------------- data
+def load_corpus(path: Path):
+    """(int64 token ids, vocabulary): one token per character, vocabulary = sorted distinct characters."""
+    text = path.read_text(encoding="utf-8")
+    vocab = sorted(set(text))
+    index = {c: i for i, c in enumerate(vocab)}
+    return torch.tensor([index[c] for c in text], dtype=torch.int64), vocab
+
+
+def windows(tokens: torch.Tensor, count: int, seq: int, seed: int) -> torch.Tensor:
+    """`count` random windows of seq + 1 tokens, fixed by `seed` (so every launch sees the same data)."""
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, tokens.numel() - seq - 1, (count,), generator=g)
+    return torch.stack([tokens[s:s + seq + 1] for s in starts.tolist()])
+
+
+# ---------------------------------------------------------------------------------------------- progress
+class Progress:
+    """A progress bar on rank 0 (redrawn in place on a terminal, one line per `every` steps otherwise)."""
+
+    def __init__(self, total: int, enabled: bool, bar: bool, every: int):
+        self.total, self.enabled, self.bar, self.every = total, enabled, bar, every
+        self.t0 = time.perf_counter()
+
+    def update(self, step: int, loss: float, note: str = "") -> None:
+        if not self.enabled:
+            return
+        done = step + 1
+        rate = done / max(time.perf_counter() - self.t0, 1e-9)
+        eta = (self.total - done) / rate
+        width = 28
+        fill = int(width * done / self.total)
+        line = (f"[{'#' * fill}{'.' * (width - fill)}] {done:4d}/{self.total}  loss {loss:6.3f}  "
+                f"{rate:5.1f} step/s  eta {eta:4.0f}s {note}")
+        if self.bar:
+            print("\r" + line, end="", flush=True)
+            if done == self.total:
+                print()
+        elif done % self.every == 0 or done == self.total or step == 0:
+            print(line, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------- parity
+def parity_check(model, opt: Zero1Optimizer) -> tuple[int, int, int]:
+    """Compare every parameter with the full fp32 master, on the CPU oracle. Collective (every rank).
+
+    Returns (NVFP4 weights checked, dense params checked, mismatches on this rank).
+    """
+    masters = opt.full_masters()
+    n4 = nd = bad = 0
+    for p, master in zip(opt.params, masters):
+        if fp4_dist.is_nvfp4_tensor(p):
+            ref = fp4_dist.quantize(master.cpu().to(torch.bfloat16))
+            fields = ["rowwise_data", "rowwise_scale_inv", "amax"]
+            if p.columnwise_data is not None:
+                ref.make_columnwise()
+                fields += ["columnwise_data", "columnwise_scale_inv"]
+            bad += sum(not torch.equal(getattr(p, f).cpu(), getattr(ref, f)) for f in fields)
+            n4 += 1
+        else:
+            bad += not torch.equal(p.detach().cpu(), master.cpu().to(p.dtype))
+            nd += 1
+    return n4, nd, bad
+
+
+@torch.no_grad()
+def sample(model, vocab, device, prompt: str = "The ", length: int = 160, seed: int = 0) -> str:
+    """Text from the model (temperature 0.8), for a look at what it learned."""
+    index = {c: i for i, c in enumerate(vocab)}
+    ids = [index[c] for c in prompt if c in index]
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(length):
+        ctx = torch.tensor([ids[-model.cfg.seq:]], device=device)
+        logits = model(ctx)[0, -1].float().cpu() / 0.8
+        ids.append(int(torch.multinomial(torch.softmax(logits, -1), 1, generator=g)))
+    return "".join(vocab[i] for i in ids)
+
+
+@torch.no_grad()
+def evaluate(model, batches: torch.Tensor) -> float:
+    return float(model.loss(batches).item())
+
+
+# --------------------------------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    info = init_distributed(args.backend)
+    rank0 = info.rank == 0
+    say = print if rank0 else (lambda *a, **k: None)
+    tokens, vocab = load_corpus(args.data)
+    split = int(tokens.numel() * 0.9)
+    train_tokens, val_tokens = tokens[:split], tokens[split:]
+    cfg = TinyLMConfig(vocab=len(vocab), dim=args.dim, hidden=args.hidden, heads=args.heads, layers=args.layers,
+                       seq=args.seq)
+    model, init = build_model(cfg, seed=args.seed, device=info.device)
+    fp4_dist.convert_linear_weights(model)
+    names = [n for n, _ in model.named_parameters()]
+    stats = CommStats()
+    opt = Zero1Optimizer(model.parameters(), lambda groups: torch.optim.AdamW(groups, lr=args.lr, weight_decay=0.0),
+                         config=Zero1Config(bucket_numel=args.bucket_numel), master_init=[init[n] for n in names],
+                         stats=stats)
+    n_nvfp4 = len(opt.nvfp4_params)
+    n_params = sum(p.numel() for p in model.parameters())
+    say(f"fp4_dist train_lm: {info.world_size} rank(s), backend {info.backend or 'none'}, device {info.device}, "
+        f"launcher {info.launcher}")
+    say(f"model: {n_params:,} parameters ({sum(p.numel() for p in opt.nvfp4_params):,} in {n_nvfp4} NVFP4 "
+        f"weights), vocab {len(vocab)}, {len(tokens):,} characters of text")
+    val = windows(val_tokens, 32, args.seq, seed=12345).to(info.device)
+    say(f"validation loss before training: {evaluate(model, val):.3f}")
+
+    stats.reset()
+    progress = Progress(args.steps, rank0, bar=sys.stdout.isatty() and not args.no_progress, every=args.log_every)
+    loss_sum = torch.zeros(1, device=info.device)
+    first_loss = last_loss = float("nan")
+    t0 = time.perf_counter()
+    for step in range(args.steps):
+        for g in opt.optimizer.param_groups:  # linear warmup, then cosine decay
+            g["lr"] = args.lr * min(1.0, (step + 1) / args.warmup) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
+        batch = windows(train_tokens, args.batch, args.seq, seed=args.seed * 1_000_003 + step * 997 + info.rank)
+        loss = model.loss(batch.to(info.device))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        loss_sum.copy_(loss.detach())
+        all_reduce_sum_(loss_sum)  # mean over ranks for the display (not an optimizer collective)
+        last_loss = loss_sum.item() / info.world_size
+        first_loss = last_loss if step == 0 else first_loss
+        progress.update(step, last_loss)
+    seconds = time.perf_counter() - t0
+    report_step(say, opt, stats, args.steps, seconds, first_loss, last_loss, evaluate(model, val))
+    if rank0:
+        print("sample:", repr(sample(model, vocab, info.device)))
+    return finish(say, model, opt, info)
+
+
+def report_step(say, opt, stats: CommStats, steps: int, seconds: float, first: float, last: float, val: float):
+    per_step = opt.gathered_bytes_per_step()
+    gathered = stats.bytes["all_gather"] / steps
+    ratio = gathered / per_step["bf16_equivalent"]
+    say(f"trained {steps} steps in {seconds:.1f}s ({steps / seconds:.1f} step/s); train loss {first:.3f} -> "
+        f"{last:.3f}; validation loss {val:.3f}")
+    kib = {k: v / 1024 for k, v in per_step.items()}
+    say(f"param all-gather per step: {gathered / 1024:.1f} KiB (NVFP4 weights {kib['nvfp4']:.1f} KiB + tile scales "
+        f"{kib.get('nvfp4_scales', 0.0):.1f} KiB + dense params {kib['dense']:.1f} KiB) vs "
+        f"{kib['bf16_equivalent']:.1f} KiB for a bf16 gather = {ratio:.3f}x")
+    mem = {k: v / 1024 for k, v in opt.param_memory_bytes().items()}
+    say(f"param memory per rank: NVFP4 gather buffer {mem['nvfp4']:.1f} KiB + dense params {mem['dense']:.1f} KiB; "
+        f"bf16 compute copies of the NVFP4 weights {mem['compute_copies']:.1f} KiB")
+    calls = {k: v / steps for k, v in stats.calls.items() if k != "all_reduce"}
+    say(f"collectives per step: {calls} + {stats.calls['all_reduce'] / steps:.0f} amax all-reduce "
+        f"({stats.bytes['all_reduce'] / steps / 1024:.2f} KiB)")
+
+
+def finish(say, model, opt, info) -> int:
+    n4, nd, bad = parity_check(model, opt)
+    total = torch.tensor([float(bad)], device=info.device)
+    all_reduce_sum_(total)
+    ok = total.item() == 0
+    say(f"parity check: {n4} NVFP4 weights and {nd} dense params on {info.world_size} rank(s) vs "
+        f"quantize(full fp32 master) on the CPU oracle: {'PASS (bit-identical)' if ok else f'FAIL ({int(total.item())} fields differ)'}")
+    shutdown()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

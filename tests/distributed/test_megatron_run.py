@@ -1,0 +1,145 @@
+"""Megatron's own training loop, ``megatron.training.pretrain()``, through ``python -m fp4_dist.megatron.run``.
+
+The script is `examples/pretrain_gpt.py` (written the way Megatron-LM's pretrain_gpt.py is: pretrain(), the GPT
+builder, GPTDataset over an indexed dataset made with Megatron's own builder), on gloo CPU ranks. Each launch writes
+the launcher's run record (`--log-json`): master digests after setup and at the end, per-iteration losses and the
+parity check of every iteration (`--check-every 1`: the gathered NVFP4 bytes, scales and amax == quantize(full
+fp32 master) on every rank, or the run stops).
+
+Loss tolerance against the bf16 run of the same script, seed and data: 2% of the bf16 loss at every iteration.
+NVFP4 moves each weight by its quantization error (about 10% relative per element for Gaussian weights), which
+shifts this small model's loss by 0.03-0.3% over these iterations in the measured runs; 2% leaves room for the
+other data-parallel sizes and tensor parallelism while catching a model that trains wrong (an NVFP4 run whose
+masters start from the dequantized weights was 9% off at iteration 50 in the issue that asked for this).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from .test_launch import REPO, _env  # noqa: E402
+
+pytestmark = [pytest.mark.distributed, pytest.mark.megatron, pytest.mark.slow]
+
+TIMEOUT_S = 300
+SCRIPT = REPO / "examples" / "pretrain_gpt.py"
+LOSS_RTOL = 0.02
+MODEL = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
+         "--micro-batch-size 2 --global-batch-size 12 --lr 2e-3 --bf16 --use-distributed-optimizer "
+         "--tokenizer-type NullTokenizer --vocab-size 256 --split 80,10,10 --log-interval 1 --seed 1234 "
+         "--no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-persist-layer-norm --no-bias-gelu-fusion "
+         "--no-bias-dropout-fusion --no-rope-fusion --eval-iters 1").split()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> str:
+    from examples.megatron_preprocess import write_indexed
+
+    prefix = str(tmp_path_factory.mktemp("data") / "corpus")
+    assert write_indexed([str(REPO / "examples" / "data" / "tiny_corpus.txt")], prefix) > 10
+    return prefix
+
+
+def launch(nproc: int, args, *, log: Path = None, check: bool = True) -> subprocess.CompletedProcess:
+    opts = ["--check-every", "1"] if check else []
+    opts += ["--log-json", str(log)] if log else []
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "fp4_dist.megatron.run", *opts, str(SCRIPT), *MODEL, *args]  # fmt: skip
+    env = dict(_env(), CUDA_VISIBLE_DEVICES="", CUDA_DEVICE_MAX_CONNECTIONS="1")
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def train(tmp_path: Path, name: str, nproc: int, *args: str, fp4: bool = True) -> dict:
+    log = tmp_path / f"{name}.json"
+    proc = launch(nproc, [*args, *(["--fp4-param-gather"] if fp4 else [])], log=log, check=fp4)
+    assert proc.returncode == 0, f"{name}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    record = json.loads(log.read_text())
+    record["stdout"] = proc.stdout
+    return record
+
+
+def assert_fp4_run(fp4: dict, bf16: dict) -> None:
+    """Masters start from the bf16 init bit for bit; every iteration's check passed; losses near the bf16 run's."""
+    assert fp4["nvfp4_weights"] == 8 and bf16["nvfp4_weights"] == 0
+    assert fp4["master_digest_after_setup"] == bf16["master_digest_after_setup"]
+    assert fp4["check_after_setup"].startswith("ok")
+    assert all(it["check"].startswith("ok") for it in fp4["iterations"])
+    assert [it["iteration"] for it in fp4["iterations"]] == [it["iteration"] for it in bf16["iterations"]]
+    for a, b in zip(fp4["iterations"], bf16["iterations"]):
+        assert abs(a["loss"] - b["loss"]) <= LOSS_RTOL * b["loss"], (a, b)
+    assert "linear weights converted to NVFP4 before DDP" in fp4["stdout"]
+
+
+def test_dp1_trains_like_bf16_from_the_bf16_init(tmp_path, data):
+    args = ("--data-path", data, "--train-iters", "5", "--eval-interval", "1000")
+    assert_fp4_run(train(tmp_path, "fp4", 1, *args), train(tmp_path, "bf16", 1, *args, fp4=False))
+
+
+def test_dp2_with_overlap_evaluation_save_and_resume_at_dp2_and_dp3(tmp_path, data):
+    save = tmp_path / "ckpt"
+    # Dropout off: on CPU ranks dropout draws from the CPU generator, whose state megatron.training's checkpoint
+    # does not bring back bit for bit (with --hidden-dropout 0.1 a resume differs in the 4th digit of the loss).
+    common = ("--data-path", data, "--train-iters", "6", "--eval-interval", "3", "--overlap-param-gather",
+              "--overlap-grad-reduce", "--hidden-dropout", "0", "--attention-dropout", "0", "--ckpt-format", "torch")
+    fp4 = train(tmp_path, "fp4", 2, *common, "--save", str(save), "--save-interval", "4")
+    assert_fp4_run(fp4, train(tmp_path, "bf16", 2, *common, fp4=False))
+    # iterations 3 and 6 in the loop, then the final validation and test sets
+    assert fp4["stdout"].count("validation loss at iteration") == 4
+
+    # Resume from iteration 4 (a folder of its own: --ckpt-step would load the latest optimizer state, see the
+    # refusal test below).
+    at4 = tmp_path / "at4"
+    shutil.copytree(save / "iter_0000004", at4 / "iter_0000004")
+    (at4 / "latest_checkpointed_iteration.txt").write_text("4")
+    same = train(tmp_path, "resume_dp2", 2, *common, "--load", str(at4))
+    assert [it["iteration"] for it in same["iterations"]] == [5, 6]
+    assert [it["loss"] for it in same["iterations"]] == [it["loss"] for it in fp4["iterations"][4:]]
+    assert same["master_digest_final"] == fp4["master_digest_final"], "resume at dp 2 is not bitwise"
+    assert same["check_after_setup"].startswith("ok") and all(it["check"].startswith("ok") for it in same["iterations"])
+
+    other = train(tmp_path, "resume_dp3", 3, *common, "--load", str(at4))
+    assert other["master_digest_after_setup"] == same["master_digest_after_setup"], "dp 2 -> 3 masters differ"
+    assert other["check_after_setup"].startswith("ok")  # the loaded weights == quantize(the re-sharded masters)
+    assert all(it["check"].startswith("ok") for it in other["iterations"])
+
+
+def test_tensor_parallel_2_by_data_parallel_2(tmp_path, data):
+    args = ("--data-path", data, "--train-iters", "4", "--eval-interval", "1000", "--tensor-model-parallel-size", "2")
+    # The parity check under TP compares each rank's slice with the same slice of quantizing the whole weight.
+    assert_fp4_run(train(tmp_path, "fp4", 4, *args), train(tmp_path, "bf16", 4, *args, fp4=False))
+
+
+def test_unsupported_runs_are_refused_at_start_up_on_every_rank(tmp_path, data):
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "latest_checkpointed_iteration.txt").write_text("6")
+    proc = launch(2, ["--data-path", data, "--train-iters", "2", "--fp4-param-gather", "--num-experts", "2",
+                      "--load", str(old), "--ckpt-step", "4", "--ckpt-format", "torch"])  # fmt: skip
+    assert proc.returncode != 0
+    for rank in (0, 1):
+        assert "--num-experts (MoE)" in refusal(proc, rank) and "--ckpt-step 4" in refusal(proc, rank)
+    assert "iteration        1/" not in proc.stdout
+
+    old.joinpath("latest_checkpointed_iteration.txt").write_text("4")
+    proc = launch(2, ["--data-path", data, "--train-iters", "2", "--load", str(old), "--ckpt-format", "torch_dist"])
+    assert all("--ckpt-format torch_dist: megatron-core without" in refusal(proc, rank) for rank in (0, 1))
+
+    proc = launch(2, ["--data-path", data, "--train-iters", "2", "--fp4-param-gather", "--async-save"])
+    assert all("--async-save is not supported" in refusal(proc, rank) for rank in (0, 1))
+
+
+def refusal(proc: subprocess.CompletedProcess, rank: int) -> str:
+    """The launcher's one-line account of what stopped `rank` (the job must have failed)."""
+    assert proc.returncode != 0
+    head = f"fp4_dist.megatron.run: rank {rank}: "
+    lines = [line for line in proc.stderr.splitlines() if line.startswith(head)]
+    assert lines, f"no line from rank {rank}:\n{proc.stderr[-3000:]}"
+    return lines[0]
