@@ -272,10 +272,9 @@ def refuse_unsupported_args(args) -> None:
     otherwise fail deep inside a step, or train on without a word), and a checkpoint load that fails upstream."""
     problems = []
     load = getattr(args, "load", None)
-    if (load and getattr(args, "ckpt_format", None) == "torch_dist" and _has_checkpoint(load)
-            and not _have_te_or_apex()):  # fmt: skip
+    if load and _is_distributed_checkpoint(load) and not _have_te_or_apex():
         problems.append(
-            f"--load {load} with --ckpt-format torch_dist: megatron-core without TransformerEngine or apex "
+            f"--load {load}, a torch_dist checkpoint: megatron-core without TransformerEngine or apex "
             "cannot load a torch_dist distributed-optimizer checkpoint (distrib_optimizer.py asserts on the "
             "torch.optim fallback's missing state, bf16 runs too); save and load with --ckpt-format torch")
     step = getattr(args, "ckpt_step", None)
@@ -308,10 +307,13 @@ def refuse_unsupported_args(args) -> None:
         raise ValueError("fp4_dist.megatron: " + "; ".join(problems))
 
 
-def _has_checkpoint(path: str) -> bool:
+def _is_distributed_checkpoint(path: str) -> bool:
+    """Whether the checkpoint `--load` would read is in Megatron's distributed format (torch_dist): its iteration
+    folder holds the format's metadata.json (the torch format writes mp_rank_* folders instead)."""
     import os
 
-    return os.path.isfile(os.path.join(path, "latest_checkpointed_iteration.txt"))
+    iteration = _latest_iteration(path)
+    return iteration is not None and os.path.isfile(os.path.join(path, f"iter_{iteration:07d}", "metadata.json"))
 
 
 def _latest_iteration(path: str) -> Optional[int]:

@@ -129,8 +129,10 @@ def test_unsupported_runs_are_refused_at_start_up_on_every_rank(tmp_path, data):
     assert "iteration        1/" not in proc.stdout
 
     old.joinpath("latest_checkpointed_iteration.txt").write_text("4")
-    proc = launch(2, ["--data-path", data, "--train-iters", "2", "--load", str(old), "--ckpt-format", "torch_dist"])
-    assert all("--ckpt-format torch_dist: megatron-core without" in refusal(proc, rank) for rank in (0, 1))
+    (old / "iter_0000004").mkdir()
+    (old / "iter_0000004" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')  # as torch_dist saves
+    proc = launch(2, ["--data-path", data, "--train-iters", "2", "--load", str(old)])  # torch_dist: the default
+    assert all("a torch_dist checkpoint: megatron-core without" in refusal(proc, rank) for rank in (0, 1))
 
     proc = launch(2, ["--data-path", data, "--train-iters", "2", "--fp4-param-gather", "--async-save"])
     assert all("--async-save is not supported" in refusal(proc, rank) for rank in (0, 1))

@@ -1,0 +1,62 @@
+"""The table of bench/megatron_lm_gpu.sh: a bf16 and an --fp4-param-gather run of megatron.training's loop side by
+side (losses from the launcher's run records, step times from Megatron's own log lines).
+
+    python bench/megatron_lm_table.py OUT NAME [--check-every N]     # reads OUT/NAME-{bf16,fp4}.{json,log}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+STEP = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*elapsed time per iteration \(ms\): ([0-9.]+)")
+WARMUP = 10
+
+
+def step_times(log: Path, check_every: int) -> dict[int, float]:
+    times = {int(m.group(1)): float(m.group(2)) for m in STEP.finditer(log.read_text())}
+    return {i: t for i, t in times.items() if i > WARMUP and not (check_every and i % check_every == 0)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", type=Path)
+    p.add_argument("name")
+    p.add_argument("--check-every", type=int, default=0, help="steps that ran the check (left out of the medians)")
+    a = p.parse_args(argv)
+    runs = {mode: json.loads((a.out / f"{a.name}-{mode}.json").read_text()) for mode in ("bf16", "fp4")}
+    loss = {mode: {it["iteration"]: it["loss"] for it in r["iterations"]} for mode, r in runs.items()}
+    last = max(loss["bf16"])
+    shown = sorted({1, 2, 5, *range(10, last + 1, 10), last} & set(loss["bf16"]) & set(loss["fp4"]))
+    print(f"\n{a.name}: megatron.training loop, bf16 vs --fp4-param-gather "
+          f"({runs['fp4']['nvfp4_weights']} NVFP4 weights)")
+    print("| iteration | bf16 loss | fp4 loss | fp4 - bf16 |\n|---:|---:|---:|---:|")
+    for i in shown:
+        b, f = loss["bf16"][i], loss["fp4"][i]
+        print(f"| {i} | {b:.4f} | {f:.4f} | {f - b:+.4f} ({100 * (f - b) / b:+.2f}%) |")
+    tail = [i for i in loss["bf16"] if i > last - 10]
+    mean = {m: statistics.fmean(loss[m][i] for i in tail) for m in loss}
+    gap = 100 * (mean["fp4"] - mean["bf16"]) / mean["bf16"]
+    print(f"mean loss over the last {len(tail)} iterations: bf16 {mean['bf16']:.4f}, fp4 {mean['fp4']:.4f} "
+          f"({gap:+.2f}%)")
+    checks = [it.get("check", "") for it in runs["fp4"]["iterations"] if "check" in it]
+    same_init = runs["fp4"]["master_digest_after_setup"] == runs["bf16"]["master_digest_after_setup"]
+    print(f"fp32 masters after setup == the bf16 run's: {same_init}; parity checks passed: "
+          f"{sum(c.startswith('ok') for c in checks)}/{len(checks)} (+ after setup: "
+          f"{runs['fp4'].get('check_after_setup', 'not run')[:2]})")
+    times = {m: step_times(a.out / f"{a.name}-{m}.log", a.check_every) for m in ("bf16", "fp4")}
+    med = {m: statistics.median(t.values()) for m, t in times.items() if t}
+    if len(med) == 2:
+        print(f"median step (iterations > {WARMUP}, checked ones left out): bf16 {med['bf16']:.1f} ms, fp4 "
+              f"{med['fp4']:.1f} ms, fp4/bf16 {med['fp4'] / med['bf16']:.3f}")
+    ok = same_init and checks and all(c.startswith("ok") for c in checks) and abs(gap) <= 1.0
+    print(f"verdict: {'PASS' if ok else 'FAIL'} (same init, every check, final gap within 1%)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
