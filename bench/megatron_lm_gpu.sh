@@ -4,7 +4,7 @@
 # (core_r0.19.0), its own unmodified pretrain_gpt.py. The table (bench/megatron_lm_table.py) puts the loss curves
 # side by side and gives the median step time of each run.
 #   bash bench/megatron_lm_gpu.sh                                 # the example script only
-#   MEGATRON_LM=/path/to/Megatron-LM ITERS=100 bash bench/megatron_lm_gpu.sh
+#   MEGATRON_LM=/path/to/Megatron-LM ITERS=100 ROUNDS=2 bash bench/megatron_lm_gpu.sh
 # Logs and the run records under ${OUT:-bench/out}. GPT 4 layers x 512, seq 512, micro-batch 8, byte tokens of
 # examples/data; the fp4 runs check gathered == quantize(master) every $CHECK iterations (those steps are left out
 # of the medians).
@@ -14,6 +14,7 @@ PY=${PY:-python3}
 OUT=${OUT:-bench/out}
 ITERS=${ITERS:-100}
 CHECK=${CHECK:-25}
+ROUNDS=${ROUNDS:-1}  # rounds per script; the medians pool every round's steps
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${MEGATRON_LM:+:$MEGATRON_LM}${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONWARNINGS=ignore
@@ -35,12 +36,21 @@ run() {  # run NAME SCRIPT [--fp4-param-gather]
   local rc=$?
   echo "=== $name: exit $rc"; [[ $rc -eq 0 ]] || { status=1; tail -30 "$OUT/$name.log"; }
 }
-run example-bf16 examples/pretrain_gpt.py
-run example-fp4 examples/pretrain_gpt.py --fp4-param-gather
+pair() {  # pair NAME SCRIPT: ROUNDS rounds, bf16 then fp4 in odd rounds and the other way round in even ones (ABBA)
+  local name=$1 script=$2 r sfx
+  for r in $(seq "$ROUNDS"); do
+    sfx=$([[ $r -eq 1 ]] || echo "-r$r")
+    if (( r % 2 )); then
+      run "$name-bf16$sfx" "$script"; run "$name-fp4$sfx" "$script" --fp4-param-gather
+    else
+      run "$name-fp4$sfx" "$script" --fp4-param-gather; run "$name-bf16$sfx" "$script"
+    fi
+  done
+}
+pair example examples/pretrain_gpt.py
 tables=(example)
 if [[ -n "${MEGATRON_LM:-}" ]]; then
-  run megatron-lm-bf16 "$MEGATRON_LM/pretrain_gpt.py"
-  run megatron-lm-fp4 "$MEGATRON_LM/pretrain_gpt.py" --fp4-param-gather
+  pair megatron-lm "$MEGATRON_LM/pretrain_gpt.py"
   tables+=(megatron-lm)
 fi
 for t in "${tables[@]}"; do "$PY" bench/megatron_lm_table.py "$OUT" "$t" --check-every "$CHECK" || status=1; done

@@ -48,11 +48,16 @@ def main(argv=None) -> int:
     print(f"fp32 masters after setup == the bf16 run's: {same_init}; parity checks passed: "
           f"{sum(c.startswith('ok') for c in checks)}/{len(checks)} (+ after setup: "
           f"{runs['fp4'].get('check_after_setup', 'not run')[:2]})")
-    times = {m: step_times(a.out / f"{a.name}-{m}.log", a.check_every) for m in ("bf16", "fp4")}
-    med = {m: statistics.median(t.values()) for m, t in times.items() if t}
+    logs = {m: sorted(a.out.glob(f"{a.name}-{m}.log")) + sorted(a.out.glob(f"{a.name}-{m}-r*.log"))
+            for m in ("bf16", "fp4")}  # fmt: skip
+    times = {m: [t for log in logs[m] for t in step_times(log, a.check_every).values()] for m in logs}
+    med = {m: statistics.median(t) for m, t in times.items() if t}
     if len(med) == 2:
-        print(f"median step (iterations > {WARMUP}, checked ones left out): bf16 {med['bf16']:.1f} ms, fp4 "
-              f"{med['fp4']:.1f} ms, fp4/bf16 {med['fp4'] / med['bf16']:.3f}")
+        per_run = {m: " / ".join(f"{statistics.median(step_times(log, a.check_every).values()):.1f}" for log in logs[m])
+                   for m in logs}  # fmt: skip
+        print(f"median step (iterations > {WARMUP}, checked ones left out; {len(logs['bf16'])} run(s) each): bf16 "
+              f"{med['bf16']:.1f} ms, fp4 {med['fp4']:.1f} ms, fp4/bf16 {med['fp4'] / med['bf16']:.3f} (per run: "
+              f"bf16 {per_run['bf16']}, fp4 {per_run['fp4']})")
     ok = same_init and checks and all(c.startswith("ok") for c in checks) and abs(gap) <= 1.0
     print(f"verdict: {'PASS' if ok else 'FAIL'} (same init, every check, final gap within 1%)")
     return 0 if ok else 1

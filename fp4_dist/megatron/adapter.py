@@ -616,8 +616,8 @@ def check_megatron_version(version: str) -> None:
         f"checkout reports 0.19.1); found {version}. Its hooks patch named internals of DistributedOptimizer, "
         "_ParamAndGradBuffer and megatron.training that other releases may lay out differently. Install "
         f"megatron-core=={TESTED_VERSIONS[-1]} (or check out Megatron-LM's core_r0.19.0 branch), or try anyway with "
-        "`python -m fp4_dist.megatron.run --allow-untested-megatron ...` (enable(allow_untested_version=True) in "
-        "your own script)")
+        "`python -m fp4_dist.megatron.run --allow-untested-megatron ...` (the example trainer: "
+        "--fp4-allow-untested-megatron; your own script: enable(allow_untested_version=True))")
 
 
 def installed_megatron_version() -> str:

@@ -1,4 +1,4 @@
-"""fp4_dist/examples/megatron_data.py: the example trainer's batches (no megatron-core needed for these)."""
+"""examples/megatron_data.py: the example trainer's batches (no megatron-core needed for these)."""
 
 from __future__ import annotations
 
