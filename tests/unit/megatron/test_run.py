@@ -1,0 +1,67 @@
+"""fp4_dist.megatron.run's decisions that need no process: ranks from each launcher, platform flags, refusals."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from fp4_dist.megatron import run
+from fp4_dist.megatron.adapter import refuse_unsupported_args
+
+
+def test_ranks_come_from_torchrun_srun_or_nothing():
+    env = {"RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
+    assert run.export_rank_environment(env) == "torchrun" and env["LOCAL_RANK"] == "0"
+    env = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "8", "SLURM_LOCALID": "1",
+           "SLURM_STEP_NUM_NODES": "1", "SLURM_JOB_ID": "77"}
+    assert run.export_rank_environment(env) == "srun"
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["MASTER_ADDR"]) == ("5", "8", "1", "127.0.0.1")
+    other = {**{k: v for k, v in env.items() if k.startswith("SLURM")}, "SLURM_PROCID": "0"}
+    run.export_rank_environment(other)
+    assert other["MASTER_PORT"] == env["MASTER_PORT"], "every task of a step must derive the same port"
+    env = {}
+    assert run.export_rank_environment(env) == "single" and (env["RANK"], env["WORLD_SIZE"]) == ("0", "1")
+
+
+def test_launches_it_cannot_serve_are_refused_with_the_remedy():
+    with pytest.raises(RuntimeError, match="MASTER_ADDR is not set"):
+        run.export_rank_environment({"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "16",
+                                     "SLURM_STEP_NUM_NODES": "2"})
+    with pytest.raises(RuntimeError, match="MASTER_PORT"):
+        run.export_rank_environment({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h"})
+    with pytest.raises(RuntimeError, match="--async-save is not supported"):
+        run.refuse_launch(["--bf16", "--async-save"])
+
+
+def test_platform_flags_are_added_only_when_needed_and_never_over_the_users():
+    assert run.platform_arguments([], cuda=False, have_te=False) == ["--distributed-backend", "gloo",
+                                                                     "--transformer-impl", "local"]
+    assert run.platform_arguments(["--distributed-backend=gloo", "--transformer-impl", "local"], cuda=False,
+                                  have_te=False) == []
+    assert run.platform_arguments([], cuda=True, have_te=True) == []
+
+
+def _args(**kw):
+    base = dict(fp4_param_gather=True, use_distributed_optimizer=True, pipeline_model_parallel_size=1,
+                num_experts=None, transformer_impl="local", fp16=False, async_save=False, use_torch_fsdp2=False,
+                use_megatron_fsdp=False, data_parallel_random_init=False,
+                overlap_param_gather_with_optimizer_step=False, load=None, ckpt_step=None, ckpt_format="torch")
+    return argparse.Namespace(**{**base, **kw})
+
+
+@pytest.mark.parametrize("change, named", [
+    (dict(pipeline_model_parallel_size=2), "--pipeline-model-parallel-size"),
+    (dict(num_experts=4), "--num-experts"),
+    (dict(transformer_impl="transformer_engine"), "--transformer-impl transformer_engine"),
+    (dict(fp16=True), "--fp16"),
+    (dict(use_torch_fsdp2=True), "--use-torch-fsdp2"),
+    (dict(use_distributed_optimizer=False), "without --use-distributed-optimizer"),
+    (dict(data_parallel_random_init=True), "--data-parallel-random-init"),
+])
+def test_each_unsupported_fp4_run_is_refused_naming_the_flag(change, named):
+    pytest.importorskip("megatron.core")
+    refuse_unsupported_args(_args())  # the supported run passes
+    with pytest.raises(ValueError, match=named.replace("-", r"\-")):
+        refuse_unsupported_args(_args(**change))
+    refuse_unsupported_args(_args(**change, fp4_param_gather=False))  # bf16 runs are not fp4_dist's to refuse
