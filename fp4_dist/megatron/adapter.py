@@ -338,9 +338,11 @@ def _make_ddp_init(original):
         if ddp_config.fp4_param_gather and not any(_is_any_nvfp4(p) for p in module.parameters()):
             raise ValueError(
                 "fp4_dist.megatron: the DDP config asks for fp4_param_gather but the model has no NVFP4 weight, so "
-                "the distributed optimizer would fail at its first step asking for TransformerEngine. Launch the "
-                "script through `python -m fp4_dist.megatron.run` (it converts the weights before DDP), or call "
-                "fp4_dist.megatron.model.convert_to_nvfp4(model, config) before wrapping the model in DDP")
+                "the distributed optimizer would fail at its first step asking for TransformerEngine. Either no "
+                "layer was eligible (every transformer layer kept in bf16, e.g. by --first-last-layers-bf16: drop "
+                "--fp4-param-gather), or the script wraps DDP itself without converting: call "
+                "fp4_dist.megatron.model.convert_to_nvfp4(model, config) before DDP (megatron.training's pretrain() "
+                "converts on its own once fp4_dist.megatron is enabled)")
         ours = [n for n, p in module.named_parameters() if _tensor.is_nvfp4_tensor(p)]
         if ours and not (ddp_config.fp4_param_gather and ddp_config.use_distributed_optimizer):
             raise ValueError(

@@ -137,6 +137,13 @@ def test_unsupported_runs_are_refused_at_start_up_on_every_rank(tmp_path, data):
     proc = launch(2, ["--data-path", data, "--train-iters", "2", "--fp4-param-gather", "--async-save"])
     assert all("--async-save is not supported" in refusal(proc, rank) for rank in (0, 1))
 
+    # Nothing to convert (both layers kept in bf16): said when DDP is built, not as upstream's "needs
+    # TransformerEngine" at the first optimizer step.
+    proc = launch(2, ["--data-path", data, "--train-iters", "2", "--fp4-param-gather", "--first-last-layers-bf16",
+                      "--num-layers-at-start-in-bf16", "1", "--num-layers-at-end-in-bf16", "1"])  # fmt: skip
+    assert all("the model has no NVFP4 weight" in refusal(proc, rank) for rank in (0, 1))
+    assert "Transformer Engine >=" not in proc.stderr
+
 
 def refusal(proc: subprocess.CompletedProcess, rank: int) -> str:
     """The launcher's one-line account of what stopped `rank` (the job must have failed)."""
