@@ -152,3 +152,26 @@ def refusal(proc: subprocess.CompletedProcess, rank: int) -> str:
     lines = [line for line in proc.stderr.splitlines() if line.startswith(head)]
     assert lines, f"no line from rank {rank}:\n{proc.stderr[-3000:]}"
     return lines[0]
+
+
+def _mpirun():
+    local = Path(sys.executable).parent / "mpirun"
+    return str(local) if local.exists() else shutil.which("mpirun")
+
+
+@pytest.mark.skipif(_mpirun() is None, reason="mpirun not installed")
+def test_mpirun_and_plain_python_launch_the_same_script(tmp_path, data):
+    env = dict(_env(), CUDA_VISIBLE_DEVICES="", CUDA_DEVICE_MAX_CONNECTIONS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    args = [*MODEL, "--data-path", data, "--train-iters", "2", "--eval-interval", "1000", "--fp4-param-gather"]
+    for name, prefix in (("mpirun", [_mpirun(), "-n", "2"]), ("python", [])):
+        log = tmp_path / f"{name}.json"
+        cmd = [*prefix, sys.executable, "-m", "fp4_dist.megatron.run", "--check-every", "1", "--log-json", str(log),
+               str(SCRIPT), *args]  # fmt: skip
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        assert proc.returncode == 0, f"{name}:\n{proc.stderr[-3000:]}"
+        ranks = 2 if name == "mpirun" else 1
+        assert f"on {ranks} rank(s) ({'mpi' if ranks == 2 else 'single'}, CPU)" in proc.stdout
+        record = json.loads(log.read_text())
+        assert [it["check"][:2] for it in record["iterations"]] == ["ok", "ok"]
