@@ -1,17 +1,20 @@
 """fp4_dist as the NVFP4 backend of Megatron-Core's ``--fp4-param-gather`` path (no TransformerEngine).
 
-Usage::
+Megatron-LM's own scripts need one changed launch line::
+
+    torchrun --nproc-per-node 8 -m fp4_dist.megatron.run pretrain_gpt.py <Megatron arguments> --fp4-param-gather
+
+Your own script::
 
     import fp4_dist.megatron
     fp4_dist.megatron.enable()        # patch megatron-core's NVFP4 hook points (see adapter.HOOKS)
-    model = fp4_dist.megatron.model.build_gpt_model(config, ...)   # NVFP4 linear weights at init
-    ... Megatron DDP(use_distributed_optimizer=True, fp4_param_gather=True) + get_megatron_optimizer ...
+    ... megatron.training.pretrain(...)   # converts the linear weights before DDP; or, building DDP yourself,
+    ... fp4_dist.megatron.model.convert_to_nvfp4(model, config) before DistributedDataParallel
     fp4_dist.megatron.disable()       # restore megatron-core exactly
 
 Importing this package does not import megatron; `enable()` does. On a machine without CUDA, `enable()`
 also installs the small CPU/gloo compatibility layer (`cpu_compat`), so the same Megatron code runs on CPU
-ranks. The example trainer (fp4_dist/examples/megatron_pretrain_gpt.py) runs as ``python -m
-fp4_dist.megatron.pretrain_gpt`` (docs/megatron.md).
+ranks (docs/megatron.md).
 """
 
 from __future__ import annotations

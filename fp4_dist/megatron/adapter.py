@@ -5,7 +5,7 @@ Megatron-Core 0.19.2 already runs NVFP4 param all-gathers through its DDP buffer
 for the tensor type, the storage remap, the shard cast and the post-all-gather processing, and it recomputes
 the packed byte layout with its own padding, so ranks can all-gather bytes they never wrote (dp 3, 6, ...).
 
-This module is the only importer of ``megatron.core`` in fp4_dist. Every patch is one row of `HOOKS`
+This module is the only place that patches megatron-core and megatron.training. Every patch is one row of `HOOKS`
 (target, replacement, reason, tested version). A name bound by ``from x import name`` lives in every
 importing module's globals, so a row lists every module that binds it and all of them are patched.
 `install` / `uninstall` are exact inverses (the original objects are put back).
@@ -681,7 +681,7 @@ def install(*, cpu: Optional[bool] = None, allow_untested_version: bool = False,
             packed layout (and its stale bytes) with everything else in place.
         options: `AdapterOptions` for the run (installing again with other options needs `uninstall` first).
     Raises:
-        RuntimeError for a megatron-core version outside `SUPPORTED_RANGE` or a missing hook target; nothing
+        RuntimeError for a megatron-core version not in `TESTED_VERSIONS` or a missing hook target; nothing
         is patched then. ValueError when already installed with other options.
     """
     global _installed, _options
