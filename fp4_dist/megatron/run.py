@@ -26,10 +26,12 @@ import importlib.util
 import os
 import runpy
 import sys
+import time
 from typing import Optional, Sequence
 
 from .. import launch
 
+ERROR_GRACE_S = 3.0
 USAGE = "python -m fp4_dist.megatron.run [launcher options] SCRIPT.py [script arguments]"
 
 
@@ -127,9 +129,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return _main(argv)
     except Exception as e:
-        # One line per rank naming it, above the traceback: what stopped the job is read on every rank alike.
+        # One line per rank naming it, above the traceback: what stopped the job is read on every rank alike. A short
+        # grace before exiting: a launcher stops every rank once one exits, and a peer refusing the same run a moment
+        # later should still get its line into the log.
         print(f"fp4_dist.megatron.run: rank {os.environ.get('RANK', '?')}: {type(e).__name__}: {e}", file=sys.stderr,
               flush=True)  # fmt: skip
+        time.sleep(ERROR_GRACE_S)
         raise
 
 

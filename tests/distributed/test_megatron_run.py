@@ -48,10 +48,14 @@ def data(tmp_path_factory) -> str:
     return prefix
 
 
-def launch(nproc: int, args, *, log: Path = None, check: bool = True) -> subprocess.CompletedProcess:
+def launch(nproc: int, args, *, log: Path = None, check: bool = True,
+           refused: bool = False) -> subprocess.CompletedProcess:
     opts = ["--check-every", "1"] if check else []
     opts += ["--log-json", str(log)] if log else []
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+    # A run every rank refuses: torchrun stops the other ranks once it sees one fail (it looks every 0.1 s); looking
+    # every 5 s lets each rank's own refusal reach the log, which is what these runs check.
+    agent = ["--monitor-interval", "5"] if refused else []
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *agent,
            "-m", "fp4_dist.megatron.run", *opts, str(SCRIPT), *MODEL, *args]  # fmt: skip
     env = dict(_env(), CUDA_VISIBLE_DEVICES="", CUDA_DEVICE_MAX_CONNECTIONS="1")
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
@@ -122,7 +126,7 @@ def test_unsupported_runs_are_refused_at_start_up_on_every_rank(tmp_path, data):
     old.mkdir()
     (old / "latest_checkpointed_iteration.txt").write_text("6")
     proc = launch(2, ["--data-path", data, "--train-iters", "2", "--fp4-param-gather", "--num-experts", "2",
-                      "--load", str(old), "--ckpt-step", "4", "--ckpt-format", "torch"])  # fmt: skip
+                      "--load", str(old), "--ckpt-step", "4", "--ckpt-format", "torch"], refused=True)  # fmt: skip
     assert proc.returncode != 0
     for rank in (0, 1):
         assert "--num-experts (MoE)" in refusal(proc, rank) and "--ckpt-step 4" in refusal(proc, rank)
@@ -131,16 +135,16 @@ def test_unsupported_runs_are_refused_at_start_up_on_every_rank(tmp_path, data):
     old.joinpath("latest_checkpointed_iteration.txt").write_text("4")
     (old / "iter_0000004").mkdir()
     (old / "iter_0000004" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')  # as torch_dist saves
-    proc = launch(2, ["--data-path", data, "--train-iters", "2", "--load", str(old)])  # torch_dist: the default
+    proc = launch(2, ["--data-path", data, "--train-iters", "2", "--load", str(old)], refused=True)  # torch_dist: the default
     assert all("a torch_dist checkpoint: megatron-core without" in refusal(proc, rank) for rank in (0, 1))
 
-    proc = launch(2, ["--data-path", data, "--train-iters", "2", "--fp4-param-gather", "--async-save"])
+    proc = launch(2, ["--data-path", data, "--train-iters", "2", "--fp4-param-gather", "--async-save"], refused=True)
     assert all("--async-save is not supported" in refusal(proc, rank) for rank in (0, 1))
 
     # Nothing to convert (both layers kept in bf16): said when DDP is built, not as upstream's "needs
     # TransformerEngine" at the first optimizer step.
     proc = launch(2, ["--data-path", data, "--train-iters", "2", "--fp4-param-gather", "--first-last-layers-bf16",
-                      "--num-layers-at-start-in-bf16", "1", "--num-layers-at-end-in-bf16", "1"])  # fmt: skip
+                      "--num-layers-at-start-in-bf16", "1", "--num-layers-at-end-in-bf16", "1"], refused=True)  # fmt: skip
     assert all("the model has no NVFP4 weight" in refusal(proc, rank) for rank in (0, 1))
     assert "Transformer Engine >=" not in proc.stderr
 
