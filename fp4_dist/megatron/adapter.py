@@ -278,11 +278,12 @@ def refuse_unsupported_args(args) -> None:
             "cannot load a torch_dist distributed-optimizer checkpoint (distrib_optimizer.py asserts on the "
             "torch.optim fallback's missing state, bf16 runs too); save and load with --ckpt-format torch")
     step = getattr(args, "ckpt_step", None)
-    if (load and step is not None and getattr(args, "ckpt_format", None) == "torch"
-            and getattr(args, "use_distributed_optimizer", False) and _latest_iteration(load) not in (None, step)):
+    latest = _latest_iteration(load) if load else None
+    if (step is not None and latest not in (None, step) and getattr(args, "ckpt_format", None) == "torch"
+            and getattr(args, "use_distributed_optimizer", False)):  # fmt: skip
         problems.append(
             f"--ckpt-step {step} with --ckpt-format torch: megatron-core loads the model from iteration {step} but "
-            f"the distributed optimizer's fp32 masters from the latest iteration ({_latest_iteration(load)}, "
+            f"the distributed optimizer's fp32 masters from the latest iteration ({latest}, "
             "checkpointing.py reads the tracker file), so the run would silently continue from mismatched "
             f"weights; copy iter_{step:07d} into a folder of its own (with latest_checkpointed_iteration.txt "
             f"saying {step}) and --load that")
@@ -438,35 +439,33 @@ def _convert_before_ddp(chunks, ddp_config, data_parallel: str) -> None:
               "from the bf16 init)", flush=True)
 
 
-def _make_ddp_wrap(original):
-    signature = inspect.signature(original)
+def _converting_before_ddp(chunks: str, data_parallel: Callable[[dict], str]):
+    """A row factory for the functions that wrap model chunks in DDP: convert the chunks (the argument named
+    `chunks`) first. `data_parallel(arguments)` names the wrapper the call builds ("ddp" for Megatron's DDP)."""
 
-    def _ddp_wrap(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
-        dp = ("Megatron FSDP" if a.get("use_megatron_fsdp") else "torch FSDP2" if a.get("use_torch_fsdp2")
-              else "ddp")  # fmt: skip
-        _convert_before_ddp(a["model"], a["ddp_config"], dp)
-        return original(*args, **kwargs)
+    def make(original):
+        signature = inspect.signature(original)
 
-    return _ddp_wrap
+        def wrapper(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            a = bound.arguments
+            _convert_before_ddp(a[chunks], a["ddp_config"], data_parallel(a))
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    return make
 
 
-def _make_wrap_chunks(original):
-    signature = inspect.signature(original)
+def _dist_utils_wrapper(a: dict) -> str:
+    return "Megatron FSDP" if a.get("use_megatron_fsdp") else "torch FSDP2" if a.get("use_torch_fsdp2") else "ddp"
 
-    def wrap_model_chunks_with_ddp(*args, **kwargs):
-        from megatron.core.distributed import DistributedDataParallel
 
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
-        dp = "ddp" if a["DP"] is DistributedDataParallel else getattr(a["DP"], "__name__", str(a["DP"]))
-        _convert_before_ddp(a["model_chunks"], a["ddp_config"], dp)
-        return original(*args, **kwargs)
+def _training_wrapper(a: dict) -> str:
+    from megatron.core.distributed import DistributedDataParallel
 
-    return wrap_model_chunks_with_ddp
+    return "ddp" if a["DP"] is DistributedDataParallel else getattr(a["DP"], "__name__", str(a["DP"]))
 
 
 def _make_compile_helpers(original):
@@ -541,10 +540,10 @@ HOOKS: tuple[Hook, ...] = (
          "the TransformerConfig's fp4_param would ask TE for NVFP4 model init (and refuses it without --fp4-format); "
          "fp4_dist converts the weights itself. Bound in argument_utils (its home, and gpt_config_from_args's) and "
          "re-exported by arguments, where pretrain_gpt.py and gpt_builders.py import it from"),
-    Hook((_TRAINING,), "wrap_model_chunks_with_ddp", _make_wrap_chunks,
+    Hook((_TRAINING,), "wrap_model_chunks_with_ddp", _converting_before_ddp("model_chunks", _training_wrapper),
          "the model_provider route (get_model): convert the linear weights to NVFP4 after .cuda() and Float16Module, "
          "before DDP and the distributed optimizer (training.py 1570, 1880)"),
-    Hook((_DIST_UTILS,), "_ddp_wrap", _make_ddp_wrap,
+    Hook((_DIST_UTILS,), "_ddp_wrap", _converting_before_ddp("model", _dist_utils_wrapper),
          "the model-builder route (GPTModelBuilder.build_distributed_models, pretrain_gpt.py's): the same moment "
          "(models/dist_utils.py 189, after _wrap_with_mp_wrapper; a pre_wrap_hook runs before .cuda() and "
          "Float16Module)"),

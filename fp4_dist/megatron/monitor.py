@@ -86,19 +86,17 @@ class Monitor:
         from megatron.training.training import force_param_sync
 
         force_param_sync(self.model, self.optimizer)  # an overlapped all-gather must have landed
-        weights = checked = 0
-        mismatches: list[str] = []
+        report = parity.ParityReport()
         for chunk in self.model:
-            report = parity.check_nvfp4_weights(chunk, self.optimizer)
-            weights, checked, mismatches = weights + report.weights, checked + report.bytes_checked, \
-                mismatches + report.mismatches  # fmt: skip
-        bad = torch.tensor([float(bool(mismatches))], device=_collective_device())
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        if bad.item():
-            mine = "; ".join(mismatches[:3]) or "this rank matched; see the other ranks"
+            part = parity.check_nvfp4_weights(chunk, self.optimizer)
+            report.weights += part.weights
+            report.bytes_checked += part.bytes_checked
+            report.mismatches += part.mismatches
+        if not parity.all_ranks_ok(report):  # over the whole job
+            mine = "; ".join(report.mismatches[:3]) or "this rank matched; see the other ranks"
             raise RuntimeError(f"fp4_dist: iteration {iteration}: the gathered NVFP4 weights differ from "
                                f"quantize(full fp32 master) on some rank (rank {dist.get_rank()}: {mine})")
-        summary = f"ok ({weights} weights, {checked} bytes on rank {dist.get_rank()})"
+        summary = f"ok ({report.weights} weights, {report.bytes_checked} bytes on rank {dist.get_rank()})"
         if dist.get_rank() == 0:
             print(f"fp4_dist: {f'iteration {iteration}' if iteration else 'after setup'}: gathered NVFP4 weights == quantize(master) on every rank: "
                   f"{summary}", flush=True)
@@ -127,10 +125,6 @@ def _options():
     from .adapter import current_options
 
     return current_options()
-
-
-def _collective_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def _float(x) -> Optional[float]:

@@ -26,6 +26,7 @@ import pytest
 pytest.importorskip("megatron.core")
 
 from .test_launch import REPO, _env  # noqa: E402
+from .test_megatron_cli import _mpirun  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.megatron, pytest.mark.slow]
 
@@ -156,11 +157,6 @@ def refusal(proc: subprocess.CompletedProcess, rank: int) -> str:
     lines = [line for line in proc.stderr.splitlines() if line.startswith(head)]
     assert lines, f"no line from rank {rank}:\n{proc.stderr[-3000:]}"
     return lines[0]
-
-
-def _mpirun():
-    local = Path(sys.executable).parent / "mpirun"
-    return str(local) if local.exists() else shutil.which("mpirun")
 
 
 @pytest.mark.skipif(_mpirun() is None, reason="mpirun not installed")
