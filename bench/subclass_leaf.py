@@ -6,7 +6,7 @@ NVFP4Linear computes with a cached plain alias of its weight's compute copy (fp4
 forward and backward never enter NVFP4Tensor's Python dispatch; the weight gradient still goes into the parameter,
 a tensor-subclass leaf. This times F.linear forward + backward through a cached plain tensor linked to a parameter
 that is (a) a plain bf16 tensor, (b) a wrapper subclass that does nothing, (c) an NVFP4Tensor, by an expand view
-(an autograd view of the parameter; what stop 19 used) or by clone's node (not a view: `tensor.compute_alias`,
+(an autograd view of the parameter) or by clone's node (not a view: `compute_view.compute_alias`,
 what the layers use now), and with the parameter passed directly (a: plain, c: through the dispatch), in
 interleaved rounds (medians of 30 rounds of 50 iterations, the GPU drained between rounds): small sizes, so that
 the host time is what is measured.
@@ -46,7 +46,7 @@ def main() -> None:
     leaves = {"plain bf16": plain, "do-nothing subclass": nothing, "NVFP4Tensor": nvfp4}
     fp4_dist.post_all_gather_processing([nvfp4])  # its compute copy, which compute_alias aliases
     links = {"an expand view": lambda w: w.expand(n, n),
-             "clone's node": lambda w: fp4_dist.tensor.compute_alias(w) if w is nvfp4 else w.clone()}
+             "clone's node": lambda w: fp4_dist.compute_view.compute_alias(w) if w is nvfp4 else w.clone()}
     views = {(name, how): link(w) for name, w in leaves.items() for how, link in links.items()}
     assert all(type(v) is torch.Tensor for v in views.values())  # plain tensors: no dispatch when used
 

@@ -44,7 +44,7 @@ class ComputeCopy:
         pending: set by a cast, cleared by a refresh: the bytes are between a cast and their all-gather.
     """
 
-    __slots__ = ("enabled", "value", "pending", "epoch", "views", "aliases", "_src", "_versions", "_pending_uses")
+    __slots__ = ("enabled", "value", "pending", "epoch", "views", "aliases", "sources", "stamp", "pending_uses")
 
     def __init__(self, enabled: bool = True):
         self.enabled = bool(enabled)
@@ -57,33 +57,35 @@ class ComputeCopy:
         """The layers' cached views of `value` (`fp4_dist.compute_view`): cleared when `value` is dropped or
         replaced, so that its memory goes with it."""
         self.aliases: list = []
-        """Weak references to every plain alias of `value` made for a layer (`tensor.compute_alias`), including
+        """Weak references to every plain alias of `value` made for a layer (`compute_view.compute_alias`), including
         those only a recorded graph still holds (torch keeps a tensor's Python object alive while its C++ tensor
         lives): each refresh bumps their version counters. Emptied when `value` is dropped or replaced (the old
         memory is then never overwritten)."""
-        self._src: tuple = ()
-        self._versions: Optional[tuple] = None
-        self._pending_uses = 0
+        self.sources: tuple = ()
+        """(rowwise_data, rowwise_scale_inv, amax) that `value` was made from."""
+        self.stamp: Optional[tuple] = None
+        """Their version counters, `value`'s and the weight's when it was made (None: nothing proves it current)."""
+        self.pending_uses = 0
 
     def fresh_for(self, w) -> bool:
         """True when `value` holds the values of `w`'s current bytes."""
-        v, src = self.value, self._src
+        v, src = self.value, self.sources
         if v is None or self.pending or not src or v.dtype != w.dtype:  # module.float() changes the weight's dtype
             return False
         if src[0] is not w.rowwise_data or src[1] is not w.rowwise_scale_inv or src[2] is not w.amax:
             return False
-        return self._versions == _versions(w, v)
+        return self.stamp == _versions(w, v)
 
     def record(self, w) -> None:
         """`value` was just made from `w`'s fields."""
-        self._src = (w.rowwise_data, w.rowwise_scale_inv, w.amax)
-        self._versions = _versions(w, self.value)
+        self.sources = (w.rowwise_data, w.rowwise_scale_inv, w.amax)
+        self.stamp = _versions(w, self.value)
         self.pending = False
-        self._pending_uses = 0
+        self.pending_uses = 0
 
     def drop(self) -> None:
         self.forget_views()
-        self.value, self._src, self._versions = None, (), None
+        self.value, self.sources, self.stamp = None, (), None
         self.epoch += 1
 
     def forget_views(self) -> None:
@@ -100,8 +102,8 @@ class ComputeCopy:
         return live
 
     def note_pending_use(self, w) -> None:
-        self._pending_uses += 1
-        if self._pending_uses == 3:
+        self.pending_uses += 1
+        if self.pending_uses == 3:
             warnings.warn(
                 f"NVFP4 weight {list(w.shape)} was used 3 times between a cast and post_all_gather_processing: "
                 "each use dequantizes it afresh. After all-gathering the cast bytes, call "
@@ -113,7 +115,7 @@ class ComputeCopy:
 
 def _has_copy(w) -> bool:
     """Whether `w` is an NVFP4 weight (anything else in a list of weights is skipped)."""
-    return isinstance(getattr(w, "_compute_copy", None), ComputeCopy)
+    return isinstance(getattr(w, "copy_state", None), ComputeCopy)
 
 
 def _versions(w, value) -> Optional[tuple]:
@@ -124,7 +126,7 @@ def _versions(w, value) -> Optional[tuple]:
 
 
 def _allocate(w) -> torch.Tensor:
-    cc = w._compute_copy
+    cc = w.copy_state
     v = cc.value
     dev = w.rowwise_data.device
     if v is None or v.shape != w.shape or v.dtype != w.dtype or v.device != dev:
@@ -145,7 +147,7 @@ def refresh_compute_copies(weights: Sequence) -> None:
     for w in weights:
         if not _has_copy(w):
             continue
-        cc = w._compute_copy
+        cc = w.copy_state
         cc.pending = False
         if cc.enabled:
             todo.append(w)
@@ -159,7 +161,7 @@ def refresh_compute_copies(weights: Sequence) -> None:
 
 def _fields(weights) -> list:
     """What a copy is made from and into, flat: rowwise_data, rowwise_scale_inv, amax, value of each weight."""
-    return [t for w in weights for t in (w.rowwise_data, w.rowwise_scale_inv, w.amax, w._compute_copy.value)]
+    return [t for w in weights for t in (w.rowwise_data, w.rowwise_scale_inv, w.amax, w.copy_state.value)]
 
 
 def _mark_refreshed(weights, fields: list, counted: Optional[list] = None) -> None:
@@ -169,19 +171,19 @@ def _mark_refreshed(weights, fields: list, counted: Optional[list] = None) -> No
     # those of the aliases layers compute with (counters of their own): this is what makes autograd refuse a graph
     # recorded with the previous values.
     counted = counted if counted is not None else [w for w in weights if not w.is_inference()]
-    torch.autograd.graph.increment_version(counted + [a for w in counted for a in w._compute_copy.live_aliases()])
+    torch.autograd.graph.increment_version(counted + [a for w in counted for a in w.copy_state.live_aliases()])
     try:
         v = [t._version for t in fields]
         wv = [w._version for w in weights]
     except RuntimeError:  # an inference tensor has no version counter: record() makes that copy never fresh
         for w in weights:
-            w._compute_copy.record(w)
+            w.copy_state.record(w)
         return
     for j, w in enumerate(weights):
-        cc, i = w._compute_copy, 4 * j
-        cc._src = fields[i:i + 3]
-        cc._versions = (v[i], v[i + 1], v[i + 2], v[i + 3], wv[j])
-        cc._pending_uses = 0
+        cc, i = w.copy_state, 4 * j
+        cc.sources = fields[i:i + 3]
+        cc.stamp = (v[i], v[i + 1], v[i + 2], v[i + 3], wv[j])
+        cc.pending_uses = 0
 
 
 class BoundRefresh:
@@ -190,7 +192,7 @@ class BoundRefresh:
 
     def __init__(self, weights: Sequence):
         self.weights = [w for w in weights if _has_copy(w)]
-        self._ccs = [w._compute_copy for w in self.weights]
+        self._ccs = [w.copy_state for w in self.weights]
         self._run, self._todo, self._bound, self._counted, self._epochs = None, [], [], [], None
 
     def _bind(self, todo) -> None:
@@ -216,7 +218,7 @@ class BoundRefresh:
 def mark_pending(weights: Sequence) -> None:
     """The bytes of `weights` are being rewritten (a cast): uses dequantize afresh until the next refresh."""
     for w in weights:
-        w._compute_copy.pending = True
+        w.copy_state.pending = True
 
 
 def compute_copy_bytes(weights) -> int:
@@ -225,8 +227,8 @@ def compute_copy_bytes(weights) -> int:
         weights = weights.parameters()
     seen, total = set(), 0
     for w in weights:
-        if _has_copy(w) and w._compute_copy.value is not None and id(w._compute_copy) not in seen:
-            seen.add(id(w._compute_copy))
-            v = w._compute_copy.value
+        if _has_copy(w) and w.copy_state.value is not None and id(w.copy_state) not in seen:
+            seen.add(id(w.copy_state))
+            v = w.copy_state.value
             total += v.numel() * v.element_size()
     return total

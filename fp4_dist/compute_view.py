@@ -3,12 +3,12 @@ bf16 forward costs.
 
 An op on an NVFP4Tensor goes through PyTorch's Python dispatch (`NVFP4Tensor.__torch_dispatch__`) even when the
 compute copy is current: ~15-20 us of host time per use of a linear weight, what any wrapper-subclass parameter
-costs, and the whole of the NVFP4 path's extra cost once the step is host-bound (bench/RESULTS.md, stop 18).
+costs, and the whole of the NVFP4 path's extra cost once the step is host-bound (bench/RESULTS.md).
 A layer uses its weight in every microbatch but the weight changes once per step, so the layer keeps, per change
 of the copy, one plain tensor that
 
 - aliases the compute copy (no memory of its own; a refresh overwrites the copy in place and the view sees it),
-- is connected to the parameter by a single C++ autograd node (`tensor.compute_alias`: clone's, whose backward
+- is connected to the parameter by a single C++ autograd node (`compute_alias`: clone's, whose backward
   passes the gradient through), so the weight gradient still reaches the parameter's grad accumulator and every
   hook on it (Megatron's DDP),
 - has a version counter of its own, which every refresh of the copy bumps (`compute_copy._mark_refreshed`), so a
@@ -31,12 +31,15 @@ place and poisons the grad accumulator the view's node leads to). Users: `NVFP4L
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .compute_copy import refresh_compute_copies
-from .tensor import NVFP4Tensor, compute_alias
+from .tensor import NVFP4Tensor
+from .tensor_ops import clone_value
 
 _ATTR = "_fp4_compute_view"
 
@@ -55,7 +58,7 @@ class ComputeView:
 
     def __call__(self, w: NVFP4Tensor) -> torch.Tensor:
         """The tensor to compute with in place of `w`: the cached view while it is current, else see `_make`."""
-        cc = w._compute_copy
+        cc = w.copy_state
         enabled = torch.is_grad_enabled()
         grad = enabled and w.requires_grad
         # With grad off, a view made with grad serves as well (nothing is recorded): evaluation under no_grad, and
@@ -63,7 +66,7 @@ class ComputeView:
         if w is self.weight and (grad is self.grad or not enabled) and cc.value is self.value and not cc.pending:
             # ComputeCopy.fresh_for inlined (every use of every weight runs this), less its dtype test: a weight's
             # dtype changes only by a parameter swap (nn.Module._apply), and the layer drops its view before one.
-            src, stamp = cc._src, cc._versions
+            src, stamp = cc.sources, cc.stamp
             if (stamp is not None and src[0] is w.rowwise_data and src[1] is w.rowwise_scale_inv
                     and src[2] is w.amax and stamp == (src[0]._version, src[1]._version, src[2]._version,
                                                        self.value._version, w._version)):  # fmt: skip
@@ -72,7 +75,7 @@ class ComputeView:
 
     def _make(self, w: NVFP4Tensor, grad: bool) -> torch.Tensor:
         self.clear()
-        cc = w._compute_copy
+        cc = w.copy_state
         if not cc.enabled or cc.pending or torch.is_inference_mode_enabled():
             return w
         if not cc.fresh_for(w):
@@ -90,6 +93,23 @@ class ComputeView:
 
     def __reduce__(self):
         return ComputeView, ()
+
+
+def compute_alias(w: NVFP4Tensor) -> torch.Tensor:
+    """A plain tensor that aliases `w`'s current compute copy and is linked to `w` by one C++ autograd node whose
+    backward passes the gradient through (clone's): what a layer caches to compute with.
+
+    Unlike a view op on `w` (expand, alias, ...), it is not an autograd view of `w`: it has a version counter of
+    its own, so bumping `w`'s counter (every refresh of the copy does) does not make autograd rebuild its node,
+    which for a tensor subclass means replaying the view op through the Python dispatch, once per weight per
+    step. Every refresh of the copy bumps this tensor's counter instead (`ComputeCopy.aliases`), for as long as
+    it lives, in a layer's cache or only in a recorded graph. The caller makes sure the copy is current.
+    """
+    alias = clone_value(w)
+    cc = w.copy_state
+    cc.live_aliases()  # forgets the dead ones: a weight that is never refreshed must not collect them
+    cc.aliases.append(weakref.ref(alias))
+    return alias
 
 
 def compute_view(module: nn.Module, w: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The NVFP4 2D weight format in numbers: constants and shape arithmetic (ints only).
+"""The NVFP4 2D weight format in numbers: constants, the dtypes around it, and shape arithmetic (ints only).
 
 Layouts of a weight with logical shape [M, K] (spec section 3)::
 
@@ -13,6 +13,8 @@ Padding of both scale arrays is always zero.
 
 from __future__ import annotations
 
+import torch
+
 TILE = 16
 """Side of the square quantization tile (16x16 elements share one E4M3 scale)."""
 
@@ -26,6 +28,12 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 NUMERICS = ("te", "te-2.14")
 """`te`: TransformerEngine main, d_t = a_t * (S * fp32(1/6)); `te-2.14`: d_t = (a_t / 6) * S."""
+
+MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+"""What an NVFP4 weight computes in: values are rounded to it before quantization, and dequantize writes it."""
+
+MASTER_DTYPES = (torch.float32, torch.bfloat16)
+"""What a master shard (the cast's source) may be."""
 
 SCALE_ROW_ALIGN = 128
 SCALE_COL_ALIGN = 4
@@ -91,8 +99,29 @@ def check_even_boundary(name: str, start: int, end: int, *, end_may_be_odd: bool
         )
 
 
+def packed_bytes(numel: int) -> int:
+    """Bytes holding `numel` E2M1 values (an even count: weights have K % 16 == 0, shards even boundaries)."""
+    return numel // 2
+
+
+def has_columnwise(m: int) -> bool:
+    """Whether a weight with M rows can have a columnwise copy: it packs pairs of rows into a byte."""
+    return m % 2 == 0
+
+
+def whole_bands(row0: int, rows: int) -> bool:
+    """Whether rows [row0, row0 + rows) are whole 16-row tile bands (every tile of them complete)."""
+    return row0 % TILE == 0 and rows % TILE == 0
+
+
+def band_tiles(row0: int, rows: int, k: int) -> tuple[int, int]:
+    """Flat tiles [a, b) (row-major tile grid of a weight with K = `k`) of the whole bands [row0, row0 + rows)."""
+    tk = ceil_div(k, TILE)
+    return (row0 // TILE) * tk, ((row0 + rows) // TILE) * tk
+
+
 def rowwise_data_shape(m: int, k: int) -> tuple[int, int]:
-    return m, k // 2
+    return m, packed_bytes(k)
 
 
 def rowwise_scale_shape(m: int, k: int) -> tuple[int, int]:
@@ -100,7 +129,7 @@ def rowwise_scale_shape(m: int, k: int) -> tuple[int, int]:
 
 
 def columnwise_data_shape(m: int, k: int) -> tuple[int, int]:
-    return k, m // 2
+    return k, packed_bytes(m)
 
 
 def columnwise_scale_shape(m: int, k: int) -> tuple[int, int]:

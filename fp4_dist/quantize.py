@@ -8,7 +8,8 @@ import torch
 
 from .format import check_numerics, rowwise_data_shape, rowwise_scale_shape
 from .kernels import checks, quantize_rowwise
-from .tensor import MODEL_DTYPES, NVFP4Tensor
+from .format import MODEL_DTYPES
+from .tensor import NVFP4Tensor
 
 
 def quantize(

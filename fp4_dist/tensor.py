@@ -1,7 +1,7 @@
 """NVFP4Tensor: a container for one NVFP4 2D weight that PyTorch modules can use as a parameter.
 
 It reports the logical shape [M, K] and the model dtype (bf16 by default) and holds the packed fields of
-`format.py`. Ops fall in three groups, all routed through `_OPS`:
+`format.py`. Ops fall in three groups, all routed through the op table (`tensor_ops.py`):
 
 - storage-preserving (detach, alias, clone, _to_copy to another device, copy_): keep the packed form;
   `copy_` from a high-precision tensor re-quantizes in place, keeping every field's storage (the rowwise bytes
@@ -14,32 +14,30 @@ It reports the logical shape [M, K] and the model dtype (bf16 by default) and ho
 
 from __future__ import annotations
 
-import sys
-import threading
-import weakref
 from typing import Callable, Optional
 
 import torch
-from torch.utils._pytree import tree_map
 
 from . import kernels
 from .compute_copy import ComputeCopy, refresh_compute_copies
 from .format import (
+    MODEL_DTYPES,
     check_numerics,
     check_weight_shape,
     columnwise_data_shape,
     columnwise_scale_shape,
+    has_columnwise,
+    packed_bytes,
     rowwise_data_shape,
     rowwise_scale_shape,
 )
 
 aten = torch.ops.aten
 
-MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-_FIELDS = ("rowwise_data", "rowwise_scale_inv", "amax", "columnwise_data", "columnwise_scale_inv")
-_ROWWISE_FIELDS = frozenset(_FIELDS[:3])  # what a compute copy is made from
-_ALIAS_STATE = _FIELDS + ("numerics", "_compute_copy")  # what an alias (detach, .data) shares
+FIELDS = ("rowwise_data", "rowwise_scale_inv", "amax", "columnwise_data", "columnwise_scale_inv")
+"""The tensors an NVFP4 weight holds (`format.py` gives their layouts)."""
+_ROWWISE_FIELDS = frozenset(FIELDS[:3])  # what a compute copy is made from
+ALIAS_STATE = FIELDS + ("numerics", "_compute_copy")  # what an alias (detach, .data) shares
 
 
 class NVFP4Tensor(torch.Tensor):
@@ -116,7 +114,7 @@ class NVFP4Tensor(torch.Tensor):
         )
 
     def _fields(self) -> dict:
-        return {f: getattr(self, f) for f in _FIELDS}
+        return {f: getattr(self, f) for f in FIELDS}
 
     def _with_fields(self, fn: Callable[[torch.Tensor], torch.Tensor], requires_grad: bool = False):
         """A new weight of `fn` applied to every field, with a compute copy of its own."""
@@ -129,7 +127,7 @@ class NVFP4Tensor(torch.Tensor):
         same shape).
 
         Megatron's distributed optimizer reads `param.data` for every weight every step: the fields were
-        checked when this weight was made, so the alias is not constructed and checked again (16 -> 7 us).
+        checked when this weight was made, so the alias skips the constructor and its checks (half the host time).
         """
         new = torch.Tensor._make_wrapper_subclass(NVFP4Tensor, self.shape, dtype=self.dtype, device=self.device)
         # The Python attributes beside the NVFP4 state come along (see `_carry_attributes`); being a Parameter
@@ -150,6 +148,11 @@ class NVFP4Tensor(torch.Tensor):
         out = torch.empty(tuple(self.shape), dtype=dtype if direct else torch.float32, device=self.rowwise_data.device)
         kernels.dequantize([self.rowwise_data], [self.rowwise_scale_inv], [self.amax], [out])
         return out if direct else out.to(dtype)
+
+    @property
+    def copy_state(self) -> ComputeCopy:
+        """The state of this weight's compute copy, shared by its aliases (`fp4_dist.compute_copy` keeps it)."""
+        return self._compute_copy
 
     @property
     def compute_copy(self) -> bool:
@@ -219,7 +222,7 @@ class NVFP4Tensor(torch.Tensor):
         allocate per weight and transpose every weight in one launch per stage.
         """
         m, k = self.shape
-        if m % 2:
+        if not has_columnwise(m):
             raise ValueError(
                 f"make_columnwise: M = {m} is odd; the columnwise copy packs pairs of rows into a byte, so it needs "
                 "an even M (keep this weight rowwise-only)"
@@ -238,7 +241,7 @@ class NVFP4Tensor(torch.Tensor):
         the compute copy. Call `fp4_dist.post_all_gather_processing` after a gather into the buffer.
         """
         m, k = self.shape
-        want = m * k // 2
+        want = packed_bytes(m * k)
         dev = self.rowwise_data.device
         if view.dtype != torch.uint8 or view.numel() != want or view.device != dev or not view.is_contiguous():
             # A strided view would make rowwise_data strided: the cast and the gather need contiguous bytes.
@@ -261,7 +264,7 @@ class NVFP4Tensor(torch.Tensor):
         )
 
     def __tensor_flatten__(self):
-        names = [f for f in _FIELDS if getattr(self, f) is not None]
+        names = [f for f in FIELDS if getattr(self, f) is not None]
         return names, (tuple(self.shape), self.dtype, self.numerics, self.compute_copy)
 
     @staticmethod
@@ -276,10 +279,10 @@ class NVFP4Tensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         # Runs for every op on the weight, twice per linear per microbatch: one dict lookup decides.
-        handler = _OPS.get(func)
+        handler = OPS.get(func)
         if handler is None:
-            handler = _OPS[func] = _refuse if func._schema.is_mutable or func.__name__.endswith("_") else _compute
-        return handler(func, args, kwargs or _NO_KWARGS)
+            handler = OPS[func] = refuse if func._schema.is_mutable or func.__name__.endswith("_") else compute
+        return handler(func, args, kwargs or NO_KWARGS)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -307,185 +310,5 @@ def is_nvfp4_tensor(t) -> bool:
     return isinstance(t, NVFP4Tensor)
 
 
-def _compute(func, args, kwargs):
-    """Any op not in the table that leaves its inputs alone: run it on the weights' compute values."""
-    if kwargs:
-        return func(*_values(args), **dict(zip(kwargs, _values(kwargs.values()))))
-    return func(*_values(args))
-
-
-def _refuse(func, args, kwargs):
-    raise NotImplementedError(
-        f"{func} would mutate the packed bytes of an NVFP4Tensor in place; update the fp32 master and "
-        "re-quantize with `weight.quantize_(master)` (or copy_ a high-precision tensor into it)"
-    )
-
-
-def _values(args) -> list:
-    """Arguments of a compute op with every NVFP4Tensor replaced by its compute value. Ops run in every forward
-    and backward, so the usual shapes (flat arguments, a list of tensors) avoid pytree's generic walk."""
-    out = []
-    for a in args:
-        if isinstance(a, NVFP4Tensor):
-            a = a.compute_value()
-        elif isinstance(a, (list, tuple)):
-            a = type(a)(_values(a)) if not hasattr(a, "_fields") else tree_map(_value, a)
-        elif isinstance(a, dict):
-            a = tree_map(_value, a)
-        out.append(a)
-    return out
-
-
-def _value(t):
-    return t.compute_value() if isinstance(t, NVFP4Tensor) else t
-
-
-# ------------------------------------------------------------------------------------------------ op table
-_OPS: dict = {}
-_NO_KWARGS: dict = {}  # handlers read kwargs, never write them
-
-
-def _implements(*ops):
-    def register(fn):
-        for op in ops:
-            _OPS[op] = fn
-        return fn
-
-    return register
-
-
-@_implements(aten.t.default)
-def _t(func, args, kwargs):
-    # The one op on a weight in every forward (F.linear, Megatron's matmul(x, w.t())): straight to the value's
-    # own method, without the generic argument walk and the OpOverload call (~4 us of host time per use).
-    return args[0].compute_value().t()
-
-
-@_implements(aten.mm.default)
-def _mm(func, args, kwargs):
-    # The op of every backward that reads the weight (x.grad = dy @ W, Megatron's grad_output.matmul(weight)).
-    a, b = args
-    return torch.mm(_value(a), _value(b))
-
-
-@_implements(aten.detach.default, aten.alias.default)
-def _alias(func, args, kwargs):
-    return args[0]._alias()
-
-
-_ALIAS_REQUEST = threading.local()
-
-
-def compute_alias(w: NVFP4Tensor) -> torch.Tensor:
-    """A plain tensor that aliases `w`'s current compute copy and is linked to `w` by one C++ autograd node whose
-    backward passes the gradient through (clone's): what a layer caches to compute with (`fp4_dist.compute_view`).
-
-    Unlike a view op on `w` (expand, alias, ...), it is not an autograd view of `w`: it has a version counter of
-    its own, so bumping `w`'s counter (every refresh of the copy does) does not make autograd rebuild its node,
-    which for a tensor subclass means replaying the view op through the Python dispatch, once per weight per
-    step. Every refresh of the copy bumps this tensor's counter instead (`ComputeCopy.aliases`), for as long as
-    it lives, in a layer's cache or only in a recorded graph. The caller makes sure the copy is current; nothing
-    else should call this.
-    """
-    _ALIAS_REQUEST.on = True
-    try:
-        alias = w.clone()
-    finally:
-        _ALIAS_REQUEST.on = False
-    cc = w._compute_copy
-    cc.live_aliases()  # forgets the dead ones: a weight that is never refreshed must not collect them
-    cc.aliases.append(weakref.ref(alias))
-    return alias
-
-
-@_implements(aten.clone.default)
-def _clone(func, args, kwargs):
-    if getattr(_ALIAS_REQUEST, "on", False):
-        _ALIAS_REQUEST.on = False  # this one call only
-        value = args[0].compute_value()
-        return value.view(value.shape)  # a new tensor on the copy's memory (never the copy itself: autograd
-        # gives the returned tensor its grad_fn)
-    return args[0]._with_fields(lambda t: t.clone())
-
-
-@_implements(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
-def _view(func, args, kwargs):
-    src, shape = args[0], list(args[1])
-    if shape == list(src.shape):
-        return src._alias()
-    _refuse_fsdp(func)
-    return func(src.compute_value(), *args[1:], **kwargs)
-
-
-@_implements(aten.split.Tensor, aten.split_with_sizes.default, aten.new_zeros.default)
-def _shard_op(func, args, kwargs):
-    # The ops torch's FSDP shards a parameter with: on an NVFP4Tensor they would shard (and all-gather) its bf16
-    # value, silently dropping the NVFP4 form. Model code may still split a weight (a fused QKV, say).
-    _refuse_fsdp(func)
-    return _compute(func, args, kwargs)
-
-
-def _refuse_fsdp(func) -> None:
-    frame = sys._getframe(2)
-    for _ in range(16):
-        if frame is None:
-            return
-        if "torch/distributed/fsdp/" in frame.f_code.co_filename.replace("\\", "/"):
-            raise NotImplementedError(
-                f"torch's FSDP is sharding an NVFP4Tensor weight ({func}); it would shard and all-gather its "
-                "dequantized bf16 values and drop the NVFP4 form. Use fp4_dist.fsdp.fully_shard_nvfp4(model) "
-                "instead of fully_shard: it keeps fp32 masters and all-gathers the weights as NVFP4 bytes")
-        frame = frame.f_back
-
-
-@_implements(aten._to_copy.default)
-def _to_copy(func, args, kwargs):
-    src = args[0]
-    dtype = kwargs.get("dtype", src.dtype)
-    device = kwargs.get("device", src.device)
-    if dtype != src.dtype:  # w.float(), w.to(torch.float32): the value, not the container
-        return src.dequantize(dtype).to(device)
-    return _carry_attributes(src, src._with_fields(lambda t: t.to(device=device, copy=True)))
-
-
-def _carry_attributes(src: NVFP4Tensor, dst: NVFP4Tensor) -> NVFP4Tensor:
-    """Give `dst` the Python attributes `src` carries beside its NVFP4 state (Megatron's tensor-parallel
-    attributes, `get_high_precision_init_val`, a user's own).
-
-    `nn.Module._apply` (`.cuda()`, `.to(device)`, `.bfloat16()`, Megatron's Float16Module) moves a tensor-subclass
-    parameter by `swap_tensors(param, nn.Parameter(fn(param)))`, which swaps the objects' `__dict__`s: the
-    parameter keeps exactly the attributes of `nn.Parameter(fn(param))`, a detach of `fn(param)`. So both the
-    device move and the alias (detach, `.data`) carry them, as `param.data = ...` keeps them for a plain tensor.
-    """
-    extra = {k: v for k, v in src.__dict__.items() if k not in _ALIAS_STATE and k != "_is_param"}
-    if extra:
-        dst.__dict__.update(extra)
-    return dst
-
-
-@_implements(aten.copy_.default)
-def _copy(func, args, kwargs):
-    dst, src = args[0], args[1]
-    if isinstance(dst, NVFP4Tensor):
-        if tuple(src.shape) != tuple(dst.shape):
-            raise ValueError(f"copy_ into NVFP4Tensor {list(dst.shape)} from a tensor of shape {list(src.shape)}")
-        if isinstance(src, NVFP4Tensor):
-            for f in ("rowwise_data", "rowwise_scale_inv", "amax"):
-                getattr(dst, f).copy_(getattr(src, f))
-            if dst.columnwise_data is not None:
-                dst.make_columnwise()
-            return dst
-        return dst.quantize_(src)
-    return dst.copy_(src.dequantize(dst.dtype))
-
-
-@_implements(aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default)
-def _like(func, args, kwargs):
-    # Optimizer state and grad buffers shaped like a weight are plain high-precision tensors.
-    src = args[0]
-    kwargs = dict(kwargs)
-    kwargs.setdefault("dtype", src.dtype)
-    kwargs.setdefault("device", src.device)
-    # A 0-dim tensor expanded to [M, K] stands in for the weight without allocating; being stride-0, it makes
-    # preserve_format fall back to contiguous strides.
-    return func(torch.empty((), dtype=src.dtype, device=src.device).expand(src.shape), *args[1:], **kwargs)
+# The op table registers its handlers against the class above, so it is imported after it.
+from .tensor_ops import NO_KWARGS, OPS, compute, refuse  # noqa: E402

@@ -255,3 +255,43 @@ def cut_tiles(shape: Tuple[int, int], cut: int) -> Tuple[int, int]:
     # Cut tiles form one run of a tile row (see tests); return it as a flat range.
     assert hit == list(range(hit[0], hit[-1] + 1)), f"non-contiguous cut tiles {hit}"
     return (tr * tiles_k + hit[0], tr * tiles_k + hit[-1] + 1)
+
+
+def packed_layout_of(index_map: dict, bucket_spans: Sequence[Tuple[int, int]], dp_size: int,
+                     labels: Optional[dict] = None) -> tuple[dict, list, int]:  # fmt: skip
+    """The packed (byte) layout of an element layout made elsewhere (Megatron's param and bucket indices): every
+    range / 2, after checking that every boundary a byte all-gather or a cast depends on is even.
+
+    Args:
+        index_map: {key: (start, end, bucket)} element ranges of the weights.
+        bucket_spans: [(start, end)] element range of each bucket (padding included).
+        dp_size: data-parallel size; each bucket is split into that many equal rank shards.
+        labels: {key: name} for errors.
+    Returns:
+        ({key: (byte start, byte end, bucket)}, [(byte start, byte end)] per bucket, bytes of the buckets up to
+        their last weight's end).
+    Raises:
+        ValueError naming the weight, bucket or rank whose boundary is odd or whose bucket does not split evenly.
+    """
+    labels = labels or {}
+    packed_map = {}
+    for key, (start, end, bucket) in index_map.items():
+        check_even_boundary(labels.get(key, f"weight {key!r}"), start, end)
+        packed = Span(start, end).packed()
+        packed_map[key] = (packed.start, packed.end, bucket)
+    packed_buckets = []
+    for b, (start, end) in enumerate(bucket_spans):
+        if (end - start) % dp_size:
+            raise ValueError(f"bucket {b} spans elements [{start}, {end}), not divisible into {dp_size} rank shards "
+                             "(with Megatron: is the adapter's pad_bucket_end row installed?)")
+        bucket = Bucket(b, Span(start, end), (), (end - start) // dp_size)
+        for r in range(dp_size):
+            shard = bucket.shard(r)
+            check_even_boundary(f"bucket {b}, rank {r}", shard.start, shard.end)
+        packed = bucket.span.packed()
+        packed_buckets.append((packed.start, packed.end))
+    last_end = {b: start for b, (start, _) in enumerate(bucket_spans)}
+    for _, end, b in index_map.values():
+        last_end[b] = max(last_end[b], end)
+    unpadded = sum(Span(start, last_end[b]).packed().numel for b, (start, _) in enumerate(bucket_spans))
+    return packed_map, packed_buckets, unpadded

@@ -17,6 +17,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from ..format import packed_bytes
 from .layout import BufferLayout, ShardPiece
 
 
@@ -47,7 +48,7 @@ class ShardBuffer:
         self.grad = torch.zeros(layout.total, dtype=torch.float32, device=dev)
         self.grad_shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=dev)
         if packed:
-            self.param = torch.zeros(layout.total // 2, dtype=torch.uint8, device=dev)
+            self.param = torch.zeros(packed_bytes(layout.total), dtype=torch.uint8, device=dev)
         else:
             self.param = torch.zeros(layout.total, dtype=param_dtype, device=dev)
 

@@ -21,22 +21,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
-from ..format import tile_grid
+from ..format import TILE, ceil_div, round_up, tile_grid
 from .layout import BufferLayout, Span, cut_tiles
 
 Shape = Tuple[int, int]
 Range = Tuple[int, int]
+
+CAP_ALIGN = 16
+"""Bytes a rank's compact scale chunk is rounded up to: each chunk of the all-gather buffer starts 16-byte aligned."""
 
 
 def first_tile_at(shape: Shape, element: int) -> int:
     """Smallest flat tile index whose first element is >= `element` (tiles of the weight if none)."""
     rows, cols = shape
     tiles_m, tiles_k = tile_grid(rows, cols)
-    band, rem = divmod(element, 16 * cols)
+    band, rem = divmod(element, TILE * cols)
     if band >= tiles_m:
         return tiles_m * tiles_k
-    # Tile (band, tc) starts at band * 16 * cols + 16 * tc: all inside the band's first row.
-    return band * tiles_k + min(-(-rem // 16), tiles_k)
+    # Tile (band, tc) starts at band * TILE * cols + TILE * tc: all inside the band's first row.
+    return band * tiles_k + min(ceil_div(rem, TILE), tiles_k)
 
 
 def scale_tiles(shape: Shape, span: Optional[Span]) -> Range:
@@ -53,7 +56,7 @@ def touched_bands(shape: Shape, span: Optional[Span]) -> Range:
         return (0, 0)
     rows, cols = shape
     tiles_k = tile_grid(rows, cols)[1]
-    first, last = span.start // cols // 16, (span.end - 1) // cols // 16
+    first, last = span.start // cols // TILE, (span.end - 1) // cols // TILE
     return first * tiles_k, (last + 1) * tiles_k
 
 
@@ -107,7 +110,7 @@ def tile_exchange(layout: BufferLayout, shapes: Sequence[Shape], order: Optional
             acc += scale[r][i][1] - scale[r][i][0]
         bases.append(base)
         counts.append(acc)
-    cap = -(-max(counts, default=0) // 16) * 16
+    cap = round_up(max(counts, default=0), CAP_ALIGN)
     sources = []
     for i in range(n):
         segs = tuple((a, r * cap + bases[r][i] - a) for r in range(layout.dp_size)

@@ -5,7 +5,7 @@ Every op computes on the wrapped values (`_data`); the ops FSDP2 uses to shard, 
 slice, view, as_strided, new_zeros, empty_like, copy_, clone, detach, _to_copy, pin_memory) keep the wrapper,
 so the shard FSDP2 keeps is still an NVFP4Master. Its all-gather goes through FSDP2's tensor-subclass extension::
 
-    fsdp_pre_all_gather   this rank's rows as packed E2M1 bytes [rows, K/2] + its tile scale bytes [rows/16, K/16],
+    fsdp_pre_all_gather   this rank's rows as packed E2M1 bytes + its tile scale bytes (`wire`: the format),
                           cast from the fp32 master with the weight's global amax (`precompute.ShardCast`: one
                           batched amax all-reduce for the whole model, before the forward)
     (FSDP2 all-gathers those bytes: 0.504 B per element instead of 2)
@@ -27,8 +27,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import kernels
-from ..format import ceil_div, is_tile_grid, rowwise_data_shape, rowwise_scale_shape, tile_grid
+from ..format import is_tile_grid, rowwise_data_shape, rowwise_scale_shape
 from ..tensor import NVFP4Tensor
+from . import wire
 
 aten = torch.ops.aten
 
@@ -137,15 +138,8 @@ class NVFP4Master(torch.Tensor):
                     f"fp4_dist.fsdp: the NVFP4 bytes of {state.fqn} are stale: its fp32 master changed since they "
                     "were cast (outside an optimizer step and a forward of the model passed to fully_shard_nvfp4?). "
                     "Call fp4_dist.fsdp.precompute_nvfp4(model) on every rank before this all-gather")
-            if mesh.size() == 1:  # FSDP2 passes one input through at one rank; the scales are whole already
-                return (state.packed,), (state.amax, state.scales)
-            return (state.packed, state.scales), (state.amax,)
-        # bf16 mode: FSDP2 needs the padded shard size on ranks whose shard is short
-        rows = ceil_div(state.shape[0], mesh.size())
-        x = self._data.to(state.model_dtype)
-        if x.shape[0] != rows:
-            x = torch.cat([x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))])
-        return (x,), None
+            return wire.pack(state.packed, state.scales, state.amax, mesh.size())
+        return wire.pack_rows(self._data.to(state.model_dtype), state.shape[0], mesh.size()), None
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out: Optional[torch.Tensor] = None):
         state = self._state
@@ -156,11 +150,8 @@ class NVFP4Master(torch.Tensor):
             state.value = torch.empty((m, k), dtype=state.model_dtype, device=self.device)
         b = state.buffers
         if state.mode == "nvfp4":
-            data, scales = (outputs[0], metadata[1]) if len(outputs) == 1 else outputs
-            amax = metadata[0]
-            tm, tk = tile_grid(m, k)
-            scale_inv = scales.reshape(-1)[: tm * tk].view(tm, tk)  # the tile grid, bands in order: dequantize
-            # reads it as is (one launch per weight and gather, not an expand and a dequantize)
+            # dequantize reads the tile grid as gathered (one launch per weight and gather, no expand)
+            data, scale_inv, amax = wire.unpack(outputs, metadata, state.shape)
         else:
             (values,) = outputs
             data, amax, scale_inv = b["data"], b["amax"], b["scale_inv"]
@@ -193,12 +184,6 @@ def _gather_buffers(state: WeightState, device) -> dict:
     return {"scale_inv": torch.zeros(rowwise_scale_shape(m, k), dtype=torch.uint8, device=device),
             "data": torch.zeros(rowwise_data_shape(m, k), dtype=torch.uint8, device=device),
             "amax": torch.zeros(1, dtype=torch.float32, device=device)}  # fmt: skip
-
-
-def local_tiles(state: WeightState, row0: int, rows: int) -> tuple[int, int]:
-    """Flat tiles [a, b) of the 16-row bands [row0, row0 + rows) (whole bands: "nvfp4" mode)."""
-    tk = tile_grid(*state.shape)[1]
-    return (row0 // 16) * tk, ((row0 + rows) // 16) * tk
 
 
 # Ops FSDP2 (and module.to_empty / load_state_dict) apply to a parameter that must give back the wrapper. Every

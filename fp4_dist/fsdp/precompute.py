@@ -9,8 +9,9 @@ that holds the tile and only the n tensor amaxes cross ranks::
     owner_scales     local tile scale bytes (the all-gather's second input), encode multipliers, amax
     partial_cast     local packed bytes (the all-gather's first input)
 
-Same stages and formulas as every other cast of this package, so the gathered bytes are those of
-`fp4_dist.quantize(full master)`. Bound once per set of master tensors; a call is a few launches.
+The stages, the exchange and the check are `fp4_dist.optim.cast_core.CastCore`'s, as for every other cast of
+this package, so the gathered bytes are those of `fp4_dist.quantize(full master)`. What a rank sends is
+`wire`'s. Bound once per set of master tensors; a call is a few launches.
 """
 
 from __future__ import annotations
@@ -24,10 +25,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from .. import kernels
-from ..format import byte_window, rowwise_data_shape, tile_grid
-from ..kernels import checks
-from ..optim.cast_groups import bind_amax_and_cast, make_cast_plan
-from .master import NVFP4Master, WeightState, local_master, local_tiles
+from ..optim.cast_core import CastCore, make_cast_plan
+from . import wire
+from .master import NVFP4Master, WeightState, local_master
 
 
 @dataclass(frozen=True)
@@ -80,38 +80,26 @@ class ShardCast:
             return
         dev = ws[0].master.device
         for w in ws:
-            rows, k = w.master.shape
-            assert rows % 16 == 0 and w.row0 % 16 == 0, f"{w.state.fqn}: a local shard that is not whole tile bands"
-            w.state.packed = torch.zeros(rowwise_data_shape(rows, k), dtype=torch.uint8, device=dev)
-            w.state.amax = torch.zeros(1, dtype=torch.float32, device=dev)
+            w.state.packed, w.state.amax = wire.shard_buffers(w.master.shape[0], w.shape[1], dev)
         self.plan = make_cast_plan([w.shape for w in ws], [w.state.model_dtype for w in ws],
                                    [w.state.numerics for w in ws])  # fmt: skip
-        self.amaxes = torch.zeros(self.plan.amax_numel, dtype=torch.float32, device=dev)
-        self._index = torch.tensor([g.offset + j for g in self.plan.groups for j in range(g.layout.n)],
-                                   dtype=torch.int64, device=dev)  # fmt: skip
-        self.message = torch.zeros(self._index.numel(), dtype=torch.float32, device=dev)
-        shards = [w.master.reshape(-1) for w in ws]
-        starts = [w.row0 * w.shape[1] for w in ws]
-        frags = [w.state.packed.view(-1) for w in ws]
-        for f, s, w in zip(frags, starts, ws):
-            lo, hi = byte_window(s, w.master.numel())
-            assert f.numel() == hi - lo, "packed buffer does not match the shard's byte window"
-        self._steps = []
-        for g in self.plan.groups:
-            enc = torch.zeros(g.layout.total - g.layout.n, dtype=torch.float32, device=dev)
-            amax, cast = bind_amax_and_cast(g, ws, shards, starts, frags, self.amaxes, enc)
-            gw = [ws[i] for i in g.indices]
-            tiles = [local_tiles(w.state, w.row0, w.master.shape[0]) for w in gw]
-            # owner_scales packs the group's scale bytes one weight after the other: each weight's all-gather
-            # input is its [rows/16, tiles_k] view of that buffer.
-            compact = torch.zeros(sum(b - a for a, b in tiles), dtype=torch.uint8, device=dev)
-            off = 0
-            for w, (a, b) in zip(gw, tiles):
-                w.state.scales = compact[off:off + b - a].view(w.master.shape[0] // 16, tile_grid(*w.shape)[1])
-                off += b - a
-            owner = kernels.bind_owner_scales(g.block(self.amaxes), g.shapes, tiles, tiles, compact, enc,
-                                              [w.state.amax for w in gw], numerics=g.numerics)  # fmt: skip
-            self._steps.append((amax, owner, cast))
+        # Each rank holds whole tile bands, so only the tensor amaxes cross ranks.
+        self.core = CastCore(self.plan, [w.master.reshape(-1) for w in ws], [w.row0 * w.shape[1] for w in ws],
+                             [w.state.packed.view(-1) for w in ws], self._bind_scales,
+                             names=[f"{w.state.fqn} (fp32 master)" for w in ws],
+                             exchanged=self.plan.tensor_amax_entries(), device=dev)  # fmt: skip
+
+    def _bind_scales(self, g, block, enc):
+        """owner_scales of group g: every tile of a rank's bands is its own; the scale bytes land in one compact
+        buffer whose per-weight views are the all-gather's scale inputs."""
+        gw = [self.weights[i] for i in g.indices]
+        tiles = [wire.local_tiles(w.shape, w.row0, w.master.shape[0]) for w in gw]
+        compact = torch.zeros(sum(b - a for a, b in tiles), dtype=torch.uint8, device=block.device)
+        views = wire.scale_views(compact, [w.shape for w in gw], tiles, [w.master.shape[0] for w in gw])
+        for w, view in zip(gw, views):
+            w.state.scales = view
+        return kernels.bind_owner_scales(block, g.shapes, tiles, tiles, compact, enc, [w.state.amax for w in gw],
+                                         numerics=g.numerics)  # fmt: skip
 
     def current_for(self, params) -> bool:
         """Whether this binding still points at the model's master tensors."""
@@ -129,24 +117,10 @@ class ShardCast:
         master value is not finite on any rank."""
         if not self.weights:
             return
-        for amax, _, _ in self._steps:
-            amax()
-        torch.index_select(self.amaxes, 0, self._index, out=self.message)
-        if self.group is not None and dist.get_world_size(self.group) > 1:
-            dist.all_reduce(self.message, op=dist.ReduceOp.MAX, group=self.group)
-        finite = bool(torch.isfinite(self.message).all().item())  # the one device-to-host read
-        self.amaxes.index_copy_(0, self._index, self.message)
-        if not finite:
-            self._raise_not_finite()
-        for _, owner, cast in self._steps:
-            owner()
-            cast()
+        core = self.core
+        core.local_amaxes()
+        core.exchange(self.group, local=self.group is None)
+        core.scales()
+        core.cast()
         for w in self.weights:
             w.state.cast_from = w.state.source_id(w.master)
-
-    def _raise_not_finite(self) -> None:
-        for g in self.plan.groups:
-            for i, a in zip(g.indices, g.tensor_amaxes(self.amaxes).tolist()):
-                if a != a or a in (float("inf"), float("-inf")):
-                    raise checks.non_finite_error(f"{self.weights[i].state.fqn} (fp32 master)", " on some rank")
-        raise checks.non_finite_error("an NVFP4 master weight")

@@ -21,9 +21,10 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from ..format import TILE, check_numerics
+from ..format import TILE, check_numerics, whole_bands
 from ..optim.collectives import reduce_scatter_ordered
 from ..tensor import NVFP4Tensor
+from . import wire
 from .master import NVFP4Master, WeightState, local_master
 from .precompute import ShardCast
 
@@ -47,7 +48,7 @@ class FSDPReport:
         sums = {"nvfp4": [0, 0], "all": [0, 0]}
         for st in _registry(model).states.values():
             m, k = st.shape
-            nbytes = m * k // 2 + (m // TILE) * (k // TILE) if st.mode == "nvfp4" else 2 * m * k
+            nbytes = wire.gathered_bytes(st.shape, st.mode)
             for key in ("nvfp4", "all") if st.mode == "nvfp4" else ("all",):
                 sums[key][0] += nbytes
                 sums[key][1] += m * k
@@ -135,7 +136,7 @@ def _convert(name, module, world, mp_policy, numerics, skip, report) -> None:
         master = w.detach().clone()
     model_dtype = mp_policy.param_dtype or master.dtype
     rows, rem = divmod(m, world)
-    if rem == 0 and rows % TILE == 0:
+    if rem == 0 and whole_bands(0, rows):
         mode = "nvfp4"
         report.nvfp4.append(fqn)
     else:

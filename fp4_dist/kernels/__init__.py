@@ -11,7 +11,35 @@ Modules, and the one way a call travels through them::
 """
 
 from . import reference
-from .stages import *  # noqa: F401,F403  (the public stage API)
-from .stages import __all__ as _stages_all
+from .stages import (
+    AmaxLayout,
+    Bound,
+    amax_layout,
+    bind_dequantize,
+    bind_expand_scales,
+    bind_fused_scale,
+    bind_nibble_transpose,
+    bind_owner_scales,
+    bind_partial_amax,
+    bind_partial_cast,
+    bind_scale_transpose,
+    dequantize,
+    expand_scales,
+    fused_scale,
+    nibble_transpose,
+    owner_scales,
+    partial_amax,
+    partial_cast,
+    quantize_rowwise,
+    scale_transpose,
+    signature,
+)
 
-__all__ = ["reference", *_stages_all]
+__all__ = [
+    "reference",
+    "AmaxLayout", "amax_layout", "signature", "Bound", "quantize_rowwise",
+    "partial_amax", "bind_partial_amax", "fused_scale", "bind_fused_scale", "partial_cast", "bind_partial_cast",
+    "owner_scales", "bind_owner_scales", "expand_scales", "bind_expand_scales",
+    "nibble_transpose", "bind_nibble_transpose", "scale_transpose", "bind_scale_transpose",
+    "dequantize", "bind_dequantize",
+]  # fmt: skip

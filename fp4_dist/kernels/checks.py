@@ -11,12 +11,16 @@ from typing import Optional, Sequence
 import torch
 
 from ..format import (
+    MASTER_DTYPES,
+    MODEL_DTYPES,
+    TILE,
     byte_window,
     check_even_boundary,
     check_numerics,
     check_weight_shape,
     columnwise_data_shape,
     columnwise_scale_shape,
+    has_columnwise,
     is_tile_grid,
     num_tiles,
     rowwise_data_shape,
@@ -27,9 +31,6 @@ from ..format import (
 
 Shape = tuple[int, int]
 
-SHARD_DTYPES = (torch.float32, torch.bfloat16)
-ROUND_TO_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def non_finite_error(name: str, where: str = "") -> ValueError:
@@ -103,14 +104,14 @@ def check_shards(shards: Sequence[Optional[torch.Tensor]], starts: Sequence[int]
                  round_to: torch.dtype, even_start: bool = False) -> torch.device:  # fmt: skip
     """Each shard is None/empty or a contiguous 1D fp32/bf16 tensor inside its weight; one device for all."""
     _same_length(shards=shards, starts=starts, shapes=shapes)
-    if round_to not in ROUND_TO_DTYPES:
-        raise TypeError(f"round_to must be one of {ROUND_TO_DTYPES}, got {round_to}")
+    if round_to not in MODEL_DTYPES:
+        raise TypeError(f"round_to must be one of {MODEL_DTYPES}, got {round_to}")
     for i, (shard, start, (m, k)) in enumerate(zip(shards, starts, shapes)):
         if shard is None:
             continue
         if not isinstance(shard, torch.Tensor):
             raise TypeError(f"shard {i}: expected a torch.Tensor or None, got {type(shard).__name__}")
-        if shard.dtype not in SHARD_DTYPES:
+        if shard.dtype not in MASTER_DTYPES:
             raise TypeError(f"shard {i}: dtype {shard.dtype} is not supported; pass fp32 or bf16 master values")
         if shard.dim() != 1 or not shard.is_contiguous():
             raise ValueError(f"shard {i}: must be a flat contiguous 1D tensor (got shape {list(shard.shape)}, "
@@ -225,10 +226,10 @@ def expand_args(gathered, shapes, sources, scale_invs):
 
 def _rowwise_shape(data, i: int, *, even_m: bool = False) -> Shape:
     """(M, K) of a packed [M, K/2] rowwise_data."""
-    if not isinstance(data, torch.Tensor) or data.dim() != 2 or (2 * data.shape[1]) % 16 or data.shape[1] == 0:
+    if not isinstance(data, torch.Tensor) or data.dim() != 2 or (2 * data.shape[1]) % TILE or data.shape[1] == 0:
         raise ValueError(f"rowwise_data {i}: need a 2D [M, K/2] uint8 tensor with K % 16 == 0, got {_describe(data)}")
     m, k = data.shape[0], 2 * data.shape[1]
-    if even_m and m % 2:
+    if even_m and not has_columnwise(m):
         raise ValueError(f"rowwise_data {i}: M = {m} is odd; the columnwise copy packs pairs of rows into a byte, "
                          "so it needs an even M")
     return m, k
@@ -266,7 +267,7 @@ def dequant_args(rowwise_datas, scale_invs, amaxes, outs) -> None:
         check_u8(si, grid if compact else rowwise_scale_shape(m, k), device,
                  f"rowwise_scale_inv {i} (or its tile grid {list(grid)})")
         check_amax_out(amax, device, f"amax {i}")
-        if not isinstance(out, torch.Tensor) or out.dtype not in OUT_DTYPES or tuple(out.shape) != (m, k) \
+        if not isinstance(out, torch.Tensor) or out.dtype not in MODEL_DTYPES or tuple(out.shape) != (m, k) \
                 or not out.is_contiguous():
             raise ValueError(f"dequantize out {i}: need a contiguous bf16/fp16/fp32 tensor [{m}, {k}], got "
                              f"{_describe(out)}")
@@ -282,6 +283,6 @@ def quantize_source(x, name: str) -> tuple[torch.Tensor, Shape]:
     if not x.dtype.is_floating_point or x.dtype.itemsize == 1:
         raise TypeError(f"{name}: NVFP4 quantizes fp32/bf16/fp16 values, got dtype {x.dtype}")
     shape = check_weight_shape(x.shape, name)
-    if x.dtype not in SHARD_DTYPES:
+    if x.dtype not in MASTER_DTYPES:
         x = x.float()  # fp16 -> fp32 is exact; the stages read fp32 or bf16
     return x.detach().reshape(-1).contiguous(), shape

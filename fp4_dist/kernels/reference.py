@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from ..format import (
+    has_columnwise,
     E2M1_VALUES,
     E4M3_MAX,
     GLOBAL_SCALE_NUMERATOR,
@@ -194,7 +195,7 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 def transpose_nibbles(rowwise_data: torch.Tensor) -> torch.Tensor:
     """[M, K/2] packed rowwise codes -> [K, M/2] packed codes of the transpose (M even)."""
     m, k = rowwise_data.shape[0], rowwise_data.shape[1] * 2
-    if m % 2:
+    if not has_columnwise(m):
         raise ValueError(f"columnwise NVFP4 data needs an even M to pack pairs of rows, got M = {m}")
     out = pack_nibbles(unpack_nibbles(rowwise_data).t().contiguous())
     assert out.shape == columnwise_data_shape(m, k), "nibble transpose produced a wrong shape"

@@ -37,17 +37,9 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..format import byte_window, check_numerics, num_tiles, tile_grid, tile_offsets
-from . import checks, reference
+from . import _launch, checks, cuda_plans, reference
 
 Shape = tuple[int, int]
-
-__all__ = [
-    "AmaxLayout", "amax_layout", "signature", "Bound", "quantize_rowwise",
-    "partial_amax", "bind_partial_amax", "fused_scale", "bind_fused_scale", "partial_cast", "bind_partial_cast",
-    "owner_scales", "bind_owner_scales", "expand_scales", "bind_expand_scales",
-    "nibble_transpose", "bind_nibble_transpose", "scale_transpose", "bind_scale_transpose",
-    "dequantize", "bind_dequantize",
-]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -112,18 +104,6 @@ PLANS = _Plans()
 
 def _cuda(tensors) -> bool:
     return any(t is not None and t.is_cuda for t in tensors)
-
-
-def _P():
-    from . import cuda_plans  # imported lazily: CuPy is optional on CPU machines
-
-    return cuda_plans
-
-
-def _L():
-    from . import _launch
-
-    return _launch
 
 
 def _wrote(tensors) -> None:
@@ -202,14 +182,14 @@ def partial_amax(shards: Sequence[Optional[torch.Tensor]], starts: Sequence[int]
 
         def build():
             shapes_, dev = checks.amax_args(shards, starts, shapes, round_to, out)
-            return _P().amax_plan(dev.index, shards, starts, shapes_)
+            return cuda_plans.amax_plan(dev.index, shards, starts, shapes_)
 
         plan = PLANS.get(key, build)
         if out is None:
             out = torch.empty(plan.n + plan.tiles, dtype=torch.float32, device=torch.device("cuda", plan.device))
         else:
             checks.check_fp32_vector(out, plan.n + plan.tiles, out.device, "partial_amax out")
-        _launch_plan(plan, lambda p: _L().launch_partial_amax(p, round_to, out), (out,))
+        _launch_plan(plan, lambda p: _launch.launch_partial_amax(p, round_to, out), (out,))
         return out
     shapes, dev = checks.amax_args(shards, starts, shapes, round_to, out)
     if out is None:
@@ -225,8 +205,8 @@ def bind_partial_amax(shards, starts, shapes, out: torch.Tensor, *, round_to: to
     shards, starts = list(shards), [int(s) for s in starts]
     keep = (tuple(shards), out)
     if dev.type == "cuda":
-        plan = _P().amax_plan(dev.index, shards, starts, shapes)
-        return _bound_plan(plan, lambda p: _L().launch_partial_amax(p, round_to, out), keep, (out,))
+        plan = cuda_plans.amax_plan(dev.index, shards, starts, shapes)
+        return _bound_plan(plan, lambda p: _launch.launch_partial_amax(p, round_to, out), keep, (out,))
     return Bound(None, lambda: _cpu_amax(shards, starts, shapes, round_to, out), keep, (out,))
 
 
@@ -251,13 +231,13 @@ def fused_scale(amaxes: torch.Tensor, shapes: Sequence[Shape], scale_invs: Seque
 
         def build():
             shapes_ = checks.scale_args(amaxes, shapes, scale_invs, amax_outs, numerics, None)
-            return _P().scale_plan(amaxes.device.index, shapes_, scale_invs, amax_outs)
+            return cuda_plans.scale_plan(amaxes.device.index, shapes_, scale_invs, amax_outs)
 
         plan = PLANS.get(key, build)
         check_numerics(numerics)
         checks.check_fp32_vector(amaxes, plan.n + plan.tiles, amaxes.device, "fused_scale amaxes")
         enc = torch.empty(plan.tiles, dtype=torch.float32, device=amaxes.device)
-        _launch_plan(plan, lambda p: _L().launch_fused_scale(p, numerics, amaxes, enc), (*scale_invs, *amax_outs))
+        _launch_plan(plan, lambda p: _launch.launch_fused_scale(p, numerics, amaxes, enc), (*scale_invs, *amax_outs))
         return enc
     enc = torch.empty(max(0, amaxes.numel() - len(shapes)), dtype=torch.float32, device=amaxes.device)
     bind_fused_scale(amaxes, shapes, scale_invs, amax_outs, enc, numerics=numerics)()
@@ -271,8 +251,8 @@ def bind_fused_scale(amaxes: torch.Tensor, shapes, scale_invs, amax_outs, enc: t
     scale_invs, amax_outs = list(scale_invs), list(amax_outs)
     keep, written = (amaxes, tuple(scale_invs), tuple(amax_outs), enc), (*scale_invs, *amax_outs, enc)
     if amaxes.is_cuda:
-        plan = _P().scale_plan(amaxes.device.index, shapes, scale_invs, amax_outs)
-        return _bound_plan(plan, lambda p: _L().launch_fused_scale(p, numerics, amaxes, enc), keep, written)
+        plan = cuda_plans.scale_plan(amaxes.device.index, shapes, scale_invs, amax_outs)
+        return _bound_plan(plan, lambda p: _launch.launch_fused_scale(p, numerics, amaxes, enc), keep, written)
     return Bound(None, lambda: _cpu_scale(amaxes, shapes, scale_invs, amax_outs, numerics, enc), keep, written)
 
 
@@ -305,11 +285,11 @@ def partial_cast(shards: Sequence[Optional[torch.Tensor]], starts: Sequence[int]
 
         def build():
             shapes_ = checks.cast_args(shards, starts, shapes, enc, fragments, round_to)
-            return _P().cast_plan(enc.device.index, shards, starts, shapes_, fragments)
+            return cuda_plans.cast_plan(enc.device.index, shards, starts, shapes_, fragments)
 
         plan = PLANS.get(key, build)
         checks.check_fp32_vector(enc, plan.tiles, _plan_device(plan), "partial_cast enc")
-        _launch_plan(plan, lambda p: _L().launch_partial_cast(p, round_to, enc), fragments)
+        _launch_plan(plan, lambda p: _launch.launch_partial_cast(p, round_to, enc), fragments)
         return
     bind_partial_cast(shards, starts, shapes, enc, fragments, round_to=round_to)()
 
@@ -321,8 +301,8 @@ def bind_partial_cast(shards, starts, shapes, enc: torch.Tensor, fragments, *,
     shards, starts, fragments = list(shards), [int(s) for s in starts], list(fragments)
     keep = (tuple(shards), enc, tuple(fragments))
     if _cuda(shards):
-        plan = _P().cast_plan(enc.device.index, shards, starts, shapes, fragments)
-        return _bound_plan(plan, lambda p: _L().launch_partial_cast(p, round_to, enc), keep, tuple(fragments))
+        plan = cuda_plans.cast_plan(enc.device.index, shards, starts, shapes, fragments)
+        return _bound_plan(plan, lambda p: _launch.launch_partial_cast(p, round_to, enc), keep, tuple(fragments))
     return Bound(None, lambda: _cpu_cast(shards, starts, shapes, enc, fragments, round_to), keep, tuple(fragments))
 
 
@@ -361,8 +341,8 @@ def bind_owner_scales(amaxes: torch.Tensor, shapes, enc_ranges, own_ranges, comp
     amax_outs = list(amax_outs)
     keep, written = (amaxes, compact, enc, tuple(amax_outs)), (compact, enc, *amax_outs)
     if amaxes.is_cuda:
-        plan = _P().owner_plan(amaxes.device.index, shapes, enc_ranges, own_ranges, amax_outs)
-        return _bound_plan(plan, lambda p: _L().launch_owner_scales(p, numerics, amaxes, enc, compact), keep, written)
+        plan = cuda_plans.owner_plan(amaxes.device.index, shapes, enc_ranges, own_ranges, amax_outs)
+        return _bound_plan(plan, lambda p: _launch.launch_owner_scales(p, numerics, amaxes, enc, compact), keep, written)
     return Bound(None, lambda: _cpu_owner(amaxes, shapes, enc_ranges, own_ranges, compact, enc, amax_outs, numerics),
                  keep, written)  # fmt: skip
 
@@ -395,9 +375,9 @@ def expand_scales(gathered: torch.Tensor, shapes: Sequence[Shape], sources: Sequ
 
         def build():
             shapes_, sources_ = checks.expand_args(gathered, shapes, sources, scale_invs)
-            return _P().expand_plan(gathered.device.index, shapes_, sources_, scale_invs)
+            return cuda_plans.expand_plan(gathered.device.index, shapes_, sources_, scale_invs)
 
-        _launch_plan(PLANS.get(key, build), lambda p: _L().launch_expand_scales(p, gathered), scale_invs)
+        _launch_plan(PLANS.get(key, build), lambda p: _launch.launch_expand_scales(p, gathered), scale_invs)
         return
     bind_expand_scales(gathered, shapes, sources, scale_invs)()
 
@@ -408,8 +388,8 @@ def bind_expand_scales(gathered: torch.Tensor, shapes, sources, scale_invs) -> B
     scale_invs = list(scale_invs)
     keep = (gathered, tuple(scale_invs))
     if gathered.is_cuda:
-        plan = _P().expand_plan(gathered.device.index, shapes, sources, scale_invs)
-        return _bound_plan(plan, lambda p: _L().launch_expand_scales(p, gathered), keep, tuple(scale_invs))
+        plan = cuda_plans.expand_plan(gathered.device.index, shapes, sources, scale_invs)
+        return _bound_plan(plan, lambda p: _launch.launch_expand_scales(p, gathered), keep, tuple(scale_invs))
     index = [_source_index(segs, m, k) for segs, (m, k) in zip(sources, shapes)]
 
     def run() -> None:
@@ -433,9 +413,9 @@ def nibble_transpose(rowwise_datas: Sequence[torch.Tensor], columnwise_datas: Se
 
         def build():
             checks.nibble_args(rowwise_datas, columnwise_datas)
-            return _P().nibble_plan(rowwise_datas[0].device.index, rowwise_datas, columnwise_datas)
+            return cuda_plans.nibble_plan(rowwise_datas[0].device.index, rowwise_datas, columnwise_datas)
 
-        _launch_plan(PLANS.get(key, build), lambda p: _L().launch_nibble_transpose(p), columnwise_datas)
+        _launch_plan(PLANS.get(key, build), lambda p: _launch.launch_nibble_transpose(p), columnwise_datas)
         return
     bind_nibble_transpose(rowwise_datas, columnwise_datas)()
 
@@ -445,8 +425,8 @@ def bind_nibble_transpose(rowwise_datas, columnwise_datas) -> Bound:
     checks.nibble_args(rowwise_datas, columnwise_datas)
     srcs, dsts = list(rowwise_datas), list(columnwise_datas)
     if _cuda(srcs):
-        plan = _P().nibble_plan(srcs[0].device.index, srcs, dsts)
-        return _bound_plan(plan, lambda p: _L().launch_nibble_transpose(p), (tuple(srcs), tuple(dsts)), tuple(dsts))
+        plan = cuda_plans.nibble_plan(srcs[0].device.index, srcs, dsts)
+        return _bound_plan(plan, lambda p: _launch.launch_nibble_transpose(p), (tuple(srcs), tuple(dsts)), tuple(dsts))
 
     def run() -> None:
         for src, dst in zip(srcs, dsts):
@@ -463,10 +443,10 @@ def scale_transpose(rowwise_scale_invs: Sequence[torch.Tensor], columnwise_scale
 
         def build():
             shapes_ = checks.scalet_args(rowwise_scale_invs, columnwise_scale_invs, shapes)
-            return _P().scalet_plan(rowwise_scale_invs[0].device.index, rowwise_scale_invs, columnwise_scale_invs,
+            return cuda_plans.scalet_plan(rowwise_scale_invs[0].device.index, rowwise_scale_invs, columnwise_scale_invs,
                                     shapes_)  # fmt: skip
 
-        _launch_plan(PLANS.get(key, build), lambda p: _L().launch_scale_transpose(p), columnwise_scale_invs)
+        _launch_plan(PLANS.get(key, build), lambda p: _launch.launch_scale_transpose(p), columnwise_scale_invs)
         return
     bind_scale_transpose(rowwise_scale_invs, columnwise_scale_invs, shapes)()
 
@@ -476,8 +456,8 @@ def bind_scale_transpose(rowwise_scale_invs, columnwise_scale_invs, shapes) -> B
     shapes = checks.scalet_args(rowwise_scale_invs, columnwise_scale_invs, shapes)
     srcs, dsts = list(rowwise_scale_invs), list(columnwise_scale_invs)
     if _cuda(srcs):
-        plan = _P().scalet_plan(srcs[0].device.index, srcs, dsts, shapes)
-        return _bound_plan(plan, lambda p: _L().launch_scale_transpose(p), (tuple(srcs), tuple(dsts)), tuple(dsts))
+        plan = cuda_plans.scalet_plan(srcs[0].device.index, srcs, dsts, shapes)
+        return _bound_plan(plan, lambda p: _launch.launch_scale_transpose(p), (tuple(srcs), tuple(dsts)), tuple(dsts))
 
     def run() -> None:
         for src, dst, (m, k) in zip(srcs, dsts, shapes):
@@ -502,9 +482,9 @@ def dequantize(rowwise_datas: Sequence[torch.Tensor], scale_invs: Sequence[torch
 
         def build():
             checks.dequant_args(rowwise_datas, scale_invs, amaxes, outs)
-            return _P().dequant_plan(rowwise_datas[0].device.index, rowwise_datas, scale_invs, amaxes, outs)
+            return cuda_plans.dequant_plan(rowwise_datas[0].device.index, rowwise_datas, scale_invs, amaxes, outs)
 
-        _launch_plan(PLANS.get(key, build), lambda p: _L().launch_dequantize(p), outs)
+        _launch_plan(PLANS.get(key, build), lambda p: _launch.launch_dequantize(p), outs)
         return
     bind_dequantize(rowwise_datas, scale_invs, amaxes, outs)()
 
@@ -515,8 +495,8 @@ def bind_dequantize(rowwise_datas, scale_invs, amaxes, outs) -> Bound:
     lists = [list(rowwise_datas), list(scale_invs), list(amaxes), list(outs)]
     keep = tuple(tuple(x) for x in lists)
     if _cuda(lists[0]):
-        plan = _P().dequant_plan(lists[0][0].device.index, *lists)
-        return _bound_plan(plan, lambda p: _L().launch_dequantize(p), keep, tuple(lists[3]))
+        plan = cuda_plans.dequant_plan(lists[0][0].device.index, *lists)
+        return _bound_plan(plan, lambda p: _launch.launch_dequantize(p), keep, tuple(lists[3]))
 
     def run() -> None:
         for data, si, amax, out in zip(*lists):

@@ -10,7 +10,7 @@ This module is the only place that patches megatron-core and megatron.training. 
 importing module's globals, so a row lists every module that binds it and all of them are patched.
 `install` / `uninstall` are exact inverses (the original objects are put back).
 
-Layout rule installed here (the fix):
+Layout rule installed here:
 
     element layout (grads, masters, optimizer shards)   Megatron's own: params 64-aligned, buckets padded
                                                         to lcm(2*dp, 128) so every rank shard is even
@@ -33,8 +33,7 @@ import torch
 
 from .. import tensor as _tensor
 from ..compute_view import compute_view, forget
-from ..buffers.layout import Span
-from ..format import check_even_boundary
+from ..buffers.layout import packed_layout_of
 from . import cpu_compat
 from .monitor import MONITOR
 
@@ -210,33 +209,16 @@ def derive_packed_layout(param_index_map, bucket_indices, names, dp_size: int):
         TypeError if a non-fp4_dist param shares the buffer (1 byte/element would break the halving);
         ValueError naming the param or bucket if any boundary is odd.
     """
-    packed_map = {}
-    for param, (start, end, bucket_id) in param_index_map.items():
-        name = names.get(param, "<unnamed>")
+    for param in param_index_map:
         if not _tensor.is_nvfp4_tensor(param):
             raise TypeError(
-                f"fp4_dist.megatron: param {name} ({type(param).__name__}, {param.dtype}) shares the uint8 NVFP4 "
-                "buffer with fp4_dist NVFP4 weights; its bytes are not 2 elements per byte, so the packed layout "
-                "cannot be element layout / 2. Do not combine --fp8-param-gather weights with --fp4-param-gather"
+                f"fp4_dist.megatron: param {names.get(param, '<unnamed>')} ({type(param).__name__}, {param.dtype}) "
+                "shares the uint8 NVFP4 buffer with fp4_dist NVFP4 weights; its bytes are not 2 elements per byte, so "
+                "the packed layout cannot be element layout / 2. Do not combine --fp8-param-gather weights with "
+                "--fp4-param-gather"
             )
-        check_even_boundary(f"fp4_dist.megatron: param {name}", start, end)
-        packed = Span(start, end).packed()
-        packed_map[param] = (packed.start, packed.end, bucket_id)
-    packed_buckets = []
-    for b, (start, end) in enumerate(bucket_indices):
-        if (end - start) % dp_size:
-            raise ValueError(f"fp4_dist.megatron: bucket {b} spans elements [{start}, {end}), not divisible into "
-                             f"{dp_size} rank shards (is the adapter's pad_bucket_end row installed?)")
-        shard = (end - start) // dp_size
-        for r in range(dp_size):
-            check_even_boundary(f"fp4_dist.megatron: bucket {b}, rank {r}", start + r * shard, start + (r + 1) * shard)
-        packed = Span(start, end).packed()
-        packed_buckets.append((packed.start, packed.end))
-    last_end = {b: start for b, (start, _) in enumerate(bucket_indices)}
-    for _, end, b in param_index_map.values():
-        last_end[b] = max(last_end[b], end)
-    unpadded = sum(Span(start, last_end[b]).packed().numel for b, (start, _) in enumerate(bucket_indices))
-    return packed_map, packed_buckets, unpadded
+    labels = {param: f"fp4_dist.megatron: param {names.get(param, '<unnamed>')}" for param in param_index_map}
+    return packed_layout_of(param_index_map, bucket_indices, dp_size, labels)
 
 
 def _hiding_fp4_param_gather(original):

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..format import TILE, ceil_div, packed_bytes
 from ..quantize import quantize
 from ..tensor import is_nvfp4_tensor
 from ..compare import bytes_mismatch
@@ -101,8 +102,8 @@ def _reference(name: str, p, master: torch.Tensor, tp_group):
     data, _, amax, scales = R.quantize(torch.cat(parts, dim=dim), p.numerics, round_to=p.dtype)
     m, k = master.shape
     r0, c0 = (r * m, 0) if dim == 0 else (0, r * k)  # this slice's first row and column in the whole weight
-    data = data[r0:r0 + m, c0 // 2:(c0 + k) // 2].contiguous()
-    tiles = scales[r0 // 16:(r0 + m + 15) // 16, c0 // 16:(c0 + k) // 16]
+    data = data[r0:r0 + m, packed_bytes(c0):packed_bytes(c0 + k)].contiguous()
+    tiles = scales[r0 // TILE:ceil_div(r0 + m, TILE), c0 // TILE:(c0 + k) // TILE]
     return NVFP4Tensor((m, k), p.dtype, data, R.expand_rowwise_scales(tiles, m, k), amax, numerics=p.numerics)
 
 

@@ -9,9 +9,9 @@ One call, for any number of weights (spec section 4)::
     fused_scale    -> every weight's rowwise_scale_inv + amax (identical on every rank), encode multipliers
     partial_cast   -> the owned nibbles of each weight's rowwise_data (or of its FSDP shard)
 
-Weights are grouped by (model dtype, numerics) because the stages take one of each; all groups share the
-one all-reduce (`cast_groups`). `BoundCast` binds a call's tensors once; a call with the same tensors as a
-recent one (`cast_groups.BINDINGS`) skips the per-weight checks and list building.
+The stages, the amax exchange and the check are `cast_core.CastCore`'s; this module adds TransformerEngine's
+signature, the per-call checks and the error flags. `BoundCast` binds a call's tensors once; a call with the
+same tensors as a recent one (`cast_core.BINDINGS`) skips the per-weight checks and list building.
 
 Why the error flags: a rank whose inputs are invalid must not skip the collective (the others would hang),
 so it contributes zeros plus a flag in its own slot, and every rank raises before writing a byte.
@@ -30,12 +30,10 @@ import torch
 
 from .. import kernels
 from ..compute_copy import mark_pending
-from ..format import byte_window, check_even_boundary, check_weight_shape
+from ..format import MASTER_DTYPES, byte_window, check_even_boundary, check_weight_shape
 from ..tensor import NVFP4Tensor, is_nvfp4_tensor
-from .cast_groups import BINDINGS, CastPlan, bind_amax_and_cast, make_cast_plan, raise_if_not_finite, weight_name
-from .collectives import CommStats, all_reduce_max_, dist_backend, rank_and_size
-
-MASTER_DTYPES = (torch.float32, torch.bfloat16)
+from .cast_core import BINDINGS, CastCore, CastPlan, join_with_error, make_cast_plan, shard_bytes, weight_name
+from .collectives import CommStats, dist_backend, rank_and_size
 
 
 # ------------------------------------------------------------------------------------------------ validation
@@ -226,85 +224,53 @@ def _weight_device(model_weights) -> torch.device:
 
 
 class BoundCast:
-    """A `CastPlan` bound to one set of tensors: the amax buffer and every stage launch, built once.
+    """The TE-signature cast bound to one set of tensors: a `CastCore` that exchanges the whole amax buffer (every
+    tile amax, one error flag per rank) and writes every scale with fused_scale.
 
-    An optimizer whose weights, master shards and fragments stay the same tensors from step to step (as in
-    `Zero1Optimizer`, or a loop calling `cast_master_weights_to_nvfp4` with the same lists) builds this once;
-    each step is then `run()`: a few launches, one all-reduce, one scalar read, no per-weight Python work.
+    An optimizer whose weights, master shards and fragments stay the same tensors from step to step (as a loop
+    calling `cast_master_weights_to_nvfp4` with the same lists) builds this once; each step is then `run()`: a
+    few launches, one all-reduce, one scalar read, no per-weight Python work.
 
     Args:
-        shards, starts: per weight the validated flat master shard (None: owns nothing) and its first element;
-            None for both: this rank owns nothing (error path).
+        shards, starts: per weight the validated flat master shard (None: owns nothing) and its first element.
         fragments: per weight an FSDP byte fragment, or None to write into ``rowwise_data``.
         world_size: size of the group `run` will be called with (one error-flag slot per rank).
     """
 
     def __init__(self, plan: CastPlan, model_weights, shards, starts, fragments=None, *, world_size: int = 1):
         n = len(model_weights)
-        shards, starts = shards or [None] * n, starts or [0] * n
         fragments = fragments or [None] * n
-        self.plan, self.weights = plan, list(model_weights)
-        self.buf = torch.zeros(plan.amax_numel + world_size, dtype=torch.float32,
-                               device=_weight_device(model_weights))
-        # Entries a second (tensor-parallel) group also reduces: the tensor amaxes and the error flags.
-        self.whole = torch.tensor([g.offset + j for g in plan.groups for j in range(g.layout.n)]
-                                  + list(range(plan.amax_numel, plan.amax_numel + world_size)),
-                                  dtype=torch.int64, device=self.buf.device)  # fmt: skip
-        self.amax_runs, self.cast_runs = [], []
-        for g in plan.groups:
-            ws = [model_weights[i] for i in g.indices]
-            enc = torch.zeros(g.layout.total - g.layout.n, dtype=torch.float32, device=self.buf.device)
-            amax, cast = bind_amax_and_cast(g, model_weights, shards, starts, fragments, self.buf, enc)
-            scale = kernels.bind_fused_scale(g.block(self.buf), g.shapes, [w.rowwise_scale_inv for w in ws],
-                                             [w.amax for w in ws], enc, numerics=g.numerics)  # fmt: skip
-            self.amax_runs.append(amax)
-            self.cast_runs.append((scale, cast))
+        self.weights = list(model_weights)
+        targets = [f if f is not None else shard_bytes(w.rowwise_data, m, s)
+                   for w, m, s, f in zip(self.weights, shards, starts, fragments)]  # fmt: skip
+        self.core = CastCore(plan, shards, starts, targets, self._bind_scales,
+                             names=[f"{weight_name(i, w)} master" for i, w in enumerate(self.weights)],
+                             error_slots=world_size, device=_weight_device(model_weights))  # fmt: skip
+
+    def _bind_scales(self, g, block, enc):
+        ws = [self.weights[i] for i in g.indices]
+        return kernels.bind_fused_scale(block, g.shapes, [w.rowwise_scale_inv for w in ws], [w.amax for w in ws],
+                                        enc, numerics=g.numerics)  # fmt: skip
 
     def run(self, group=None, stats: Optional[CommStats] = None, amax_group=None) -> None:
         """amax -> one MAX all-reduce (and one over `amax_group` of the tensor amaxes) -> check (one scalar
         read) -> scales -> cast. Raises before any write."""
         _, size = rank_and_size(group)
-        buf, plan = self.buf, self.plan
-        if buf.numel() != plan.amax_numel + size:
-            raise ValueError(f"this BoundCast was built for a group of {buf.numel() - plan.amax_numel} ranks but runs "
-                             f"on a group of {size}; build one per process group")
-        buf[plan.amax_numel:].zero_()  # partial_amax writes every other entry
-        for amax in self.amax_runs:
-            amax()
-        _exchange_amaxes(buf, group, stats)
-        _whole_weight_amaxes(buf, self.whole, amax_group, stats)
-        _raise_if_bad(plan, buf, self.weights)
+        core = self.core
+        if core.error_slots != size:
+            raise ValueError(f"this BoundCast was built for a group of {core.error_slots} ranks but runs on a group "
+                             f"of {size}; build one per process group")
+        core.local_amaxes()
+        core.exchange(group, stats, amax_group)
         mark_pending(self.weights)
-        for scale, cast in self.cast_runs:
-            scale()
-            cast()
-
-
-def _exchange_amaxes(buf: torch.Tensor, group, stats) -> None:
-    """What crosses ranks: the whole buffer (tensor amaxes, every tile amax, error flags). The cut-tile-only
-    exchange is a separate flow (`sharded_cast.ShardedCast`) because it also changes where scales come from."""
-    all_reduce_max_(buf, group, stats)
-
-
-def _whole_weight_amaxes(buf: torch.Tensor, index: torch.Tensor, amax_group, stats) -> None:
-    """MAX of the tensor amaxes and error flags over `amax_group` (tensor parallel: slices of one weight)."""
-    if amax_group is None or rank_and_size(amax_group)[1] == 1:
-        return
-    whole = buf.index_select(0, index)
-    all_reduce_max_(whole, amax_group, stats)
-    buf.index_copy_(0, index, whole)
+        core.scales()
+        core.cast()
 
 
 def _join_with_error(plan: CastPlan, model_weights, group, stats, error: Exception, amax_group=None) -> None:
     """This rank's call is invalid: contribute zeros and its error flag to the all-reduce(s) the other ranks run
     (they then raise RuntimeError naming this rank), and raise `error` here. Writes nothing."""
-    rank, size = rank_and_size(group)
-    buf = torch.zeros(plan.amax_numel + size, dtype=torch.float32, device=_error_device(model_weights, group))
-    buf[plan.amax_numel + rank] = 1.0
-    _exchange_amaxes(buf, group, stats)
-    index = torch.tensor([g.offset + j for g in plan.groups for j in range(g.layout.n)]
-                         + list(range(plan.amax_numel, plan.amax_numel + size)), device=buf.device)  # fmt: skip
-    _whole_weight_amaxes(buf, index, amax_group, stats)
+    join_with_error(plan, group, stats, amax_group, _error_device(model_weights, group))
     raise error
 
 
@@ -317,20 +283,3 @@ def _error_device(model_weights, group) -> torch.device:
                 break
             return t.device
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def _raise_if_bad(plan: CastPlan, buf: torch.Tensor, model_weights) -> None:
-    """One scalar read decides; the error path may read more (it is about to raise anyway)."""
-    flags = buf[plan.amax_numel:]
-    ok = (flags == 0).all()
-    for g in plan.groups:
-        ok = ok & torch.isfinite(g.tensor_amaxes(buf)).all()
-    if bool(ok.item()):  # the only device-to-host read of a successful call
-        return
-    bad_ranks = flags.nonzero().flatten().tolist()
-    if bad_ranks:
-        raise RuntimeError(f"rank(s) {bad_ranks} rejected their master shards (see the error on those ranks); "
-                           "no weight, scale or amax was written on any rank")
-    raise_if_not_finite(plan, buf, model_weights)
-
-

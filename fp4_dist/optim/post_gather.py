@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import torch
 
+from .. import kernels
 from ..compute_copy import BoundRefresh
+from ..format import has_columnwise
 from ..tensor import is_nvfp4_tensor
-from .cast_groups import BINDINGS, bind_columnwise, drop_columnwise
+from .cast_core import BINDINGS
 
 
 def post_all_gather_processing(model_weights, *, columnwise: bool = True) -> None:
@@ -62,3 +64,23 @@ def _fields(weights) -> list:
     """What the bound transposes read and write, for an identity check."""
     return [t for w in weights for t in (w.rowwise_data, w.rowwise_scale_inv, w.columnwise_data,
                                          w.columnwise_scale_inv)]  # fmt: skip
+
+
+def bind_columnwise(weights) -> list:
+    """Bound nibble + scale transposes building the columnwise copies of the weights with an even M (allocated
+    here if absent); empty when there are none. Weights with an odd M stay rowwise-only."""
+    todo = [w for w in weights if has_columnwise(w.shape[0])]
+    if not todo:
+        return []
+    for w in todo:
+        w.alloc_columnwise()
+    return [kernels.bind_nibble_transpose([w.rowwise_data for w in todo], [w.columnwise_data for w in todo]),
+            kernels.bind_scale_transpose([w.rowwise_scale_inv for w in todo], [w.columnwise_scale_inv for w in todo],
+                                         [tuple(w.shape) for w in todo])]  # fmt: skip
+
+
+def drop_columnwise(weights) -> None:
+    """Set the columnwise copies to None (never left stale after the rowwise bytes change)."""
+    for w in weights:
+        if w.columnwise_data is not None or w.columnwise_scale_inv is not None:
+            w.columnwise_data = w.columnwise_scale_inv = None

@@ -37,8 +37,9 @@ from ..buffers.layout import BufferLayout
 from ..buffers.tile_owners import TileExchange, tile_exchange
 from ..compute_copy import BoundRefresh, mark_pending
 from ..tensor import NVFP4Tensor
-from .cast_groups import CastPlan, bind_amax_and_cast, bind_columnwise, drop_columnwise, plan_for, raise_if_not_finite
-from .collectives import CommStats, all_gather_inplace, all_reduce_max_
+from .cast_core import CastCore, CastPlan, plan_for, shard_bytes, weight_name
+from .collectives import CommStats, all_gather_inplace
+from .post_gather import bind_columnwise, drop_columnwise
 
 
 class ShardedCast:
@@ -69,12 +70,13 @@ class ShardedCast:
         order = [i for g in self.plan.groups for i in g.indices]
         self.exchange: TileExchange = tile_exchange(layout, shapes, order)
         dev = self.weights[0].rowwise_data.device
-        self.amaxes = torch.zeros(self.plan.amax_numel, dtype=torch.float32, device=dev)
-        self._index = torch.tensor(self._exchanged_entries(), dtype=torch.int64, device=dev)
-        self.message = torch.zeros(self._index.numel(), dtype=torch.float32, device=dev)
         self.gathered = torch.zeros(layout.dp_size * self.exchange.cap, dtype=torch.uint8, device=dev)
-        compact = self.gathered[rank * self.exchange.cap:(rank + 1) * self.exchange.cap]
-        self._steps = self._bind_groups(list(masters), [s or 0 for s in starts], rank, compact)
+        self._rank, self._compact_off = rank, 0
+        starts = [s or 0 for s in starts]
+        self.core = CastCore(self.plan, masters, starts,
+                             [shard_bytes(w.rowwise_data, m, s) for w, m, s in zip(self.weights, masters, starts)],
+                             self._bind_scales, names=[f"{weight_name(i, w)} master" for i, w in enumerate(weights)],
+                             exchanged=self._exchanged_entries(), device=dev)  # fmt: skip
         self._expand = kernels.bind_expand_scales(self.gathered, shapes, self.exchange.sources,
                                                   [w.rowwise_scale_inv for w in self.weights])
         self._columnwise = bind_columnwise(self.weights) if columnwise else []
@@ -87,27 +89,20 @@ class ShardedCast:
 
     # ----------------------------------------------------------------------------------------- binding
     def _exchanged_entries(self) -> List[int]:
-        """Positions in the amax buffer of every tensor amax and every cut tile, group by group."""
-        out = []
-        for g in self.plan.groups:
-            out += [g.offset + j for j in range(g.layout.n)]
-            for j, i in enumerate(g.indices):
-                first = g.offset + g.layout.n + g.layout.tile_offsets[j]
-                out += [first + t for t in self.exchange.cut[i]]
-        return out
+        """Positions in the amax buffer of every tensor amax and every cut tile."""
+        cut = [g.tile_entries(j, self.exchange.cut[i]) for g in self.plan.groups for j, i in enumerate(g.indices)]
+        return self.plan.tensor_amax_entries() + [e for entries in cut for e in entries]
 
-    def _bind_groups(self, masters: list, starts: List[int], rank: int, compact: torch.Tensor) -> list:
-        steps, compact_off, no_fragments = [], 0, [None] * len(self.weights)
-        for g in self.plan.groups:
-            enc = torch.zeros(g.layout.total - g.layout.n, dtype=torch.float32, device=self.amaxes.device)
-            amax, cast = bind_amax_and_cast(g, self.weights, masters, starts, no_fragments, self.amaxes, enc)
-            own = [self.exchange.scale[rank][i] for i in g.indices]
-            touched = [self.exchange.enc[rank][i] for i in g.indices]
-            owner = kernels.bind_owner_scales(g.block(self.amaxes), g.shapes, touched, own, compact[compact_off:], enc,
-                                              [self.weights[i].amax for i in g.indices], numerics=g.numerics)
-            steps.append((amax, owner, cast))
-            compact_off += sum(b - a for a, b in own)
-        return steps
+    def _bind_scales(self, g, block, enc):
+        """owner_scales of group g: its compact scale bytes follow the previous group's in this rank's chunk."""
+        cap, rank = self.exchange.cap, self._rank
+        compact = self.gathered[rank * cap:(rank + 1) * cap]
+        own = [self.exchange.scale[rank][i] for i in g.indices]
+        touched = [self.exchange.enc[rank][i] for i in g.indices]
+        run = kernels.bind_owner_scales(block, g.shapes, touched, own, compact[self._compact_off:], enc,
+                                        [self.weights[i].amax for i in g.indices], numerics=g.numerics)  # fmt: skip
+        self._compact_off += sum(b - a for a, b in own)
+        return run
 
     # ------------------------------------------------------------------------------------------- a step
     def cast(self, group=None, stats: Optional[CommStats] = None) -> None:
@@ -130,27 +125,19 @@ class ShardedCast:
     # The stages of `cast`, in order (public so that benchmarks can time each one).
     def local_amaxes(self) -> None:
         """partial_amax of every weight into the local amax buffer (one launch per dtype group)."""
-        for amax, _, _ in self._steps:
-            amax()
+        self.core.local_amaxes()
 
     def exchange_amaxes(self, group=None, stats: Optional[CommStats] = None) -> None:
-        """MAX all-reduce of [tensor amaxes | cut-tile amaxes], the finiteness check, and the reduced values back."""
-        torch.index_select(self.amaxes, 0, self._index, out=self.message)
-        all_reduce_max_(self.message, group, stats)
-        finite = bool(torch.isfinite(self.message).all().item())  # the one device-to-host read of a step
-        self.amaxes.index_copy_(0, self._index, self.message)
-        if not finite:
-            raise_if_not_finite(self.plan, self.amaxes, self.weights)
+        """MAX all-reduce of [tensor amaxes | cut-tile amaxes], the reduced values back, the finiteness check."""
+        self.core.exchange(group, stats)
 
     def owner_scales(self) -> None:
         """Encode multipliers of the touched tiles, compact scale bytes of the owned tiles, every amax."""
-        for _, owner, _ in self._steps:
-            owner()
+        self.core.scales()
 
     def cast_shards(self) -> None:
         """partial_cast of this rank's shards into the packed bytes."""
-        for _, _, cast in self._steps:
-            cast()
+        self.core.cast()
 
     def gather_scales(self, group=None, stats: Optional[CommStats] = None) -> None:
         """All-gather of every rank's compact scale bytes (``dp * cap`` bytes)."""
@@ -180,9 +167,9 @@ class ShardedCast:
     def launches_per_step(self) -> int:
         """Stage kernel launches of `cast` + `after_gather` (torch's index ops and the collectives aside)."""
         refresh = any(w.compute_copy for w in self.weights)
-        return 3 * len(self._steps) + 1 + len(self._columnwise) + refresh
+        return self.core.launches + 1 + len(self._columnwise) + refresh
 
     # ------------------------------------------------------------------------------------------ reporting
     def message_bytes(self) -> int:
         """Bytes of the step's amax all-reduce (tensor amaxes + cut-tile amaxes, fp32)."""
-        return self.message.numel() * 4
+        return self.core.message_bytes()

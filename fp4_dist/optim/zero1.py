@@ -28,7 +28,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence
 import torch
 
 from ..buffers import ShardBuffer, build_layout
-from ..tensor import is_nvfp4_tensor
+from ..tensor import FIELDS, is_nvfp4_tensor
 from .sharded_cast import ShardedCast
 from .collectives import (
     CommStats,
@@ -86,10 +86,8 @@ class _Section:
 class _ParamStorage:
     """Which tensors back each parameter (an NVFP4 weight's fields, a dense parameter's data), to put back."""
 
-    _FIELDS = ("rowwise_data", "rowwise_scale_inv", "amax", "columnwise_data", "columnwise_scale_inv")
-
     def __init__(self, params):
-        self.saved = [(p, {f: getattr(p, f) for f in self._FIELDS}) if is_nvfp4_tensor(p) else (p, p.data)
+        self.saved = [(p, {f: getattr(p, f) for f in FIELDS}) if is_nvfp4_tensor(p) else (p, p.data)
                       for p in params]  # fmt: skip
 
     def restore(self) -> None:

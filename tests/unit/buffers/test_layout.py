@@ -135,3 +135,28 @@ def test_cut_tiles_matches_brute_force_for_every_even_cut(m, k):
     for cut in range(2, m * k, 2):
         first, last = cut_tiles((m, k), cut)
         assert set(range(first, last)) == brute_cut_tiles(m, k, cut), f"cut {cut}"
+
+
+@pytest.mark.parametrize("dp", DP_SIZES, ids=lambda d: f"dp{d}")
+def test_packed_layout_of_an_element_layout_is_every_range_halved(dp):
+    from fp4_dist.buffers.layout import packed_layout_of
+
+    layout = build_layout(random_numels(random.Random(dp), 9), dp, bucket_numel=20000)
+    index = {i: (s.span.start, s.span.end, s.bucket) for i, s in enumerate(layout.weights)}
+    buckets = [(b.span.start, b.span.end) for b in layout.buckets]
+    packed, packed_buckets, unpadded = packed_layout_of(index, buckets, dp)
+    assert packed == {i: (s // 2, e // 2, b) for i, (s, e, b) in index.items()}
+    assert packed_buckets == [(s // 2, e // 2) for s, e in buckets]
+    last = {b: max(e for _, e, bb in index.values() if bb == b) for b in range(len(buckets))}
+    assert unpadded == sum((last[b] - s) // 2 for b, (s, _) in enumerate(buckets))
+
+
+def test_packed_layout_of_refuses_odd_boundaries_and_uneven_buckets_by_name():
+    from fp4_dist.buffers.layout import packed_layout_of
+
+    with pytest.raises(ValueError, match="qkv.*odd boundary at element 33"):
+        packed_layout_of({"w": (33, 97, 0)}, [(0, 128)], 2, {"w": "qkv"})
+    with pytest.raises(ValueError, match="bucket 0, rank 0.*odd boundary at element 63"):
+        packed_layout_of({"w": (0, 64, 0)}, [(0, 126)], 2)
+    with pytest.raises(ValueError, match="not divisible into 3 rank shards"):
+        packed_layout_of({"w": (0, 64, 0)}, [(0, 128)], 3)

@@ -1,0 +1,268 @@
+"""The one shard cast every public cast is built on: group the weights, bind the stages, exchange amaxes, check.
+
+A ZeRO-style cast of fp32 master shards into NVFP4 bytes runs the same stages whoever calls it
+(spec section 4)::
+
+    partial_amax     local tensor + tile amaxes of every weight           one launch per group
+    exchange         ONE MAX all-reduce of the entries other ranks complete (which ones is the caller's choice),
+                     then one scalar read: all finite, and no rank flagged an error?
+    scales           the caller's scale stage (fused_scale: every scale; owner_scales: the tiles this rank owns)
+    partial_cast     the owned nibbles into the weights' bytes (or the caller's byte fragments)
+
+The three public casts differ only in what crosses ranks and where scales go, so they are thin adapters over
+`CastCore`: TransformerEngine's signature (`cast.py`: every tile amax plus one error flag per rank, fused_scale),
+`Zero1Optimizer` (`sharded_cast.py`: tensor amaxes and the tiles cut by rank boundaries, owner_scales) and
+FSDP2 (`fp4_dist.fsdp.precompute`: tensor amaxes only, owner_scales over whole 16-row bands).
+
+Weights are grouped by (model dtype, numerics) because a stage launch takes one of each. All groups share one
+amax buffer, and so one all-reduce::
+
+    [group 0: n0 tensor amaxes | its tiles][group 1: ...] ... [one error flag per rank, if any]
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from .. import kernels
+from ..format import byte_window
+from ..kernels import checks
+from .collectives import CommStats, all_reduce_max_, rank_and_size
+
+
+@dataclass(frozen=True)
+class CastGroup:
+    """Weights cast with one set of stage launches (same model dtype and numerics)."""
+
+    indices: Tuple[int, ...]
+    shapes: Tuple[Tuple[int, int], ...]
+    round_to: torch.dtype
+    numerics: str
+    offset: int
+    """First entry of this group's `kernels.amax_layout` block in the amax buffer."""
+    layout: kernels.AmaxLayout
+
+    def block(self, buf: torch.Tensor) -> torch.Tensor:
+        """This group's part of the amax buffer."""
+        return buf[self.offset:self.offset + self.layout.total]
+
+    def tensor_amaxes(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf[self.offset:self.offset + self.layout.n]
+
+    def tile_entries(self, j: int, tiles: Sequence[int]) -> List[int]:
+        """Positions in the amax buffer of tiles `tiles` (flat, row-major) of this group's j-th weight."""
+        first = self.offset + self.layout.n + self.layout.tile_offsets[j]
+        return [first + t for t in tiles]
+
+
+@dataclass(frozen=True)
+class CastPlan:
+    """Static metadata of one list of weights: the groups and where their amaxes sit."""
+
+    shapes: Tuple[Tuple[int, int], ...]
+    groups: Tuple[CastGroup, ...]
+    amax_numel: int
+    """Entries of all groups' amax layouts."""
+
+    def tensor_amax_entries(self) -> List[int]:
+        """Positions in the amax buffer of every weight's tensor amax, group by group."""
+        return [g.offset + j for g in self.groups for j in range(g.layout.n)]
+
+
+def make_cast_plan(shapes: Sequence[Tuple[int, int]], dtypes: Sequence[torch.dtype],
+                   numerics: Sequence[str]) -> CastPlan:  # fmt: skip
+    """Group weights by (dtype, numerics) and place each group's amax block (pure)."""
+    keys: dict = {}
+    for i, key in enumerate(zip(dtypes, numerics)):
+        keys.setdefault(key, []).append(i)
+    groups, offset = [], 0
+    for (dtype, num), idx in keys.items():
+        g_shapes = tuple(tuple(shapes[i]) for i in idx)
+        layout = kernels.amax_layout(g_shapes)
+        groups.append(CastGroup(tuple(idx), g_shapes, dtype, num, offset, layout))
+        offset += layout.total
+    return CastPlan(tuple(tuple(s) for s in shapes), tuple(groups), offset)
+
+
+def plan_for(weights) -> CastPlan:
+    """The `CastPlan` of a list of NVFP4 weights."""
+    return make_cast_plan([tuple(int(s) for s in w.shape) for w in weights], [w.dtype for w in weights],
+                          [w.numerics for w in weights])  # fmt: skip
+
+
+def weight_name(i: int, w) -> str:
+    """How errors name entry i of a list of weights."""
+    return f"model_weights[{i}] ({'x'.join(map(str, w.shape))})"
+
+
+def shard_bytes(data: torch.Tensor, shard: Optional[torch.Tensor], start: int) -> Optional[torch.Tensor]:
+    """The bytes of a weight's flat rowwise `data` that a cast of `shard` (elements from `start`) writes."""
+    if shard is None:
+        return None
+    lo, hi = byte_window(start, shard.numel())
+    return data.view(-1)[lo:hi]
+
+
+ScaleBinder = Callable[[CastGroup, torch.Tensor, torch.Tensor], Callable[[], None]]
+"""(group, its block of the amax buffer, its encode multipliers) -> the bound scale stage of that group."""
+
+
+class CastCore:
+    """The stages of one shard cast, bound once to one set of tensors (see the module docstring).
+
+    Args:
+        plan: the weights' `CastPlan`.
+        shards, starts: per weight this rank's flat master piece (None: owns nothing) and its first element.
+        fragments: per weight the bytes the cast writes: flat uint8, exactly the shard's `format.byte_window`
+            (`shard_bytes` of the weight's rowwise data, or a caller's own buffer); None where it owns nothing.
+        bind_scales: the caller's scale stage, bound per group (`ScaleBinder`).
+        names: per weight its name in errors.
+        exchanged: positions in the amax buffer that cross ranks (the others are complete locally); None: the
+            whole buffer, error flags included.
+        error_slots: one flag per rank of the group `exchange` runs on, for callers whose ranks may reject
+            their inputs (they still join the all-reduce, so no rank hangs).
+        device: where the amax buffer lives.
+    """
+
+    def __init__(self, plan: CastPlan, shards: Sequence[Optional[torch.Tensor]], starts: Sequence[int],
+                 fragments: Sequence[Optional[torch.Tensor]], bind_scales: ScaleBinder, *, names: Sequence[str],
+                 exchanged: Optional[Sequence[int]] = None, error_slots: int = 0, device) -> None:  # fmt: skip
+        self.plan, self.names, self.error_slots = plan, list(names), error_slots
+        self.amaxes = torch.zeros(plan.amax_numel + error_slots, dtype=torch.float32, device=device)
+        self._whole = whole_weight_index(plan, error_slots, device)
+        if exchanged is None:
+            self._index, self.message = None, self.amaxes
+        else:
+            self._index = torch.tensor(list(exchanged), dtype=torch.int64, device=device)
+            self.message = torch.zeros(self._index.numel(), dtype=torch.float32, device=device)
+        self._runs = []
+        for g in plan.groups:
+            enc = torch.zeros(g.layout.total - g.layout.n, dtype=torch.float32, device=device)
+            g_shards, g_starts = [shards[i] for i in g.indices], [starts[i] for i in g.indices]
+            frags = [fragments[i] for i in g.indices]
+            amax = kernels.bind_partial_amax(g_shards, g_starts, g.shapes, g.block(self.amaxes), round_to=g.round_to)
+            scale = bind_scales(g, g.block(self.amaxes), enc)
+            cast = kernels.bind_partial_cast(g_shards, g_starts, g.shapes, enc, frags, round_to=g.round_to)
+            self._runs.append((amax, scale, cast))
+
+    @property
+    def launches(self) -> int:
+        """Stage kernel launches of one `run` (torch's index ops and the collective aside)."""
+        return 3 * len(self._runs)
+
+    def message_bytes(self) -> int:
+        """Bytes of the amax all-reduce."""
+        return self.message.numel() * self.message.element_size()
+
+    # ------------------------------------------------------------------------------------------- a cast
+    def local_amaxes(self) -> None:
+        """partial_amax of every weight into the local amax buffer (one launch per group)."""
+        if self.error_slots:
+            self.amaxes[self.plan.amax_numel:].zero_()
+        for amax, _, _ in self._runs:
+            amax()
+
+    def exchange(self, group=None, stats: Optional[CommStats] = None, amax_group=None, *,
+                 local: bool = False) -> None:  # fmt: skip
+        """The MAX all-reduce of the exchanged entries over `group` (none with `local`), of the tensor amaxes
+        and error flags over `amax_group` too (tensor parallelism: slices of one weight), then the one scalar
+        read: raises on every rank, before any byte is written, if a rank flagged an error or a value is not
+        finite."""
+        if self._index is not None:
+            torch.index_select(self.amaxes, 0, self._index, out=self.message)
+        if not local:
+            all_reduce_max_(self.message, group, stats)
+        if self._index is not None:
+            self.amaxes.index_copy_(0, self._index, self.message)
+        reduce_whole_weights(self.amaxes, self._whole, amax_group, stats)
+        if self._index is not None:
+            verdicts = [torch.isfinite(self.message).all()]
+        else:  # a tile amax holds nothing its tensor amax does not: check the tensor amaxes, in place
+            verdicts = [torch.isfinite(g.tensor_amaxes(self.amaxes)).all() for g in self.plan.groups]
+        if self.error_slots:
+            verdicts.append((self.amaxes[self.plan.amax_numel:] == 0).all())
+        if not verdicts:
+            return
+        ok = verdicts[0]
+        for v in verdicts[1:]:
+            ok = ok & v
+        if not bool(ok.item()):  # the only device-to-host read of a successful cast
+            self._raise()
+
+    def scales(self) -> None:
+        for _, scale, _ in self._runs:
+            scale()
+
+    def cast(self) -> None:
+        """partial_cast of this rank's shards into their bytes."""
+        for _, _, cast in self._runs:
+            cast()
+
+    def _raise(self) -> None:
+        """The error path may read more: it is about to raise anyway."""
+        if self.error_slots:
+            bad_ranks = self.amaxes[self.plan.amax_numel:].nonzero().flatten().tolist()
+            if bad_ranks:
+                raise RuntimeError(f"rank(s) {bad_ranks} rejected their master shards (see the error on those "
+                                   "ranks); no weight, scale or amax was written on any rank")
+        for g in self.plan.groups:
+            for i, a in zip(g.indices, g.tensor_amaxes(self.amaxes).tolist()):
+                if a != a or a in (float("inf"), float("-inf")):
+                    raise checks.non_finite_error(self.names[i], " on some rank")
+        raise checks.non_finite_error("a master shard", " on another rank")
+
+
+def whole_weight_index(plan: CastPlan, error_slots: int, device) -> torch.Tensor:
+    """Entries a tensor-parallel group also reduces: every tensor amax and the error flags."""
+    entries = plan.tensor_amax_entries() + list(range(plan.amax_numel, plan.amax_numel + error_slots))
+    return torch.tensor(entries, dtype=torch.int64, device=device)
+
+
+def reduce_whole_weights(buf: torch.Tensor, index: torch.Tensor, amax_group, stats) -> None:
+    """MAX of the entries at `index` over `amax_group`; nothing when it is None or has one rank."""
+    if amax_group is None or rank_and_size(amax_group)[1] == 1:
+        return
+    whole = buf.index_select(0, index)
+    all_reduce_max_(whole, amax_group, stats)
+    buf.index_copy_(0, index, whole)
+
+
+def join_with_error(plan: CastPlan, group, stats, amax_group, device) -> None:
+    """Enter the collectives a `CastCore` with one error slot per rank runs, contributing zeros and this rank's
+    flag (the other ranks then raise naming it). Writes nothing."""
+    rank, size = rank_and_size(group)
+    buf = torch.zeros(plan.amax_numel + size, dtype=torch.float32, device=device)
+    buf[plan.amax_numel + rank] = 1.0
+    all_reduce_max_(buf, group, stats)
+    reduce_whole_weights(buf, whole_weight_index(plan, size, device), amax_group, stats)
+
+
+class Bindings:
+    """Bound work of recent calls, by a key built from `kernels.signature` (least recently used first out):
+    a training loop passes the same tensors every step, and a hit skips the per-weight checks and bindings.
+    Entries hold their tensors, so the cache is small; `clear()` lets them go."""
+
+    def __init__(self, size: int = 16):
+        self._items: OrderedDict = OrderedDict()
+        self._size = size
+
+    def get(self, key):
+        item = self._items.get(key)
+        if item is not None:
+            self._items.move_to_end(key)
+        return item
+
+    def put(self, key, item) -> None:
+        self._items[key] = item
+        if len(self._items) > self._size:
+            self._items.popitem(last=False)
+
+    def clear(self) -> None:
+        self._items.clear()
+
+
+BINDINGS = Bindings()
