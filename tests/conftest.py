@@ -25,3 +25,20 @@ def dispatches(monkeypatch):
 
     monkeypatch.setattr(NVFP4Tensor, "__torch_dispatch__", classmethod(counting))
     return seen
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The stage kernels launched while the test runs (their names, in order), counted by wrapping (not mocking)
+    the one function every CUDA launch of fp4_dist goes through; clear it with ``launches.clear()``."""
+    from fp4_dist.kernels import _launch
+
+    names = []
+    real = _launch._launch
+
+    def counting(index, key, units, args):
+        names.append(key[0])
+        return real(index, key, units, args)
+
+    monkeypatch.setattr(_launch, "_launch", counting)
+    return names

@@ -146,7 +146,8 @@ pg = dist.group.WORLD
 torch.optim.Adam([torch.nn.Parameter(torch.ones(4))])
 dist.all_reduce(torch.ones(4))
 shutdown()
-print("REFS", sys.getrefcount(pg) - 2)
+sys.stdout.write(f"REFS {sys.getrefcount(pg) - 2}\\n")  # one write: the two ranks share torchrun's stdout
+sys.stdout.flush()
 """
 
 

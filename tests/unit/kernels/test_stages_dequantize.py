@@ -97,12 +97,8 @@ def test_compact_tile_scales_give_the_reference_values_mixed_with_row_expanded_o
 
 
 @pytest.mark.parametrize("count", [500, 137])
-def test_hundreds_of_weights_take_one_launch(count, monkeypatch):
-    from fp4_dist.kernels import _launch
-
-    keys = []
-    real = _launch._launch
-    monkeypatch.setattr(_launch, "_launch", lambda i, key, u, a: (keys.append(key[0]), real(i, key, u, a))[1])
+def test_hundreds_of_weights_take_one_launch(count, launches):
+    keys = launches
     cpu, gpu, outs, dtypes = _case(9000 + count, count, ks=(16, 48, 80, 128, 144), compact=0.3)
     K.dequantize(*zip(*gpu), outs)
     assert keys == ["dequantize"]
@@ -134,9 +130,8 @@ def test_bound_dequantize_matches_and_bumps_the_output_version():
     _check(cpu, gpu, outs, dtypes, "bound")
 
 
-def test_weights_on_the_gpu_compute_on_their_copy_and_refresh_in_one_launch(monkeypatch):
+def test_weights_on_the_gpu_compute_on_their_copy_and_refresh_in_one_launch(launches):
     from fp4_dist.buffers import ShardBuffer, build_layout
-    from fp4_dist.kernels import _launch
     from fp4_dist.optim.sharded_cast import ShardedCast
     from fp4_dist.tensor import NVFP4Tensor
 
@@ -149,9 +144,8 @@ def test_weights_on_the_gpu_compute_on_their_copy_and_refresh_in_one_launch(monk
         w.set_rowwise_storage(buf.param_view(i))
         buf.master_piece(i).copy_(masters[i].view(-1))
     cast = ShardedCast.from_buffer(ws, buf, columnwise=False)
-    keys = []
-    real = _launch._launch
-    monkeypatch.setattr(_launch, "_launch", lambda i, key, u, a: (keys.append(key[0]), real(i, key, u, a))[1])
+    keys = launches
+    keys.clear()
     for _ in range(2):
         keys.clear()
         cast.cast()

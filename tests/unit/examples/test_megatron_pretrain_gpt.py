@@ -1,4 +1,4 @@
-"""Start-up errors of `python -m fp4_dist.megatron.pretrain_gpt`: clear, and before anything is built."""
+"""Start-up errors of `python -m examples.megatron_pretrain_gpt`: clear, and before anything is built."""
 
 from __future__ import annotations
 
