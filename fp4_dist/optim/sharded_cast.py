@@ -105,17 +105,20 @@ class ShardedCast:
         return run
 
     # ------------------------------------------------------------------------------------------- a step
-    def cast(self, group=None, stats: Optional[CommStats] = None) -> None:
+    def cast(self, group=None, stats: Optional[CommStats] = None, *, defer_check: bool = False):
         """Amaxes, the one small all-reduce, the check, scales and the partial cast of this rank's shards.
 
         Raises ValueError (on every rank, before any weight byte is written) if a master value is not finite.
+        With `defer_check` nothing is read: the verdict comes back as a device bool (True: all finite) and the
+        bytes are written regardless; the caller reads it later and calls `core.raise_for` when it is false.
         """
         self._rebind_if_changed()
         self.local_amaxes()
-        self.exchange_amaxes(group, stats)
+        verdict = self.core.exchange(group, stats, defer_check=defer_check)
         mark_pending(self.weights)
         self.owner_scales()
         self.cast_shards()
+        return verdict
 
     def _rebind_if_changed(self) -> None:
         """A weight's numerics is settable and the scale launches were bound with the old one: bind again."""

@@ -5,6 +5,9 @@ One `step()`::
 
     grads -> fp32 grad buffer       (copy of each param.grad into its slot of the flat buffer)
     reduce-scatter per bucket       -> this rank's grad shard (averaged over ranks by default)
+    gradient check                  ONE MAX all-reduce of a flag per parameter (has a gradient on some rank)
+                                    and per buffer (a non-finite value in some rank's shard), and the step's
+                                    one device-to-host read: raise or skip, and which parameters sit out
     inner.step()                    any torch.optim optimizer, over views of the fp32 master shard
     ShardedCast.cast                amax + ONE small MAX all-reduce (tensor and cut-tile amaxes only) + the
                                     scales of the tiles this rank owns + cast of the owned nibbles, written
@@ -13,8 +16,9 @@ One `step()`::
                                     plus one all-gather of the compact tile scales (1 B per 16x16 tile)
     ShardedCast.after_gather        rowwise scales from the gathered bytes, columnwise copies
 
-Collectives per step: (reduce-scatter + all-gather) per bucket of each buffer, plus one all-reduce and one
-all-gather (of the scale bytes) when there are NVFP4 weights.
+Collectives per step: (reduce-scatter + all-gather) per bucket of each buffer, the gradient check's all-reduce,
+plus one all-reduce and one all-gather (of the scale bytes) when there are NVFP4 weights. Construction checks
+with one all-gather that every rank passed the same parameters and options (`agreement`).
 
 NVFP4 weights are `nn.Parameter(NVFP4Tensor)` (see `fp4_dist.convert_linear_weights`); every other
 parameter (norms, biases, embeddings) is "dense": sharded the same way, gathered in its own dtype.
@@ -22,13 +26,16 @@ parameter (norms, biases, embeddings) is "dense": sharded the same way, gathered
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
+from .._user import user_stacklevel
 from ..buffers import ShardBuffer, build_layout
 from ..tensor import FIELDS, is_nvfp4_tensor
+from .agreement import check_same_on_every_rank
 from .sharded_cast import ShardedCast
 from .collectives import (
     CommStats,
@@ -42,6 +49,7 @@ from .collectives import (
 )
 
 GRAD_REDUCTIONS = {"reduce_scatter": reduce_scatter_sum, "ordered": reduce_scatter_ordered}
+NONFINITE_GRADS = ("raise", "skip")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +66,11 @@ class Zero1Config:
     equal to single-process gradient accumulation over the ranks' micro-batches for any world size."""
     average_grads: bool = True
     """Divide the summed grads by the world size (DDP semantics)."""
+    nonfinite_grads: str = "raise"
+    """What `Zero1Optimizer.step` does when a reduced gradient holds inf or NaN (found on every rank before the
+    inner optimizer runs): "raise" a ValueError naming the parameters, with masters, optimizer state and weights
+    left as they were; "skip" the step, as torch.amp.GradScaler and Megatron do (counted in
+    ``Zero1Optimizer.skipped_steps``, with a warning)."""
     columnwise: bool = False
     """Also build the columnwise NVFP4 copies (nibble + scale transpose) after each gather. Only consumers of
     the packed columnwise layout read them (FP4 GEMMs on Blackwell, TransformerEngine interop); training
@@ -67,6 +80,8 @@ class Zero1Config:
     def __post_init__(self):
         if self.grad_reduction not in GRAD_REDUCTIONS:
             raise ValueError(f"grad_reduction must be one of {sorted(GRAD_REDUCTIONS)}, got {self.grad_reduction!r}")
+        if self.nonfinite_grads not in NONFINITE_GRADS:
+            raise ValueError(f"nonfinite_grads must be one of {NONFINITE_GRADS}, got {self.nonfinite_grads!r}")
         if not (isinstance(self.align, int) and self.align >= 2 and self.align % 2 == 0):
             raise ValueError(f"align must be a positive even int, got {self.align!r}")
 
@@ -111,6 +126,43 @@ def _normalise_groups(params) -> List[dict]:
     return [dict(g, params=list(g["params"])) for g in params]
 
 
+def _split_names(groups: List[dict]) -> List[Optional[str]]:
+    """Take the names out of groups given as ``model.named_parameters()`` (name, parameter) pairs, in place."""
+    names = []
+    for g in groups:
+        plain = []
+        for entry in g["params"]:
+            if isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str):
+                names.append(entry[0])
+                plain.append(entry[1])
+            else:
+                names.append(None)
+                plain.append(entry)
+        g["params"] = plain
+        g.pop("param_names", None)
+    return names
+
+
+def _structure(params, groups: List[dict], config: Zero1Config) -> dict:
+    """What must be the same on every rank for the shard buffers and collectives to line up."""
+    return {
+        "number of parameters": len(params),
+        "parameter shapes": [list(p.shape) for p in params],
+        "parameter dtypes": [str(p.dtype) for p in params],
+        "NVFP4 parameters": [is_nvfp4_tensor(p) for p in params],
+        "NVFP4 numerics": [getattr(p, "numerics", None) for p in params],
+        "requires_grad": [p.requires_grad for p in params],
+        "param group sizes": [len(g["params"]) for g in groups],
+        "config": config,
+    }
+
+
+def _name(i: int, p, given: Optional[str]) -> str:
+    """How messages name parameter i: its module path when known."""
+    name = given or getattr(p, "fp4_dist_name", None)
+    return name if name else f"parameter {i} {list(p.shape)} ({p.dtype})"
+
+
 class Zero1Optimizer(torch.optim.Optimizer):
     """ZeRO-1 over any ``torch.optim`` optimizer, gathering NVFP4 weights as packed 4-bit bytes.
 
@@ -136,12 +188,15 @@ class Zero1Optimizer(torch.optim.Optimizer):
                  group=None, config: Zero1Config = Zero1Config(),
                  master_init: Optional[Sequence[Optional[torch.Tensor]]] = None, stats: Optional[CommStats] = None):
         groups = _normalise_groups(params)
+        given_names = _split_names(groups)
         self.params = [p for g in groups for p in g["params"]]
+        self.names = [_name(i, p, n) for i, (p, n) in enumerate(zip(self.params, given_names))]
         if len({id(p) for p in self.params}) != len(self.params):
             raise ValueError("a parameter is listed more than once (tied weights?); pass each parameter once, e.g. "
                              "list(dict.fromkeys(model.parameters())) — a shared tensor must own one shard slot")
         self.group, self.config, self.stats = group, config, stats
         self.rank, self.world_size = rank_and_size(group)
+        check_same_on_every_rank(_structure(self.params, groups, config), group, "Zero1Optimizer")
         self._reduce = GRAD_REDUCTIONS[config.grad_reduction]
         self._sections = self._build_sections()
         self._init_masters(master_init)
@@ -151,6 +206,11 @@ class Zero1Optimizer(torch.optim.Optimizer):
                              f"groups for the {len(groups)} it was given; build it from exactly those groups")
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._grads_reduced = False
+        self._present = [False] * len(self.params)  # this rank's: requires_grad and a gradient, this step
+        self._check = _GradCheck(self)
+        self.skipped_steps = 0
+        """Steps skipped for non-finite gradients (``Zero1Config.nonfinite_grads="skip"``)."""
+        self.last_step_skipped = False
         self._constructing = True
         # torch.optim bookkeeping over the model's parameters, with the hyperparameters the inner optimizer chose.
         super().__init__([dict({k: v for k, v in inner.items() if k != "params"}, params=g["params"])
@@ -261,15 +321,37 @@ class Zero1Optimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None) -> None:
-        """Reduce grads (unless `clip_grad_norm_` did), step the inner optimizer on the master shard with this
-        optimizer's hyperparameters, re-quantize and gather the params."""
+        """Reduce grads (unless `clip_grad_norm_` did), check them, step the inner optimizer on the master shard
+        with this optimizer's hyperparameters, re-quantize and gather the params.
+
+        As for a torch.optim optimizer, a parameter without a gradient is not stepped (no weight decay, no moment
+        update): one with ``requires_grad=False``, and one no rank produced a gradient for in this step (the ranks
+        agree through the step's flag all-reduce; a rank without a gradient contributes zeros).
+
+        Raises:
+            ValueError naming the parameters whose reduced gradients hold inf or NaN, on every rank, before the
+            inner optimizer runs (masters, optimizer state and weights unchanged), unless
+            ``Zero1Config.nonfinite_grads="skip"``: then the step is skipped with a warning.
+        """
         if closure is not None:
             raise ValueError("Zero1Optimizer.step does not take a closure; run forward/backward before step()")
         self._reduce_all_grads()
-        self._sync_hyperparameters()
-        self.optimizer.step()
         self._grads_reduced = False
-        self._publish_params()
+        absent = self._check.run()  # the step's one device-to-host read
+        self.last_step_skipped = absent is None
+        if absent is None:
+            return
+        self._sync_hyperparameters()
+        pieces = [self._master_pieces[i] for i in absent if i in self._master_pieces]
+        grads = [p.grad for p in pieces]
+        for p in pieces:  # torch.optim steps only what has a gradient
+            p.grad = None
+        try:
+            self.optimizer.step()
+        finally:
+            for p, g in zip(pieces, grads):
+                p.grad = g
+        self._check.cast_verdict = self._publish_params(defer_check=True)
 
     def _reduce_all_grads(self) -> None:
         if not self._grads_reduced:
@@ -322,8 +404,10 @@ class Zero1Optimizer(torch.optim.Optimizer):
         buf = sec.buf
         dst, src = [], []
         for j, i in enumerate(sec.indices):
-            g = self.params[i].grad
-            if g is None:
+            p = self.params[i]
+            g = p.grad
+            self._present[i] = g is not None and p.requires_grad
+            if g is None or not p.requires_grad:
                 replaced = getattr(self.params[i], "_fp4_dist_replaced_by", None)
                 if replaced is not None:
                     raise ValueError(
@@ -341,11 +425,15 @@ class Zero1Optimizer(torch.optim.Optimizer):
         if self.config.average_grads and self.world_size > 1:
             buf.grad_shard.div_(self.world_size)
 
-    def _publish_params(self) -> None:
-        """Masters -> model params on every rank: NVFP4 cast + packed gather, dense copy + gather."""
+    def _publish_params(self, *, defer_check: bool = False) -> Optional[torch.Tensor]:
+        """Masters -> model params on every rank: NVFP4 cast + packed gather, dense copy + gather. Returns the
+        cast's deferred verdict with `defer_check` (see `ShardedCast.cast`)."""
         fp4 = self._fp4_section()
+        verdict = None
+        if not defer_check:
+            self._check.cast_verdict = None  # checked here: nothing is left for the next step to report
         if fp4:
-            self._cast.cast(self.group, self.stats)
+            verdict = self._cast.cast(self.group, self.stats, defer_check=defer_check)
             self._cast.gather_scales(self.group, self.stats)
         for sec in self._sections:
             for b in range(len(sec.buf.layout.buckets)):
@@ -354,6 +442,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
                 all_gather_inplace(sec.buf.bucket_param(b), self.group, self.stats)
         if fp4:
             self._cast.after_gather()
+        return verdict
 
     # ---------------------------------------------------------------------------------------- reporting
     def gathered_bytes_per_step(self) -> Dict[str, int]:
@@ -427,3 +516,87 @@ class Zero1Optimizer(torch.optim.Optimizer):
         for outer, inner in zip(self.param_groups, self.optimizer.param_groups):
             outer.update({k: v for k, v in inner.items() if k != "params"})
         self._publish_params()
+
+
+class _GradCheck:
+    """The step's check of its reduced gradients, in one MAX all-reduce and one read of::
+
+        [ gradient present, per parameter | gradient shard not finite, per buffer | last cast bad ]
+
+    A present flag is 1 where the rank has a gradient for the parameter; the MAX says whether any rank has. A
+    buffer's flag is 1 where this rank's reduced shard of it holds inf or NaN (the reduce-scatter carries any
+    rank's into the owner's shard). The last slot carries the previous step's cast verdict (read here, not there:
+    the step reads the device once); with gradients checked, only the inner optimizer can have made a master
+    non-finite. Naming the parameters behind a bad flag takes a second all-reduce, on the error path only.
+    """
+
+    def __init__(self, opt: "Zero1Optimizer"):
+        self.opt = opt
+        n, dev = len(opt.params), opt._device()
+        self.flags = torch.zeros(n + len(opt._sections) + 1, dtype=torch.float32, device=dev)
+        self.presence = torch.zeros(n, dtype=torch.float32, device=dev)
+        self._pattern: Optional[list] = None
+        self._staging = None  # the pinned source of the last presence upload, alive until it lands
+        self.cast_verdict: Optional[torch.Tensor] = None
+
+    def _upload_presence(self, present: list) -> None:
+        """Presence changes rarely (a frozen layer, an unused branch): upload it only when it does."""
+        if present == self._pattern:
+            return
+        host = torch.tensor(present, dtype=torch.float32)
+        if self.presence.is_cuda:
+            host = host.pin_memory()
+        self.presence.copy_(host, non_blocking=True)
+        self._staging, self._pattern = host, list(present)
+
+    def run(self) -> Optional[List[int]]:
+        """The parameters to leave out of this step (no rank has a gradient), or None to skip the step; raises
+        for non-finite gradients (the default) and for masters made non-finite by the previous step."""
+        opt, n, sections = self.opt, len(self.opt.params), self.opt._sections
+        self._upload_presence(opt._present)
+        flags = self.flags
+        flags[:n].copy_(self.presence)
+        for k, sec in enumerate(sections):
+            torch.logical_not(torch.isfinite(sec.buf.grad_shard).all(), out=flags[n + k])
+        last = flags[n + len(sections):]
+        if self.cast_verdict is not None:
+            torch.logical_not(self.cast_verdict, out=last.view(()))
+        else:
+            last.zero_()
+        all_reduce_max_(flags, opt.group, opt.stats)
+        values = flags.tolist()  # the step's one device-to-host read
+        if values[-1]:
+            self.cast_verdict = None
+            opt._cast.core.raise_for(" after the previous optimizer step, from finite gradients: the inner "
+                                     "optimizer made them (check its hyperparameters); the weights were cast from "
+                                     "them")
+        if any(values[n:n + len(sections)]):
+            return self._nonfinite(self._bad_parameters())
+        return [i for i in range(n) if not values[i]]
+
+    def _bad_parameters(self) -> List[int]:
+        """The parameters whose reduced gradient holds inf or NaN on some rank (every rank is here together)."""
+        opt = self.opt
+        bad = torch.zeros(len(opt.params), dtype=torch.float32, device=self.flags.device)
+        for sec in opt._sections:
+            for j, i in enumerate(sec.indices):
+                g = sec.buf.grad_shard_piece(j)
+                if g is not None:
+                    bad[i] = torch.logical_not(torch.isfinite(g).all()).float()
+        all_reduce_max_(bad, opt.group, opt.stats)
+        return [i for i, b in enumerate(bad.tolist()) if b]
+
+    def _nonfinite(self, bad: List[int]) -> None:
+        opt = self.opt
+        names = ", ".join(opt.names[i] for i in bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+        if opt.config.nonfinite_grads == "skip":
+            opt.skipped_steps += 1
+            warnings.warn(f"Zero1Optimizer: skipped step (skipped steps so far: {opt.skipped_steps}): the gradients "
+                          f"of {names} hold inf or NaN on some rank; masters, optimizer state and weights are "
+                          "unchanged", RuntimeWarning, stacklevel=user_stacklevel())
+            return None
+        raise ValueError(
+            f"Zero1Optimizer.step: the gradients of {names} hold inf or NaN (non-finite) on some rank, so the step "
+            "was not taken on any rank: masters, optimizer state and weights are unchanged. Find the cause (learning "
+            "rate, loss scale, data), or pass Zero1Config(nonfinite_grads=\"skip\") to skip such steps as "
+            "torch.amp.GradScaler does")

@@ -13,7 +13,7 @@ def mlp(seed=0):
     model = nn.Sequential(nn.Linear(48, 80), nn.GELU(), nn.Linear(80, 40, bias=False))
     init = [p.detach().clone() for p in model.parameters()]
     model.to(torch.bfloat16)
-    fp4_dist.convert_linear_weights(model)
+    fp4_dist.convert_linear_weights(model, dtype=torch.bfloat16)
     return model, init
 
 
@@ -98,16 +98,110 @@ def test_param_group_options_reach_the_inner_optimizer():
     assert [g["weight_decay"] for g in opt.optimizer.param_groups] == [0.1, 0.0]
 
 
-def test_non_finite_masters_raise_naming_the_weight_and_keep_the_old_weights():
+def _state(opt):
+    """Every byte a step may change: NVFP4 fields, dense params, masters, the inner optimizer's state."""
+    out = [t.clone() for w in opt.nvfp4_params for t in (w.rowwise_data, w.rowwise_scale_inv, w.amax)]
+    out += [p.detach().clone() for p in opt.params if not isinstance(p, fp4_dist.NVFP4Tensor)]
+    out += [m.clone() for m in opt.full_masters()]
+    out += [v.clone() for st in opt.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def _same(a, b):
+    """Bitwise equal (NaN included)."""
+    bits = lambda t: t.reshape(-1).view(torch.uint8) if t.dtype.is_floating_point else t  # noqa: E731
+    return len(a) == len(b) and all(torch.equal(bits(x), bits(y)) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_non_finite_gradients_raise_naming_the_parameter_and_leave_every_state_as_it_was(bad):
     model, init = mlp()
-    opt = Zero1Optimizer(model.parameters(), lambda g: torch.optim.SGD(g, lr=1.0), master_init=init)
-    before = [(w.rowwise_data.clone(), w.rowwise_scale_inv.clone(), w.amax.clone()) for w in opt.nvfp4_params]
+    opt = Zero1Optimizer(model.parameters(), adam, master_init=init)
     loss_of(model, data(0)).backward()
-    model[2].weight.grad[3, 5] = float("inf")
-    with pytest.raises(ValueError, match=r"model_weights\[1\] \(40x80\).*not finite"):
+    opt.step()  # the inner optimizer has state to damage now
+    opt.zero_grad()
+    before = _state(opt)
+    loss_of(model, data(1)).backward()
+    model[2].weight.grad[3, 5] = bad
+    with pytest.raises(ValueError, match=r"gradients of 2\.weight hold inf or NaN .*masters, optimizer state and "
+                                         r"weights are unchanged"):  # fmt: skip
         opt.step()
-    for w, (d, s, a) in zip(opt.nvfp4_params, before):
-        assert torch.equal(w.rowwise_data, d) and torch.equal(w.rowwise_scale_inv, s) and torch.equal(w.amax, a)
+    assert _same(_state(opt), before)
+    opt.zero_grad()
+    loss_of(model, data(1)).backward()
+    opt.step()  # a clean step after the error trains again
+    assert not _same(_state(opt), before)
+
+
+def test_skip_option_skips_the_step_with_a_warning_and_training_continues():
+    model, init = mlp()
+    opt = Zero1Optimizer(model.parameters(), adam, master_init=init, config=Zero1Config(nonfinite_grads="skip"))
+    ref_model, _ = mlp()
+    ref = Zero1Optimizer(ref_model.parameters(), adam, master_init=init)
+    for step in range(3):
+        loss_of(model, data(step)).backward()
+        if step == 1:
+            model[0].bias.grad[0] = float("nan")
+            with pytest.warns(RuntimeWarning, match=r"skipped step .*gradients of parameter 1 \[80\]") as caught:
+                opt.step()
+            assert caught[0].filename == __file__, "the warning points at the user's line"
+            assert opt.last_step_skipped and opt.skipped_steps == 1
+        else:
+            opt.step()
+            loss_of(ref_model, data(step)).backward()
+            ref.step()
+            ref.zero_grad()
+        opt.zero_grad()
+    assert _same(_state(opt), _state(ref)), "the skipped step changed nothing; the others trained as usual"
+
+
+def test_frozen_and_gradient_less_parameters_are_not_stepped_as_with_adamw():
+    model, init = mlp()
+    adamw = lambda groups: torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1, foreach=False)  # noqa: E731
+    opt = Zero1Optimizer(model.named_parameters(), adamw, master_init=init)
+    model[0].weight.requires_grad_(False)
+    masters = [m.clone() for m in opt.full_masters()]
+    opt.step()  # no backward at all: nothing has a gradient, nothing changes (AdamW's own rule)
+    assert all(torch.equal(a, b) for a, b in zip(opt.full_masters(), masters))
+    ref_masters = [t.clone().requires_grad_(True) for t in init]
+    ref = torch.optim.AdamW(ref_masters, lr=1e-2, weight_decay=0.1, foreach=False)
+    for step in range(3):
+        loss_of(model, data(step)).backward()
+        assert model[0].weight.grad is None
+        grads = [None if p.grad is None else p.grad.float() for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
+        for m, g in zip(ref_masters, grads):
+            m.grad = g
+        ref.step()
+        ref.zero_grad()
+        got = opt.full_masters()
+        assert torch.equal(got[0], masters[0]), "the frozen weight changed (weight decay?)"
+        for i in (1, 2):
+            assert torch.equal(got[i], ref_masters[i].detach()), f"parameter {i} differs from plain AdamW"
+    model[0].weight.requires_grad_(True)  # unfrozen: it joins the next step
+    loss_of(model, data(9)).backward()
+    opt.step()
+    assert not torch.equal(opt.full_masters()[0], masters[0])
+
+
+class _Overflowing(torch.optim.SGD):
+    """An inner optimizer that makes the last master non-finite from finite gradients (a bug, an overflow)."""
+
+    def step(self, closure=None):
+        super().step()
+        self.param_groups[0]["params"][-1].data[7] = float("inf")
+
+
+def test_a_master_made_non_finite_by_the_inner_optimizer_is_reported_at_the_next_step_by_name():
+    model, init = mlp()
+    opt = Zero1Optimizer(model.parameters(), lambda g: _Overflowing(g, lr=1e-2), master_init=init)
+    loss_of(model, data(0)).backward()
+    opt.step()
+    opt.zero_grad()
+    loss_of(model, data(1)).backward()
+    with pytest.raises(ValueError, match=r"model_weights\[\d\] \(\d+x\d+\) master.*after the previous optimizer step"):
+        opt.step()
 
 
 @pytest.mark.parametrize("bad", [dict(grad_reduction="mean"), dict(align=3)])
@@ -134,7 +228,7 @@ def test_a_step_after_a_numerics_change_casts_with_the_new_numerics():
 
     master = numerics_sensitive_weight()
     model = nn.Sequential(nn.Linear(32, 32, bias=False)).to(torch.bfloat16)
-    fp4_dist.convert_linear_weights(model)
+    fp4_dist.convert_linear_weights(model, dtype=torch.bfloat16)
     opt = Zero1Optimizer(model.parameters(), lambda g: torch.optim.SGD(g, lr=0.0), master_init=[master])
     w = model[0].weight
     w.numerics = "te-2.14"
@@ -295,7 +389,7 @@ def test_converting_after_building_the_optimizer_is_refused_at_the_first_step():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(48, 80), nn.GELU(), nn.Linear(80, 40, bias=False)).to(torch.bfloat16)
     opt = Zero1Optimizer(model.parameters(), adam)
-    fp4_dist.convert_linear_weights(model)  # too late: opt holds the old bf16 weights
+    fp4_dist.convert_linear_weights(model, dtype=torch.bfloat16)  # too late: opt holds the old bf16 weights
     loss_of(model, data(0)).backward()
     with pytest.raises(ValueError, match=r"replaced by the NVFP4 weight '0.weight'.*build the optimizer"):
         opt.step()
