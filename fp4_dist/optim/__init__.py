@@ -7,6 +7,7 @@ call), `zero1` + `zero1_state` (the optimizer, its checkpoints).
 """
 
 from .cast import cast_master_weights_to_nvfp4, quantize_master_weights
+from .agreement import RankMismatchError
 from .collectives import CommStats
 from .post_gather import post_all_gather_processing
 from .zero1 import Zero1Config, Zero1Optimizer
@@ -18,4 +19,5 @@ __all__ = [
     "Zero1Optimizer",
     "Zero1Config",
     "CommStats",
+    "RankMismatchError",
 ]

@@ -3,18 +3,24 @@
 One call, for any number of weights (spec section 4)::
 
     validate everything            (nothing written yet; errors name the weight)
-    partial_amax   -> amax buffer  [group 0: n0 tensor amaxes | tiles][group 1: ...][ws error flags]
+    agreement header               one MAX all-reduce of a few floats and one read: same weights on every
+                                   rank, shards covering each weight once, no rank rejected its arguments
+                                   (`cast_agreement`; only inside a distributed job)
+    partial_amax   -> amax buffer  [group 0: n0 tensor amaxes | tiles][group 1: ...]
     ONE MAX all-reduce of that buffer over the data-parallel group
-    one scalar read: all tensor amaxes finite and no rank flagged an error?   (the only host sync)
+    one scalar read: all tensor amaxes finite?
     fused_scale    -> every weight's rowwise_scale_inv + amax (identical on every rank), encode multipliers
     partial_cast   -> the owned nibbles of each weight's rowwise_data (or of its FSDP shard)
 
 The stages, the amax exchange and the check are `cast_core.CastCore`'s; this module adds TransformerEngine's
-signature, the per-call checks and the error flags. `BoundCast` binds a call's tensors once; a call with the
-same tensors as a recent one (`cast_core.BINDINGS`) skips the per-weight checks and list building.
+signature, the per-call checks and the agreement header. `BoundCast` binds a call's tensors once; a call with
+the same tensors as a recent one (`cast_core.BINDINGS`) skips the per-weight checks and list building (the
+header still runs every call: the binding cache is per rank, and a rank whose list changed must still meet the
+others' collectives).
 
-Why the error flags: a rank whose inputs are invalid must not skip the collective (the others would hang),
-so it contributes zeros plus a flag in its own slot, and every rank raises before writing a byte.
+Why the header comes first: the amax all-reduce's size depends on the weights, and a size mismatch there
+aborts gloo and hangs NCCL. A rank whose own arguments are invalid joins the header with its flag set, so
+every rank raises before writing a byte.
 
 The all-reduce carries every tile amax, as TransformerEngine's does, so that every rank holds every scale
 before the gather (Megatron relies on it). `fp4_dist.optim.sharded_cast.ShardedCast` (Zero1Optimizer's cast)
@@ -27,12 +33,14 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from .. import kernels
 from ..compute_copy import mark_pending
 from ..format import MASTER_DTYPES, byte_window, check_even_boundary, check_weight_shape
 from ..tensor import NVFP4Tensor, is_nvfp4_tensor
-from .cast_core import BINDINGS, CastCore, CastPlan, join_with_error, make_cast_plan, shard_bytes, weight_name
+from .cast_agreement import CallAgreement, reject
+from .cast_core import BINDINGS, CastCore, CastPlan, make_cast_plan, shard_bytes, weight_name
 from .collectives import CommStats, dist_backend, rank_and_size
 
 
@@ -41,7 +49,7 @@ def _check_weights(model_weights, master_weights, start_offsets, fsdp_shard_mode
     """The call's structure: arguments of the right kinds, one entry of each per weight, NVFP4 weights.
 
     Raised on one rank only (a rank-local bug), these still reach every rank: `_validate_and_run` joins the
-    all-reduce with this rank's error flag set (see `_shape_plan`)."""
+    agreement header with this rank's flag set."""
     n = len(model_weights)
     for arg, value in (("master_weights", master_weights), ("start_offsets", start_offsets)):
         if value is None or isinstance(value, torch.Tensor) or not hasattr(value, "__len__"):
@@ -66,10 +74,8 @@ def _check_weights(model_weights, master_weights, start_offsets, fsdp_shard_mode
 
 def _shape_plan(model_weights) -> CastPlan:
     """The amax-buffer layout of `model_weights` from what every entry reports (shape, dtype, numerics), also
-    for entries that are not NVFP4 weights: a rank whose call is malformed can still join the all-reduce with a
-    buffer of the length the other ranks use, and say so there. Raises TypeError when even that is impossible
-    (``model_weights`` is not a list of 2D tensors): then this rank cannot join, and the others stop at the
-    collective's timeout or when this process ends."""
+    for entries that are not NVFP4 weights (their own check names them). Raises TypeError when
+    ``model_weights`` is not a list of 2D tensors."""
     if model_weights is None or isinstance(model_weights, torch.Tensor) or not hasattr(model_weights, "__len__"):
         raise TypeError(f"model_weights must be a list of NVFP4Tensor weights (the same on every rank), got "
                         f"{type(model_weights).__name__}; this rank cannot join the other ranks' cast")
@@ -151,22 +157,26 @@ def cast_master_weights_to_nvfp4(
         fsdp_shard_model_weights: optional per weight uint8 byte fragments
             ``[start >> 1, (end + 1) >> 1)`` that receive the cast bytes instead of ``rowwise_data``.
         manual_post_all_gather_processing: True (default): the caller all-gathers ``rowwise_data`` and then
-            calls `post_all_gather_processing`. False: columnwise copies are dropped here (they are stale)
-            and ``make_columnwise()`` rebuilds them later, as TE does.
-        amax_group: a second process group over which the weights' tensor amaxes (and the error flags) are also
+            calls `post_all_gather_processing` (one launch for every weight). False, as in TE: no call is
+            needed; each weight's compute copy is refreshed at its first use after this cast (one launch per
+            weight, once per cast: gather before using the weights), and the now-stale columnwise copies are
+            dropped here (``make_columnwise()`` rebuilds one on demand).
+        amax_group: a second process group over which the weights' tensor amaxes are also
             MAX-reduced: under tensor parallelism each weight here is a slice of a larger one, and its scales use
             the whole weight's amax (the TP group), so every slice equals the slice of quantizing the whole
             weight. One more all-reduce of n floats.
         stats: optional `CommStats` recording the all-reduce (every tile amax of every weight: TE's payload).
 
     Every weight's ``rowwise_scale_inv`` and ``amax`` are written (identical on every rank) and the owned
-    nibbles of ``rowwise_data``; nothing else. One MAX all-reduce per call, one scalar device-to-host read.
+    nibbles of ``rowwise_data``; nothing else. Inside a distributed job two MAX all-reduces per call (the
+    agreement header, the amaxes) and two scalar device-to-host reads; in a single process none and one.
     The checks and the binding of the stages run on the first call with a set of tensors; later calls with the
     same tensors (same objects, same buffers) only launch. `Zero1Optimizer` exchanges far fewer amaxes
     (`fp4_dist.optim.sharded_cast`); this function keeps TE's full exchange because its callers (Megatron)
     rely on every rank holding every scale before the gather.
     Raises ValueError/TypeError naming the weight, with no byte written, for bad shards, offsets, dtypes,
-    devices, or non-finite master values.
+    devices, or non-finite master values; `fp4_dist.optim.RankMismatchError` on every rank when the ranks
+    passed different weights or shards that do not cover each weight exactly once.
     """
     key = _call_key(model_weights, master_weights, start_offsets, fsdp_shard_model_weights, group)
     bound = None if key is None else BINDINGS.get(key)
@@ -176,6 +186,7 @@ def cast_master_weights_to_nvfp4(
         _validate_and_run(model_weights, master_weights, start_offsets, group, fsdp_shard_model_weights, key, stats,
                           amax_group)  # fmt: skip
     if not manual_post_all_gather_processing:
+        mark_pending(model_weights, auto_refresh=True)
         for w in model_weights:
             w.columnwise_data = w.columnwise_scale_inv = None
 
@@ -199,18 +210,19 @@ def _call_key(model_weights, master_weights, start_offsets, fragments, group) ->
 def _validate_and_run(model_weights, master_weights, start_offsets, group, fsdp_shard_model_weights, key, stats,
                       amax_group=None):  # fmt: skip
     """First call with these tensors: every check, then bind (and cache) the cast, then run it. A rank whose
-    checks fail still joins the one all-reduce, with its error flag set, so every rank raises (none hangs)."""
-    plan = _shape_plan(model_weights)
+    checks fail still joins the agreement header, with its flag set, so every rank raises (none hangs)."""
     try:
+        plan = _shape_plan(model_weights)
         _check_weights(model_weights, master_weights, start_offsets, fsdp_shard_model_weights)
         frags = fsdp_shard_model_weights or [None] * len(model_weights)
         for i, (w, m, s, f) in enumerate(zip(model_weights, master_weights, start_offsets, frags)):
             _check_shard(i, w, m, s, f)
     except (TypeError, ValueError) as e:
-        _join_with_error(plan, model_weights, group, stats, e, amax_group)
+        _join_with_error(model_weights, group, stats, e)
     pairs = [_normalise(m, s) for m, s in zip(master_weights, start_offsets)]
-    bound = BoundCast(plan, model_weights, [p[0] for p in pairs], [p[1] for p in pairs], frags,
-                      world_size=rank_and_size(group)[1])  # fmt: skip
+    rank, size = rank_and_size(group)
+    bound = BoundCast(plan, model_weights, [p[0] for p in pairs], [p[1] for p in pairs], frags, rank=rank,
+                      world_size=size)  # fmt: skip
     if key is not None:
         BINDINGS.put(key, bound)
     bound.run(group, stats, amax_group)
@@ -223,29 +235,40 @@ def _weight_device(model_weights) -> torch.device:
     return model_weights[0].rowwise_data.device if len(model_weights) else torch.device("cpu")
 
 
+def _agreement(plan, model_weights, shards, starts, rank, size) -> Optional[CallAgreement]:
+    """The agreement header of a call inside a distributed job; none for a single process (no other rank to
+    disagree with: a part of a weight may be cast alone there, its scales then come from that part)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return CallAgreement(plan.shapes, [w.dtype for w in model_weights], [w.numerics for w in model_weights],
+                         plan.amax_numel, shards, starts, rank, size)  # fmt: skip
+
+
 class BoundCast:
     """The TE-signature cast bound to one set of tensors: a `CastCore` that exchanges the whole amax buffer (every
-    tile amax, one error flag per rank) and writes every scale with fused_scale.
+    tile amax) and writes every scale with fused_scale, after the ranks' agreement check (`cast_agreement`).
 
     An optimizer whose weights, master shards and fragments stay the same tensors from step to step (as a loop
     calling `cast_master_weights_to_nvfp4` with the same lists) builds this once; each step is then `run()`: a
-    few launches, one all-reduce, one scalar read, no per-weight Python work.
+    few launches, two all-reduces (the agreement header, the amaxes), two scalar reads, no per-weight Python work.
 
     Args:
         shards, starts: per weight the validated flat master shard (None: owns nothing) and its first element.
         fragments: per weight an FSDP byte fragment, or None to write into ``rowwise_data``.
-        world_size: size of the group `run` will be called with (one error-flag slot per rank).
+        rank, world_size: this rank and the size of the group `run` will be called with.
     """
 
-    def __init__(self, plan: CastPlan, model_weights, shards, starts, fragments=None, *, world_size: int = 1):
+    def __init__(self, plan: CastPlan, model_weights, shards, starts, fragments=None, *, rank: int = 0,
+                 world_size: int = 1):  # fmt: skip
         n = len(model_weights)
         fragments = fragments or [None] * n
-        self.weights = list(model_weights)
+        self.weights, self.world_size = list(model_weights), world_size
         targets = [f if f is not None else shard_bytes(w.rowwise_data, m, s)
                    for w, m, s, f in zip(self.weights, shards, starts, fragments)]  # fmt: skip
         self.core = CastCore(plan, shards, starts, targets, self._bind_scales,
                              names=[f"{weight_name(i, w)} master" for i, w in enumerate(self.weights)],
-                             error_slots=world_size, device=_weight_device(model_weights))  # fmt: skip
+                             device=_weight_device(model_weights))  # fmt: skip
+        self.agreement = _agreement(plan, self.weights, shards, starts, rank, world_size)
 
     def _bind_scales(self, g, block, enc):
         ws = [self.weights[i] for i in g.indices]
@@ -253,13 +276,15 @@ class BoundCast:
                                         enc, numerics=g.numerics)  # fmt: skip
 
     def run(self, group=None, stats: Optional[CommStats] = None, amax_group=None) -> None:
-        """amax -> one MAX all-reduce (and one over `amax_group` of the tensor amaxes) -> check (one scalar
-        read) -> scales -> cast. Raises before any write."""
+        """agreement check -> amax -> one MAX all-reduce (and one over `amax_group` of the tensor amaxes) ->
+        check (one scalar read) -> scales -> cast. Raises before any write."""
         _, size = rank_and_size(group)
-        core = self.core
-        if core.error_slots != size:
-            raise ValueError(f"this BoundCast was built for a group of {core.error_slots} ranks but runs on a group "
+        if size != self.world_size:
+            raise ValueError(f"this BoundCast was built for a group of {self.world_size} ranks but runs on a group "
                              f"of {size}; build one per process group")
+        if self.agreement is not None:
+            self.agreement.check(group, stats, self.core.amaxes.device)
+        core = self.core
         core.local_amaxes()
         core.exchange(group, stats, amax_group)
         mark_pending(self.weights)
@@ -267,16 +292,18 @@ class BoundCast:
         core.cast()
 
 
-def _join_with_error(plan: CastPlan, model_weights, group, stats, error: Exception, amax_group=None) -> None:
-    """This rank's call is invalid: contribute zeros and its error flag to the all-reduce(s) the other ranks run
-    (they then raise RuntimeError naming this rank), and raise `error` here. Writes nothing."""
-    join_with_error(plan, group, stats, amax_group, _error_device(model_weights, group))
+def _join_with_error(model_weights, group, stats, error: Exception) -> None:
+    """This rank's call is invalid: join the agreement header with this rank's flag set (the other ranks then
+    raise RuntimeError naming this rank, before their amax all-reduce), and raise `error` here. Writes nothing.
+    A single process has no one to tell."""
+    if dist.is_available() and dist.is_initialized():
+        reject(group, stats, _error_device(model_weights, group))
     raise error
 
 
 def _error_device(model_weights, group) -> torch.device:
     """Where the all-reduce buffer must live: the weights' device, or the GPU an NCCL group needs."""
-    for w in model_weights:
+    for w in model_weights if isinstance(model_weights, (list, tuple)) else ():
         t = getattr(w, "rowwise_data", w)
         if isinstance(t, torch.Tensor):
             if t.device.type == "cpu" and rank_and_size(group)[1] > 1 and dist_backend(group) == "nccl":

@@ -5,19 +5,20 @@ A ZeRO-style cast of fp32 master shards into NVFP4 bytes runs the same stages wh
 
     partial_amax     local tensor + tile amaxes of every weight           one launch per group
     exchange         ONE MAX all-reduce of the entries other ranks complete (which ones is the caller's choice),
-                     then one scalar read: all finite, and no rank flagged an error?
+                     then one scalar read: all finite?
     scales           the caller's scale stage (fused_scale: every scale; owner_scales: the tiles this rank owns)
     partial_cast     the owned nibbles into the weights' bytes (or the caller's byte fragments)
 
 The three public casts differ only in what crosses ranks and where scales go, so they are thin adapters over
-`CastCore`: TransformerEngine's signature (`cast.py`: every tile amax plus one error flag per rank, fused_scale),
+`CastCore`: TransformerEngine's signature (`cast.py`: every tile amax, fused_scale; its calls first check that
+the ranks agree, `cast_agreement.py`),
 `Zero1Optimizer` (`sharded_cast.py`: tensor amaxes and the tiles cut by rank boundaries, owner_scales) and
 FSDP2 (`fp4_dist.fsdp.precompute`: tensor amaxes only, owner_scales over whole 16-row bands).
 
 Weights are grouped by (model dtype, numerics) because a stage launch takes one of each. All groups share one
 amax buffer, and so one all-reduce::
 
-    [group 0: n0 tensor amaxes | its tiles][group 1: ...] ... [one error flag per rank, if any]
+    [group 0: n0 tensor amaxes | its tiles][group 1: ...] ...
 """
 
 from __future__ import annotations
@@ -122,18 +123,16 @@ class CastCore:
         bind_scales: the caller's scale stage, bound per group (`ScaleBinder`).
         names: per weight its name in errors.
         exchanged: positions in the amax buffer that cross ranks (the others are complete locally); None: the
-            whole buffer, error flags included.
-        error_slots: one flag per rank of the group `exchange` runs on, for callers whose ranks may reject
-            their inputs (they still join the all-reduce, so no rank hangs).
+            whole buffer.
         device: where the amax buffer lives.
     """
 
     def __init__(self, plan: CastPlan, shards: Sequence[Optional[torch.Tensor]], starts: Sequence[int],
                  fragments: Sequence[Optional[torch.Tensor]], bind_scales: ScaleBinder, *, names: Sequence[str],
-                 exchanged: Optional[Sequence[int]] = None, error_slots: int = 0, device) -> None:  # fmt: skip
-        self.plan, self.names, self.error_slots = plan, list(names), error_slots
-        self.amaxes = torch.zeros(plan.amax_numel + error_slots, dtype=torch.float32, device=device)
-        self._whole = whole_weight_index(plan, error_slots, device)
+                 exchanged: Optional[Sequence[int]] = None, device) -> None:  # fmt: skip
+        self.plan, self.names = plan, list(names)
+        self.amaxes = torch.zeros(plan.amax_numel, dtype=torch.float32, device=device)
+        self._whole = torch.tensor(plan.tensor_amax_entries(), dtype=torch.int64, device=device)
         if exchanged is None:
             self._index, self.message = None, self.amaxes
         else:
@@ -161,17 +160,18 @@ class CastCore:
     # ------------------------------------------------------------------------------------------- a cast
     def local_amaxes(self) -> None:
         """partial_amax of every weight into the local amax buffer (one launch per group)."""
-        if self.error_slots:
-            self.amaxes[self.plan.amax_numel:].zero_()
         for amax, _, _ in self._runs:
             amax()
 
     def exchange(self, group=None, stats: Optional[CommStats] = None, amax_group=None, *,
-                 local: bool = False) -> None:  # fmt: skip
+                 local: bool = False, defer_check: bool = False) -> Optional[torch.Tensor]:  # fmt: skip
         """The MAX all-reduce of the exchanged entries over `group` (none with `local`), of the tensor amaxes
-        and error flags over `amax_group` too (tensor parallelism: slices of one weight), then the one scalar
-        read: raises on every rank, before any byte is written, if a rank flagged an error or a value is not
-        finite."""
+        over `amax_group` too (tensor parallelism: slices of one weight), then the one scalar read: raises on
+        every rank, before any byte is written, if a value is not finite.
+
+        `defer_check`: return the verdict as a device bool (True: all good) instead of reading it, for a caller
+        that reads it with its own next read (`Zero1Optimizer` checks gradients before the step, so a
+        non-finite master here can only come from its inner optimizer); `raise_for` then gives the error."""
         if self._index is not None:
             torch.index_select(self.amaxes, 0, self._index, out=self.message)
         if not local:
@@ -183,15 +183,16 @@ class CastCore:
             verdicts = [torch.isfinite(self.message).all()]
         else:  # a tile amax holds nothing its tensor amax does not: check the tensor amaxes, in place
             verdicts = [torch.isfinite(g.tensor_amaxes(self.amaxes)).all() for g in self.plan.groups]
-        if self.error_slots:
-            verdicts.append((self.amaxes[self.plan.amax_numel:] == 0).all())
         if not verdicts:
-            return
+            return None
         ok = verdicts[0]
         for v in verdicts[1:]:
             ok = ok & v
+        if defer_check:
+            return ok
         if not bool(ok.item()):  # the only device-to-host read of a successful cast
             self._raise()
+        return None
 
     def scales(self) -> None:
         for _, scale, _ in self._runs:
@@ -202,24 +203,17 @@ class CastCore:
         for _, _, cast in self._runs:
             cast()
 
-    def _raise(self) -> None:
+    def raise_for(self, where: str = " on some rank") -> None:
+        """Raise the error of the last `exchange` (named as there) after a deferred verdict came back false."""
+        self._raise(where)
+
+    def _raise(self, where: str = " on some rank") -> None:
         """The error path may read more: it is about to raise anyway."""
-        if self.error_slots:
-            bad_ranks = self.amaxes[self.plan.amax_numel:].nonzero().flatten().tolist()
-            if bad_ranks:
-                raise RuntimeError(f"rank(s) {bad_ranks} rejected their master shards (see the error on those "
-                                   "ranks); no weight, scale or amax was written on any rank")
         for g in self.plan.groups:
             for i, a in zip(g.indices, g.tensor_amaxes(self.amaxes).tolist()):
                 if a != a or a in (float("inf"), float("-inf")):
-                    raise checks.non_finite_error(self.names[i], " on some rank")
+                    raise checks.non_finite_error(self.names[i], where)
         raise checks.non_finite_error("a master shard", " on another rank")
-
-
-def whole_weight_index(plan: CastPlan, error_slots: int, device) -> torch.Tensor:
-    """Entries a tensor-parallel group also reduces: every tensor amax and the error flags."""
-    entries = plan.tensor_amax_entries() + list(range(plan.amax_numel, plan.amax_numel + error_slots))
-    return torch.tensor(entries, dtype=torch.int64, device=device)
 
 
 def reduce_whole_weights(buf: torch.Tensor, index: torch.Tensor, amax_group, stats) -> None:
@@ -229,16 +223,6 @@ def reduce_whole_weights(buf: torch.Tensor, index: torch.Tensor, amax_group, sta
     whole = buf.index_select(0, index)
     all_reduce_max_(whole, amax_group, stats)
     buf.index_copy_(0, index, whole)
-
-
-def join_with_error(plan: CastPlan, group, stats, amax_group, device) -> None:
-    """Enter the collectives a `CastCore` with one error slot per rank runs, contributing zeros and this rank's
-    flag (the other ranks then raise naming it). Writes nothing."""
-    rank, size = rank_and_size(group)
-    buf = torch.zeros(plan.amax_numel + size, dtype=torch.float32, device=device)
-    buf[plan.amax_numel + rank] = 1.0
-    all_reduce_max_(buf, group, stats)
-    reduce_whole_weights(buf, whole_weight_index(plan, size, device), amax_group, stats)
 
 
 class Bindings:

@@ -49,7 +49,11 @@ def rank_and_size(group=None) -> Tuple[int, int]:
             raise ValueError("a process group was passed but torch.distributed is not initialised; "
                              "call fp4_dist.launch.init_distributed() (or dist.init_process_group) first")
         return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the process group it "
+                         "passed; pass the data-parallel group this rank belongs to")
+    return rank, dist.get_world_size(group)
 
 
 def dist_backend(group=None) -> Optional[str]:

@@ -1,0 +1,176 @@
+"""One case of ranks that disagree, or of Zero1Optimizer's gradient semantics, on 2 gloo ranks (torchrun).
+
+    torchrun --nproc-per-node 2 tests/distributed/agreement_cases.py CASE
+
+Each rank prints one line ``RESULT <rank> <outcome>`` (what it raised, or OK) that the test reads; no pytest here.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fp4_dist
+from fp4_dist.launch import init_distributed, shutdown
+from fp4_dist.optim import RankMismatchError, Zero1Config, Zero1Optimizer
+
+SHAPES = [(48, 80), (33, 112), (64, 48)]
+
+
+def weights_and_masters(rank: int, size: int, shapes=SHAPES, numerics="te"):
+    weights, masters, starts = [], [], []
+    for i, (m, k) in enumerate(shapes):
+        full = torch.randn(m * k, generator=torch.Generator().manual_seed(i))
+        weights.append(fp4_dist.quantize(full.view(m, k), numerics=numerics))
+        per = (m * k // size) & ~1
+        lo, hi = rank * per, (m * k if rank == size - 1 else (rank + 1) * per)
+        masters.append(full[lo:hi].clone())
+        starts.append(lo)
+    return weights, masters, starts
+
+
+def cast(rank, size, weights, masters, starts, group=None):
+    fp4_dist.cast_master_weights_to_nvfp4(weights, masters, starts, group=group)
+
+
+def case_fewer_weights(rank, size):
+    w, m, s = weights_and_masters(rank, size)
+    n = 2 if rank == 1 else 3
+    cast(rank, size, w[:n], m[:n], s[:n])
+
+
+def case_overlapping_shards(rank, size):
+    w, m, s = weights_and_masters(rank, size)
+    m[1] = torch.randn(33 * 112 // 2 + 2, generator=torch.Generator().manual_seed(5))  # both claim [0, n/2 + 2)
+    s[1] = 0
+    cast(rank, size, w, m, s)
+
+
+def case_other_shape_same_numel(rank, size):
+    shapes = [(80, 48) if rank == 1 else (48, 80), *SHAPES[1:]]
+    cast(rank, size, *weights_and_masters(rank, size, shapes))
+
+
+def case_other_numerics(rank, size):
+    cast(rank, size, *weights_and_masters(rank, size, numerics="te-2.14" if rank == 1 else "te"))
+
+
+def case_groups_of_one(rank, size):
+    groups = [dist.new_group([r]) for r in range(size)]
+    cast(rank, size, *weights_and_masters(rank, size), group=groups[rank])
+
+
+def case_group_without_this_rank(rank, size):
+    only_rank_0 = dist.new_group([0])
+    cast(rank, size, *weights_and_masters(rank, size), group=only_rank_0)
+
+
+def model(extra: bool = False):
+    torch.manual_seed(0)
+    layers = [nn.Linear(32, 48), nn.Linear(48, 32)] + ([nn.Linear(32, 32)] if extra else [])
+    net = nn.Sequential(*layers).to(torch.bfloat16)
+    fp4_dist.convert_linear_weights(net)
+    return net
+
+
+def adamw(groups):
+    return torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1)
+
+
+def case_zero1_other_parameters(rank, size):
+    Zero1Optimizer(model(extra=rank == 1).named_parameters(), adamw)
+
+
+def _snapshot(opt):
+    return [t.clone() for t in opt.full_masters()] + [
+        v.clone() for st in opt.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+
+
+def _bits_equal(a, b):
+    return all(torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)) for x, y in zip(a, b))
+
+
+def _loss(net, rank, step):
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(100 * step + rank)).to(torch.bfloat16)
+    return net(x).float().square().mean()
+
+
+def case_zero1_nan_on_one_rank(rank, size):
+    net = model()
+    opt = Zero1Optimizer(net.named_parameters(), adamw)
+    _loss(net, rank, 0).backward()
+    opt.step()
+    opt.zero_grad()
+    before = _snapshot(opt)
+    _loss(net, rank, 1).backward()
+    if rank == 1:
+        net[1].weight.grad[0, 0] = float("nan")
+    try:
+        opt.step()
+    except ValueError as e:
+        intact = _bits_equal(_snapshot(opt), before)
+        raise ValueError(f"{e} [state intact: {intact}]") from None
+
+
+def case_zero1_skip_continues(rank, size):
+    net = model()
+    opt = Zero1Optimizer(net.named_parameters(), adamw, config=Zero1Config(nonfinite_grads="skip"))
+    for step in range(3):
+        _loss(net, rank, step).backward()
+        if step == 1 and rank == 0:
+            net[0].bias.grad[3] = float("inf")
+        before = _snapshot(opt)
+        opt.step()
+        opt.zero_grad()
+        if (step == 1) != _bits_equal(_snapshot(opt), before):
+            raise AssertionError(f"step {step}: skipped={step == 1} but the state {'did not change' if step != 1 else 'changed'}")
+    if opt.skipped_steps != 1:
+        raise AssertionError(f"skipped_steps = {opt.skipped_steps}")
+
+
+def case_zero1_gradient_on_one_rank_only(rank, size):
+    net = model(extra=True)
+    opt = Zero1Optimizer(net.named_parameters(), adamw)
+    before = [t.clone() for t in opt.full_masters()]
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
+    y = net[1](net[0](x))
+    if rank == 1:  # the third layer gets a gradient on rank 1 only: every rank must step it
+        y = net[2](y)
+    y.float().square().mean().backward()
+    opt.step()
+    after = opt.full_masters()
+    changed = [not torch.equal(a, b) for a, b in zip(after, before)]
+    if not all(changed):
+        raise AssertionError(f"parameters not stepped: {[i for i, c in enumerate(changed) if not c]}")
+    opt.zero_grad()
+    net[2].weight.requires_grad_(False)
+    frozen = opt.full_masters()[4].clone()
+    net[2](net[1](net[0](x))).float().square().mean().backward()
+    opt.step()
+    if not torch.equal(opt.full_masters()[4], frozen):
+        raise AssertionError("a frozen weight changed")
+
+
+def main() -> None:
+    info = init_distributed("gloo")
+    case = sys.argv[1]
+    try:
+        globals()[f"case_{case}"](info.rank, info.world_size)
+        outcome = "OK"
+    except RankMismatchError as e:
+        outcome = f"RankMismatchError {e}"
+    except (ValueError, RuntimeError) as e:
+        outcome = f"{type(e).__name__} {e}"
+    sys.stdout.write(f"RESULT {info.rank} {outcome}\n".replace("\n", " ").rstrip() + "\n")
+    sys.stdout.flush()
+    try:
+        shutdown()
+    except Exception:  # noqa: BLE001 - a broken group after a size-mismatched collective
+        pass
+
+
+if __name__ == "__main__":
+    main()

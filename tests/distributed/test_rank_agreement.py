@@ -1,0 +1,60 @@
+"""Ranks that disagree get fp4_dist's error on every rank within seconds (not gloo's abort, not a hang), and
+Zero1Optimizer's gradient semantics hold across ranks: 2 gloo ranks per case, each case its own job."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).with_name("agreement_cases.py")
+TIMEOUT_S = 30
+
+
+def run_case(case: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(SCRIPT), case]
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            _, rank, outcome = line.split(" ", 2)
+            results[int(rank)] = outcome
+    assert sorted(results) == [0, 1], f"not every rank reported:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return results
+
+
+@pytest.mark.parametrize("case, says", [
+    ("fewer_weights", "different numbers of weights"),
+    ("overlapping_shards", "do not cover each weight exactly once"),
+    ("other_shape_same_numel", "different weights"),
+    ("other_numerics", "different weights"),
+    ("groups_of_one", "do not cover each weight exactly once"),
+    ("zero1_other_parameters", "rank 1 differs from rank 0 in number of parameters: 4 on rank 0, 6 on rank 1"),
+])  # fmt: skip
+def test_a_structural_mismatch_raises_our_error_on_every_rank(case, says):
+    results = run_case(case)
+    for rank, outcome in results.items():
+        assert outcome.startswith("RankMismatchError") and says in outcome, f"rank {rank}: {outcome}"
+
+
+def test_a_group_without_this_rank_is_named_as_such():
+    results = run_case("group_without_this_rank")
+    assert results[1].startswith("ValueError") and "not a member of the process group" in results[1], results[1]
+    assert results[0].startswith("RankMismatchError") and "do not cover each weight exactly once" in results[0]
+
+
+def test_a_nan_gradient_on_one_rank_raises_on_every_rank_and_leaves_the_state_intact():
+    for rank, outcome in run_case("zero1_nan_on_one_rank").items():
+        assert outcome.startswith("ValueError") and "gradients of 1.weight hold inf or NaN" in outcome, outcome
+        assert outcome.endswith("[state intact: True]"), f"rank {rank}: {outcome}"
+
+
+@pytest.mark.parametrize("case", ["zero1_skip_continues", "zero1_gradient_on_one_rank_only"])
+def test_zero1_gradient_semantics_across_ranks(case):
+    for rank, outcome in run_case(case).items():
+        assert outcome == "OK", f"rank {rank}: {outcome}"
