@@ -100,7 +100,7 @@ def variants(m: int, k: int, tokens: int):
         bf16.weight.copy_(w32)
     layer = torch.nn.Linear(k, m, bias=False, device=DEV, dtype=torch.bfloat16)
     layer.weight = torch.nn.Parameter(w32.clone())
-    fp4_dist.convert_linear_weights(layer)
+    fp4_dist.convert_linear_weights(layer, dtype=torch.bfloat16)
     assert type(layer) is fp4_dist.NVFP4Linear
     q = torch.nn.Parameter(fp4_dist.quantize(w32))
     per_use = torch.nn.Parameter(fp4_dist.quantize(w32))

@@ -93,7 +93,7 @@ def te_cast(rank: int, size: int):
 
 def zero1(rank: int, size: int):
     net = model()
-    fp4_dist.convert_linear_weights(net)
+    fp4_dist.convert_linear_weights(net, dtype=torch.bfloat16)
     opt = Zero1Optimizer(net.parameters(), lambda g: torch.optim.AdamW(g, lr=1e-3),
                          config=Zero1Config(bucket_numel=6000))  # fmt: skip
     gen = torch.Generator().manual_seed(rank)

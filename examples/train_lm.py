@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     cfg = TinyLMConfig(vocab=len(vocab), dim=args.dim, hidden=args.hidden, heads=args.heads, layers=args.layers,
                        seq=args.seq)
     model, init = build_model(cfg, seed=args.seed, device=info.device)
-    fp4_dist.convert_linear_weights(model)
+    fp4_dist.convert_linear_weights(model, dtype=torch.bfloat16)
     names = [n for n, _ in model.named_parameters()]
     stats = CommStats()
     opt = Zero1Optimizer(model.parameters(), lambda groups: torch.optim.AdamW(groups, lr=args.lr, weight_decay=0.0),

@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import kernels
+from ._user import user_stacklevel
 
 
 class ComputeCopy:
@@ -44,12 +45,16 @@ class ComputeCopy:
         pending: set by a cast, cleared by a refresh: the bytes are between a cast and their all-gather.
     """
 
-    __slots__ = ("enabled", "value", "pending", "epoch", "views", "aliases", "sources", "stamp", "pending_uses")
+    __slots__ = ("enabled", "value", "pending", "auto_refresh", "epoch", "views", "aliases", "sources", "stamp",
+                 "pending_uses")
 
     def __init__(self, enabled: bool = True):
         self.enabled = bool(enabled)
         self.value: Optional[torch.Tensor] = None
         self.pending = False
+        self.auto_refresh = False
+        """Set with `pending` by a cast whose caller does no post-all-gather processing (TransformerEngine's
+        ``manual_post_all_gather_processing=False``): the first use refreshes the copy, once."""
         self.epoch = 0
         """Bumped whenever a rowwise field of the weight, the value or `enabled` is replaced: bound refreshes
         compare epochs (one int per weight) instead of every tensor they hold."""
@@ -80,7 +85,7 @@ class ComputeCopy:
         """`value` was just made from `w`'s fields."""
         self.sources = (w.rowwise_data, w.rowwise_scale_inv, w.amax)
         self.stamp = _versions(w, self.value)
-        self.pending = False
+        self.pending = self.auto_refresh = False
         self.pending_uses = 0
 
     def drop(self) -> None:
@@ -109,7 +114,7 @@ class ComputeCopy:
                 "each use dequantizes it afresh. After all-gathering the cast bytes, call "
                 "fp4_dist.post_all_gather_processing(weights) (TransformerEngine's contract) so that one launch "
                 "refreshes the compute copies",
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
 
 
@@ -148,7 +153,7 @@ def refresh_compute_copies(weights: Sequence) -> None:
         if not _has_copy(w):
             continue
         cc = w.copy_state
-        cc.pending = False
+        cc.pending = cc.auto_refresh = False
         if cc.enabled:
             todo.append(w)
     if not todo:
@@ -204,7 +209,7 @@ class BoundRefresh:
 
     def __call__(self) -> None:
         for cc in self._ccs:
-            cc.pending = False
+            cc.pending = cc.auto_refresh = False
         if [cc.epoch for cc in self._ccs] != self._epochs:  # something was replaced: check what, bind again
             todo = [w for w, cc in zip(self.weights, self._ccs) if cc.enabled]
             if len(todo) != len(self._todo) or not all(map(operator.is_, _fields(todo), self._bound)):
@@ -215,10 +220,12 @@ class BoundRefresh:
             _mark_refreshed(self._todo, self._bound, self._counted)
 
 
-def mark_pending(weights: Sequence) -> None:
-    """The bytes of `weights` are being rewritten (a cast): uses dequantize afresh until the next refresh."""
+def mark_pending(weights: Sequence, *, auto_refresh: bool = False) -> None:
+    """The bytes of `weights` are being rewritten (a cast): uses dequantize afresh until the next refresh, or,
+    with `auto_refresh`, the first use refreshes the copy (after the caller's gather)."""
     for w in weights:
-        w.copy_state.pending = True
+        cc = w.copy_state
+        cc.pending, cc.auto_refresh = True, auto_refresh
 
 
 def compute_copy_bytes(weights) -> int:

@@ -76,6 +76,8 @@ class ComputeView:
     def _make(self, w: NVFP4Tensor, grad: bool) -> torch.Tensor:
         self.clear()
         cc = w.copy_state
+        if cc.pending and cc.auto_refresh and cc.enabled:
+            refresh_compute_copies([w])  # the first use after a cast whose caller does no post-processing
         if not cc.enabled or cc.pending or torch.is_inference_mode_enabled():
             return w
         if not cc.fresh_for(w):

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 from torch import nn
 
 from .compute_view import NVFP4Linear
-from .format import TILE
+from .format import MODEL_DTYPES, TILE
 from .quantize import quantize
+from .tensor import is_nvfp4_tensor
 
 
 @dataclass
@@ -19,10 +21,14 @@ class ConversionReport:
 
     converted: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    tied: dict[str, list[str]] = field(default_factory=dict)
+    """Converted weights that other modules share (``{linear: [other owners]}``): every owner holds the one NVFP4
+    parameter, so the tie survives (an embedding tied to the output head reads the NVFP4 values too)."""
 
     def __str__(self) -> str:
         lines = [f"NVFP4 weights: {len(self.converted)} converted, {len(self.skipped)} kept in high precision"]
         lines += [f"  kept {name}: {why}" for name, why in self.skipped.items()]
+        lines += [f"  tied {name}.weight with {', '.join(others)}" for name, others in self.tied.items()]
         return "\n".join(lines)
 
 
@@ -30,7 +36,7 @@ def convert_linear_weights(
     model: nn.Module,
     *,
     numerics: str = "te",
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: Optional[torch.dtype] = None,
     skip: tuple[str, ...] = (),
     compute_copy: bool = True,
     verbose: bool = False,
@@ -40,30 +46,45 @@ def convert_linear_weights(
     A converted layer whose class is nn.Linear itself becomes an `NVFP4Linear` (an nn.Linear whose forward
     computes with a cached plain alias of the weight's compute copy, `fp4_dist.compute_view`: the host cost of a
     bf16 forward); subclasses keep their class and forward and compute through the weight's dispatch, with the
-    same values.
+    same values. A weight shared by several modules (tied embeddings) becomes one NVFP4 parameter that every owner
+    holds. Weights that are NVFP4 already are left as they are, so a second call changes nothing.
 
     Args:
         model: any module; its nn.Linear children are converted where eligible.
         numerics: block-scale formula ("te" or "te-2.14").
-        dtype: model dtype the NVFP4 weights report (their compute dtype), bf16 by default.
+        dtype: model dtype the NVFP4 weights report (their compute dtype); None: each linear's own dtype (bf16,
+            fp16 or fp32).
         skip: module names (as in `named_modules`) to leave in high precision, e.g. the output head.
-        compute_copy: keep each weight's values in ``dtype`` between updates, so forward and backward use them
-            without dequantizing (2 bytes per element); False dequantizes on every use instead
-            (`NVFP4Tensor.compute_copy`, settable per weight later).
+        compute_copy: keep each weight's values in the compute dtype between updates, so forward and backward use
+            them without dequantizing; False dequantizes on every use instead (`NVFP4Tensor.compute_copy`,
+            settable per weight later).
         verbose: print the report.
     Returns:
-        ConversionReport naming converted and skipped weights (with the reason).
+        ConversionReport naming converted, skipped (with the reason) and tied weights.
+    Raises:
+        TypeError if `model` is not an nn.Module; ValueError if it is sharded already, or if `dtype` is not one
+        NVFP4 weights compute in.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"convert_linear_weights: model must be an nn.Module, got {type(model).__name__}")
+    if dtype is not None and dtype not in MODEL_DTYPES:
+        raise ValueError(f"convert_linear_weights: dtype must be None (each linear's own) or one of {MODEL_DTYPES}, "
+                         f"got {dtype}")
     if any(type(p).__name__ == "DTensor" for p in model.parameters()):
         raise ValueError(
             "convert_linear_weights: this model is already sharded (its parameters are DTensors, e.g. by torch's "
             "fully_shard); convert the unsharded model, or shard it with fp4_dist.fsdp.fully_shard_nvfp4, which "
             "converts the linear weights itself")
-    report = ConversionReport()
+    owners = _weight_owners(model)
+    report, done = ConversionReport(), {}
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
         w = module.weight
+        if id(w) in done:  # tied to a linear converted above: it holds the same NVFP4 parameter already
+            continue
+        if is_nvfp4_tensor(w):
+            continue
         if name in skip:
             report.skipped[name] = "listed in skip"
         elif w.shape[1] % TILE:
@@ -71,9 +92,17 @@ def convert_linear_weights(
         elif not torch.isfinite(w).all():
             report.skipped[name] = "weight holds non-finite values"
         else:
-            q = quantize(w.detach(), numerics=numerics, dtype=dtype, name=f"{name}.weight")
+            model_dtype = dtype or (w.dtype if w.dtype in MODEL_DTYPES else torch.bfloat16)
+            q = quantize(w.detach(), numerics=numerics, dtype=model_dtype, name=f"{name}.weight")
             q.compute_copy = compute_copy
-            module.weight = nn.Parameter(q, requires_grad=w.requires_grad)
+            new = nn.Parameter(q, requires_grad=w.requires_grad)
+            new.fp4_dist_name = f"{name}.weight"
+            others = [o for o in owners[id(w)] if o[0] is not module]
+            for owner, attr, _ in [(module, "weight", name), *others]:
+                setattr(owner, attr, new)
+            if others:
+                report.tied[name] = [f"{qual}.{attr}" if qual else attr for _, attr, qual in others]
+            done[id(w)] = new
             if type(module) is nn.Linear:  # its forward is F.linear: computing with the cached view is the same
                 module.__class__ = NVFP4Linear
             # An optimizer built before this call still holds `w`, which no longer gets gradients: let it say so.
@@ -84,3 +113,14 @@ def convert_linear_weights(
     if verbose:
         print(report)
     return report
+
+
+def _weight_owners(model: nn.Module) -> dict:
+    """{id(parameter): [(module, attribute, module name)]} over every module, shared parameters included."""
+    owners: dict = {}
+    for qual, module in model.named_modules(remove_duplicate=False):
+        for attr, p in module.named_parameters(recurse=False, remove_duplicate=False):
+            entry = (module, attr, qual)
+            if not any(e[0] is module and e[1] == attr for e in owners.setdefault(id(p), [])):
+                owners[id(p)].append(entry)
+    return owners

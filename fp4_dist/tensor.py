@@ -185,7 +185,7 @@ class NVFP4Tensor(torch.Tensor):
             return cc.value
         if not cc.enabled:
             return self.dequantize(self.dtype)
-        if cc.pending:
+        if cc.pending and not cc.auto_refresh:
             cc.note_pending_use(self)
             return self.dequantize(self.dtype)
         refresh_compute_copies([self])

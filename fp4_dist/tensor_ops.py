@@ -32,8 +32,10 @@ def compute(func, args, kwargs):
 
 def refuse(func, args, kwargs):
     raise NotImplementedError(
-        f"{func} would mutate the packed bytes of an NVFP4Tensor in place; update the fp32 master and "
-        "re-quantize with `weight.quantize_(master)` (or copy_ a high-precision tensor into it)"
+        f"{func} would mutate the packed bytes of an NVFP4Tensor in place. NVFP4 weights train through fp32 "
+        "masters: use fp4_dist.optim.Zero1Optimizer (wraps any torch.optim optimizer), fp4_dist.fsdp."
+        "fully_shard_nvfp4, or keep masters yourself and re-quantize with `weight.quantize_(master)` (or copy_ a "
+        "high-precision tensor into it)"
     )
 
 

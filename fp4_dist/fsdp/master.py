@@ -136,8 +136,9 @@ class NVFP4Master(torch.Tensor):
             if not state.cast_is_current(self._data):
                 raise RuntimeError(
                     f"fp4_dist.fsdp: the NVFP4 bytes of {state.fqn} are stale: its fp32 master changed since they "
-                    "were cast (outside an optimizer step and a forward of the model passed to fully_shard_nvfp4?). "
-                    "Call fp4_dist.fsdp.precompute_nvfp4(model) on every rank before this all-gather")
+                    "were cast (an optimizer step, a checkpoint load or another in-place write; the cast runs in "
+                    "the forward of the model passed to fully_shard_nvfp4). Before gathering outside a forward "
+                    "(module.unshard()), call fp4_dist.fsdp.precompute_nvfp4(model) on every rank")
             return wire.pack(state.packed, state.scales, state.amax, mesh.size())
         return wire.pack_rows(self._data.to(state.model_dtype), state.shape[0], mesh.size()), None
 

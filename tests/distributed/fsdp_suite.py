@@ -250,7 +250,7 @@ def suite_orderings(ctx, world, rank) -> None:
     # convert_linear_weights first: the masters start from the NVFP4 values
     torch.manual_seed(1)
     model = Net()
-    fp4_dist.convert_linear_weights(model)
+    fp4_dist.convert_linear_weights(model, dtype=torch.bfloat16)
     before = {n: p.dequantize(torch.float32) for n, p in model.named_parameters()
               if isinstance(p, fp4_dist.NVFP4Tensor)}  # fmt: skip
     with warnings.catch_warnings():
@@ -264,7 +264,7 @@ def suite_orderings(ctx, world, rank) -> None:
     # torch's fully_shard on NVFP4Tensor weights: refused, naming the remedy
     torch.manual_seed(1)
     model = Net()
-    fp4_dist.convert_linear_weights(model)
+    fp4_dist.convert_linear_weights(model, dtype=torch.bfloat16)
     try:
         fully_shard(model)
         ctx.check(False, "torch fully_shard accepted NVFP4Tensor weights (they would be gathered as bf16)")
@@ -275,7 +275,7 @@ def suite_orderings(ctx, world, rank) -> None:
     model = Net()
     fully_shard(model)
     try:
-        fp4_dist.convert_linear_weights(model)
+        fp4_dist.convert_linear_weights(model, dtype=torch.bfloat16)
         ctx.check(False, "convert_linear_weights accepted FSDP2-sharded weights")
     except ValueError as e:
         ctx.check("fully_shard_nvfp4" in str(e), f"convert after fully_shard: unclear error {e!r}")

@@ -37,7 +37,7 @@ def build(seed: int, bucket_numel: int):
                           nn.Linear(64, 40))  # fmt: skip
     init = [p.detach().clone() for p in model.parameters()]
     model.to(torch.bfloat16)
-    fp4_dist.convert_linear_weights(model)
+    fp4_dist.convert_linear_weights(model, dtype=torch.bfloat16)
     opt = Zero1Optimizer(model.parameters(), lambda g: torch.optim.Adam(g, lr=1e-2, foreach=False),
                          master_init=init, config=Zero1Config(bucket_numel=bucket_numel))  # fmt: skip
     return model, opt

@@ -128,7 +128,8 @@ def test_between_cast_and_gather_every_use_dequantizes_afresh_and_says_so():
         warnings.simplefilter("always")
         for _ in range(3):
             assert_uses_current_bytes(lin, "pending")
-    assert any("post_all_gather_processing" in str(c.message) for c in caught)
+    said = [c for c in caught if "post_all_gather_processing" in str(c.message)]
+    assert said and said[0].filename == __file__, "the warning points at the user's line"
     # The "gather" writes through the buffer, which the weight's own version counter does not see.
     buffer[M * K // 4:] = fp4_dist.quantize(master.to(torch.bfloat16)).rowwise_data.view(-1)[M * K // 4:]
     assert_uses_current_bytes(lin, "after the gather, still pending")
@@ -151,7 +152,7 @@ def test_set_rowwise_storage_keeps_the_bytes_and_gets_its_own_version_counter():
 def test_zero1_step_refreshes_every_copy_with_one_bulk_refresh():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(48, 80), nn.GELU(), nn.Linear(80, 48, bias=False)).to(torch.bfloat16)
-    fp4_dist.convert_linear_weights(model)
+    fp4_dist.convert_linear_weights(model, dtype=torch.bfloat16)
     opt = Zero1Optimizer(model.parameters(), lambda g: torch.optim.SGD(g, lr=0.5), config=Zero1Config())
     x = torch.randn(4, 48).to(torch.bfloat16)
     for step in range(3):
@@ -251,3 +252,24 @@ def test_pickled_weight_keeps_its_compute_copy_setting():
     loaded = torch.load(buf, weights_only=True)
     assert loaded.compute_copy is False
     assert_bytes_equal(loaded.dequantize(), lin.weight.dequantize(), "values after a round trip")
+
+
+def test_tes_manual_false_refreshes_the_copy_at_the_first_use_after_the_cast_once(monkeypatch):
+    import fp4_dist.compute_view
+    import fp4_dist.tensor
+
+    refreshes = []
+    for module in (fp4_dist.compute_view, fp4_dist.tensor):
+        real = module.refresh_compute_copies
+        monkeypatch.setattr(module, "refresh_compute_copies", lambda ws, real=real: (refreshes.append(1), real(ws)))
+    lin = nvfp4_linear()
+    lin(x_in())
+    master = other_values()
+    cast_master_weights_to_nvfp4([lin.weight], [master.view(-1)], [0], manual_post_all_gather_processing=False)
+    refreshes.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "used N times between a cast and post_all_gather_processing"
+        for _ in range(4):
+            assert_uses_current_bytes(lin, "manual=False")
+    assert len(refreshes) == 1, f"{len(refreshes)} refreshes for 4 uses after one cast"
+    assert not lin.weight.copy_state.pending and lin.weight.columnwise_data is None

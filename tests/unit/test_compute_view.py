@@ -51,7 +51,7 @@ def test_convert_makes_plain_linears_nvfp4_linears_and_leaves_subclasses_alone()
 
     model = nn.Sequential(nn.Linear(K, M), MyLinear(K, M), nn.Linear(M, 24))  # in_features 40: stays bf16
     with pytest.warns(UserWarning, match="kept 2: in_features = 40"):
-        fp4_dist.convert_linear_weights(model)
+        fp4_dist.convert_linear_weights(model, dtype=torch.bfloat16)
     assert type(model[0]) is NVFP4Linear and isinstance(model[0], nn.Linear)
     assert type(model[1]) is MyLinear
     assert type(model[2]) is nn.Linear

@@ -221,3 +221,51 @@ def test_default_weights_only_torch_load_restores_an_nvfp4_tensor():
 def test_nvfp4_tensor_refuses_a_model_dtype_it_cannot_compute_in(dtype):
     with pytest.raises(TypeError, match="model dtype"):
         fp4_dist.NVFP4Tensor.empty((16, 16), dtype=dtype)
+
+
+class TiedLM(nn.Module):
+    """An embedding tied to the output head (as in GPT-2 and Llama), with a linear between."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.mid = nn.Linear(32, 32, bias=False)
+        self.head = nn.Linear(32, 64, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.relu(self.mid(self.emb(ids))))
+
+
+def test_tied_weights_stay_one_nvfp4_parameter_and_train_as_the_untied_reference():
+    torch.manual_seed(0)
+    model = TiedLM().to(torch.bfloat16)
+    ref = TiedLM().to(torch.bfloat16)
+    ref.load_state_dict(model.state_dict())
+    report = fp4_dist.convert_linear_weights(model)
+    assert report.tied == {"head": ["emb.weight"]} and len(list(model.parameters())) == 2
+    assert model.emb.weight is model.head.weight and isinstance(model.emb.weight, fp4_dist.NVFP4Tensor)
+    # the reference: the same tied weight, its values replaced by the NVFP4 weights' dequantized values
+    with torch.no_grad():
+        ref.emb.weight.copy_(model.emb.weight.dequantize(torch.bfloat16))
+        ref.mid.weight.copy_(model.mid.weight.dequantize(torch.bfloat16))
+    ids = torch.randint(0, 64, (4, 8))
+    out, want = model(ids), ref(ids)
+    assert_bytes_equal(out, want, "logits")
+    out.float().square().mean().backward()
+    want.float().square().mean().backward()
+    assert_bytes_equal(model.head.weight.grad, ref.head.weight.grad, "tied gradient (embedding + head)")
+    assert_bytes_equal(model.mid.weight.grad, ref.mid.weight.grad, "linear gradient")
+
+
+def test_a_second_conversion_changes_nothing_and_the_dtype_follows_each_linear():
+    model = nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 16).to(torch.bfloat16))
+    first = fp4_dist.convert_linear_weights(model)
+    weights = [m.weight for m in model]
+    assert [w.dtype for w in weights] == [torch.float32, torch.bfloat16]
+    second = fp4_dist.convert_linear_weights(model)
+    assert first.converted == ["0", "1"] and second.converted == [] and not second.skipped
+    assert all(m.weight is w for m, w in zip(model, weights))
+    assert fp4_dist.convert_linear_weights(nn.Linear(32, 16), dtype=torch.float16).converted == [""]
+    with pytest.raises(TypeError, match="must be an nn.Module, got NoneType"):
+        fp4_dist.convert_linear_weights(None)

@@ -26,7 +26,7 @@ class MyLinear(nn.Linear):
 def _model(cls):
     torch.manual_seed(0)
     model = nn.Sequential(cls(64, 48, bias=False), nn.GELU(), cls(48, 32))
-    fp4_dist.convert_linear_weights(model)
+    fp4_dist.convert_linear_weights(model, dtype=torch.bfloat16)
     init = {}
     for i in (0, 2):
         w = model[i].weight

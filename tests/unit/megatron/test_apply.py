@@ -24,7 +24,7 @@ def test_float16module_and_device_moves_keep_megatron_attributes_and_the_init_va
     torch.manual_seed(0)
     inner = nn.Sequential(nn.Linear(32, 48, bias=False))
     init = inner[0].weight.detach().to(torch.bfloat16).clone()
-    fp4_dist.convert_linear_weights(inner)
+    fp4_dist.convert_linear_weights(inner, dtype=torch.bfloat16)
     w = inner[0].weight
     tensor_parallel.set_tensor_model_parallel_attributes(w, True, 0, 1)
     w.get_high_precision_init_val = lambda: init
