@@ -26,6 +26,7 @@ parameter (norms, biases, embeddings) is "dense": sharded the same way, gathered
 
 from __future__ import annotations
 
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Sequence
@@ -230,6 +231,20 @@ class Zero1Optimizer(torch.optim.Optimizer):
         except BaseException:
             saved.restore()
             raise
+
+    @property
+    def state(self) -> dict:
+        """The inner optimizer's per-parameter state, by model parameter (what tools that inspect
+        ``optimizer.state`` look at; torch's state-dict helpers step an optimizer whose state is empty)."""
+        inner = getattr(self, "optimizer", None)
+        if inner is None or not hasattr(self, "_master_pieces"):
+            return {}
+        return {self.params[i]: inner.state[piece] for i, piece in self._master_pieces.items()
+                if piece in inner.state}  # fmt: skip
+
+    @state.setter
+    def state(self, value) -> None:
+        """torch.optim.Optimizer.__init__ assigns an empty state; the state lives in the inner optimizer."""
 
     # --------------------------------------------------------------------------------------- construction
     def _build_sections(self) -> List[_Section]:
@@ -489,15 +504,18 @@ class Zero1Optimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """Masters, inner optimizer state and hyperparameters, sharded per parameter for
         ``torch.distributed.checkpoint`` (save at one world size, load at any; a collective when distributed).
-        See `fp4_dist.optim.zero1_state`."""
+        See `fp4_dist.optim.zero1_state`. The optimizer is Stateful: ``dcp.save({"optimizer": opt}, ...)`` and
+        ``dcp.load({"optimizer": opt}, ...)`` work as for a torch optimizer, a fresh one included."""
         from .zero1_state import sharded_state_dict
 
+        _refuse_torch_state_dict_api("get_state_dict")
         return sharded_state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a `state_dict` (after ``torch.distributed.checkpoint.load`` filled it), then cast and gather."""
         from .zero1_state import load_sharded_state_dict
 
+        _refuse_torch_state_dict_api("set_state_dict")
         load_sharded_state_dict(self, state_dict)
 
     def local_state_dict(self) -> dict:
@@ -516,6 +534,24 @@ class Zero1Optimizer(torch.optim.Optimizer):
         for outer, inner in zip(self.param_groups, self.optimizer.param_groups):
             outer.update({k: v for k, v in inner.items() if k != "params"})
         self._publish_params()
+
+
+def _refuse_torch_state_dict_api(name: str) -> None:
+    """torch.distributed.checkpoint.state_dict's get/set_state_dict reshape an optimizer's state assuming
+    torch's own layout (a list of param groups, state keyed by parameter) and fail inside torch on ours
+    (``TypeError: string indices must be integers``); say what to do instead, before that."""
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return
+        if frame.f_code.co_filename.replace("\\", "/").endswith("torch/distributed/checkpoint/state_dict.py"):
+            raise TypeError(
+                f"torch.distributed.checkpoint.state_dict.{name} does not support Zero1Optimizer: its state is "
+                "sharded per rank in a layout of its own. Pass the optimizer itself to DCP, which calls its "
+                "state_dict/load_state_dict: dcp.save({\"model\": get_model_state_dict(model), \"optimizer\": opt}, "
+                "checkpoint_id=path) and dcp.load({...same keys...}, checkpoint_id=path), then "
+                "set_model_state_dict(model, ...) for the model part")
+        frame = frame.f_back
 
 
 class _GradCheck:

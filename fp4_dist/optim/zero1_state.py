@@ -18,18 +18,28 @@ differently when it saves and when it loads (a load then asks for keys the check
 
 Why not plain tensors: DCP treats a plain tensor with the same key on every rank as replicated and keeps one
 copy, so per-rank master shards saved that way come back as some other rank's shard (the corruption this
-replaces). A fresh optimizer has no per-element state yet, so its state dict cannot ask DCP for it:
-`load_checkpoint` builds that part from the checkpoint's own metadata, and `load_sharded_state_dict` refuses a
-state dict that lacks keys the checkpoint has (rather than silently starting from zero moments).
+replaces). A fresh optimizer has no per-element state yet, so before its state dict is made that state is
+materialized as its first step would create it (`materialize_fresh_state`, as torch's ``get_state_dict`` does for
+torch optimizers): ``dcp.load({"optimizer": opt})`` into a new optimizer then loads every entry. State keys
+that only a later step creates come from the checkpoint's own metadata in `load_checkpoint`, and
+`load_sharded_state_dict` refuses a state dict that lacks keys the checkpoint has (rather than silently
+starting from zero moments).
 """
 
 from __future__ import annotations
 
 import json
+import re
+import warnings
 from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+
+try:
+    from torch.distributed._shard._utils import DEPRECATE_MSG
+except ImportError:  # the text torch 2.4-2.13 warn with
+    DEPRECATE_MSG = "Please use DTensor instead and we are deprecating ShardedTensor."
 
 FORMAT = 1
 _PieceMap = Dict[int, List[Tuple[int, int, int]]]  # parameter index -> [(group rank, start, numel)]
@@ -84,14 +94,57 @@ class _Sharder:
         return ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta, process_group=self.opt.group)
 
 
+def _quiet_sharded_tensor_deprecation() -> None:
+    """DCP's planners warn once per call site for every ShardedTensor they touch ("Please use DTensor instead");
+    ours are the only form that fits a rank's uneven contiguous piece of a flat parameter (a DTensor shards
+    evenly), so that exact warning says nothing a user can act on. Filter exactly it, once a Zero1Optimizer
+    hands DCP its first ShardedTensor."""
+    warnings.filterwarnings("ignore", message=re.escape(DEPRECATE_MSG), category=FutureWarning)
+
+
+def materialize_fresh_state(opt) -> None:
+    """Give a fresh inner optimizer (no state yet) its per-parameter state, as its first step would create it,
+    so that its state dict can ask a checkpoint for every entry (``dcp.load({"optimizer": opt})`` into a new
+    optimizer, as torch's ``get_state_dict`` does for torch optimizers): one step on zero gradients with every
+    learning rate 0, then every ``step`` count back to 0, and the masters restored bit for bit. The next real
+    step then does what a fresh optimizer's first step does (Adam's zero moments, step 1)."""
+    inner = opt.optimizer
+    if inner.state or not opt._master_pieces:
+        return
+    pieces = list(opt._master_pieces.values())
+    grads, masters = [p.grad for p in pieces], [p.detach().clone() for p in pieces]
+    lrs = [g.get("lr") for g in inner.param_groups]
+    try:
+        for p in pieces:
+            p.grad = torch.zeros_like(p)
+        for g in inner.param_groups:
+            if "lr" in g:
+                g["lr"] = g["lr"] * 0 if isinstance(g["lr"], torch.Tensor) else 0.0
+        inner.step()
+    finally:
+        for g, lr in zip(inner.param_groups, lrs):
+            if lr is not None:
+                g["lr"] = lr
+        with torch.no_grad():
+            for p, g, m in zip(pieces, grads, masters):
+                p.copy_(m)
+                p.grad = g
+    for st in inner.state.values():
+        if "step" in st:
+            st["step"] = st["step"].zero_() if isinstance(st["step"], torch.Tensor) else 0
+
+
 def sharded_state_dict(opt) -> dict:
     """The optimizer's state as described in the module docstring (a collective when distributed: one small
-    all-gather of every rank's device and state keys)."""
+    all-gather of every rank's device and state keys). A fresh optimizer's state is materialized first
+    (`materialize_fresh_state`), so a checkpoint can be loaded into it the standard way."""
+    materialize_fresh_state(opt)
     local = _local_pieces(opt)
     inner = opt.optimizer.state
     keys = {i: _per_element_keys(inner.get(piece, {}), piece) for i, piece in local.items()}
     device = str(opt._device())
     if _distributed(opt):
+        _quiet_sharded_tensor_deprecation()
         gathered: List = [None] * opt.world_size
         dist.all_gather_object(gathered, (device, keys), group=opt.group)
         devices = [d for d, _ in gathered]
@@ -212,6 +265,7 @@ def load_checkpoint(opt, path) -> None:
     the checkpoint's metadata, loads, and restores as `load_sharded_state_dict`."""
     import torch.distributed.checkpoint as dcp
 
+    materialize_fresh_state(opt)
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     prefix = "optimizer.state."
     local = _local_pieces(opt)

@@ -361,28 +361,44 @@ def test_dcp_round_trip_in_one_process_restores_masters_state_and_hyperparameter
         assert torch.equal(w.rowwise_data, b), "weights re-cast from the loaded masters"
 
 
-def test_a_fresh_optimizer_says_how_to_load_state_it_cannot_ask_for_and_load_checkpoint_does(tmp_path):
+@pytest.mark.parametrize("how", ["stateful", "state_dict", "load_checkpoint"])
+def test_a_fresh_optimizer_loads_a_dcp_checkpoint_the_standard_way_and_trains_on_as_the_saved_one(tmp_path, how):
     import torch.distributed.checkpoint as dcp
 
-    from fp4_dist.optim.zero1_state import load_checkpoint, save_checkpoint
+    from fp4_dist.optim.zero1_state import load_checkpoint
 
     model, init = mlp()
     opt = Zero1Optimizer(model.parameters(), adam, master_init=init)
     loss_of(model, data(0)).backward()
     opt.step()
-    save_checkpoint(opt, str(tmp_path / "ck"))
-    want = [m.clone() for m in opt.full_masters()]
+    opt.zero_grad()
+    dcp.save({"optimizer": opt}, checkpoint_id=str(tmp_path / "ck"))
     fresh, _ = mlp(seed=3)
     opt2 = Zero1Optimizer(fresh.parameters(), adam)
-    with pytest.raises(ValueError, match="load_checkpoint"):
+    if how == "stateful":
+        dcp.load({"optimizer": opt2}, checkpoint_id=str(tmp_path / "ck"))
+    elif how == "state_dict":
         sd = {"optimizer": opt2.state_dict()}
         dcp.load(sd, checkpoint_id=str(tmp_path / "ck"))
         opt2.load_state_dict(sd["optimizer"])
-    load_checkpoint(opt2, str(tmp_path / "ck"))
-    assert all(torch.equal(a, b) for a, b in zip(opt2.full_masters(), want))
-    p0 = opt.optimizer.param_groups[0]["params"][0]
-    q0 = opt2.optimizer.param_groups[0]["params"][0]
-    assert torch.equal(opt2.optimizer.state[q0]["exp_avg_sq"], opt.optimizer.state[p0]["exp_avg_sq"])
+    else:
+        load_checkpoint(opt2, str(tmp_path / "ck"))
+    for net, o in ((model, opt), (fresh, opt2)):  # one more step each: the same state trains the same
+        loss_of(net, data(1)).backward()
+        o.step()
+    assert _same(_state(opt2), _state(opt))
+
+
+def test_a_fresh_optimizers_state_dict_trains_as_a_fresh_optimizer(tmp_path):
+    model, init = mlp()
+    opt = Zero1Optimizer(model.parameters(), adam, master_init=init)
+    opt.state_dict()  # materializes the inner state (zero moments, step 0) without changing a master
+    ref_model, _ = mlp()
+    ref = Zero1Optimizer(ref_model.parameters(), adam, master_init=init)
+    for net, o in ((model, opt), (ref_model, ref)):
+        loss_of(net, data(0)).backward()
+        o.step()
+    assert _same(_state(opt), _state(ref))
 
 
 def test_converting_after_building_the_optimizer_is_refused_at_the_first_step():
@@ -407,3 +423,17 @@ def test_training_steps_never_enter_the_weights_dispatch(dispatches):
     assert dispatches == []
     fp4_dist.quantize(torch.randn(16, 16)).t()
     assert dispatches, "the fixture must see a dispatch (else this test cannot fail)"
+
+
+def test_torchs_get_state_dict_gives_our_error_with_the_remedy_and_changes_nothing():
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, init = mlp()
+    opt = Zero1Optimizer(model.parameters(), adam, master_init=init)
+    loss_of(model, data(0)).backward()
+    opt.step()
+    opt.zero_grad()
+    before = _state(opt)
+    with pytest.raises(TypeError, match=r"does not support Zero1Optimizer.*dcp.save\({\"model\""):
+        get_state_dict(model, opt)
+    assert _same(_state(opt), before), "torch's helper stepped the optimizer before our error"

@@ -1,6 +1,7 @@
-"""One case of ranks that disagree, or of Zero1Optimizer's gradient semantics, on 2 gloo ranks (torchrun).
+"""One case of what a PyTorch user meets on 2 gloo ranks (torchrun): ranks that disagree, Zero1Optimizer's
+gradient semantics, a standard DCP load into a fresh optimizer.
 
-    torchrun --nproc-per-node 2 tests/distributed/agreement_cases.py CASE
+    torchrun --nproc-per-node 2 tests/distributed/torch_user_cases.py CASE
 
 Each rank prints one line ``RESULT <rank> <outcome>`` (what it raised, or OK) that the test reads; no pytest here.
 """
@@ -98,12 +99,18 @@ def _loss(net, rank, step):
     return net(x).float().square().mean()
 
 
-def case_zero1_nan_on_one_rank(rank, size):
+def stepped_once(rank):
+    """A model and its Zero1Optimizer after one step (the inner optimizer has state)."""
     net = model()
     opt = Zero1Optimizer(net.named_parameters(), adamw)
     _loss(net, rank, 0).backward()
     opt.step()
     opt.zero_grad()
+    return net, opt
+
+
+def case_zero1_nan_on_one_rank(rank, size):
+    net, opt = stepped_once(rank)
     before = _snapshot(opt)
     _loss(net, rank, 1).backward()
     if rank == 1:
@@ -152,6 +159,27 @@ def case_zero1_gradient_on_one_rank_only(rank, size):
     opt.step()
     if not torch.equal(opt.full_masters()[4], frozen):
         raise AssertionError("a frozen weight changed")
+
+
+def case_zero1_dcp_fresh_load(rank, size):
+    import tempfile
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    _, opt = stepped_once(rank)
+    path = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        dcp.save({"optimizer": opt}, checkpoint_id=path[0])
+        fresh = Zero1Optimizer(model().named_parameters(), adamw)
+        dcp.load({"optimizer": fresh}, checkpoint_id=path[0])
+    noisy = [str(w.message) for w in caught if "ShardedTensor" in str(w.message)]
+    if noisy:
+        raise AssertionError(f"{len(noisy)} ShardedTensor warnings shown: {noisy[0]}")
+    if not _bits_equal(_snapshot(fresh), _snapshot(opt)):
+        raise AssertionError("the freshly loaded optimizer's masters or state differ from the saved one's")
 
 
 def main() -> None:

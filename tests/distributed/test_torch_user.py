@@ -1,5 +1,6 @@
-"""Ranks that disagree get fp4_dist's error on every rank within seconds (not gloo's abort, not a hang), and
-Zero1Optimizer's gradient semantics hold across ranks: 2 gloo ranks per case, each case its own job."""
+"""What a PyTorch user meets on several ranks: ranks that disagree get fp4_dist's error on every rank within
+seconds (not gloo's abort, not a hang); Zero1Optimizer's gradient semantics and the standard DCP load hold across
+ranks. 2 gloo ranks per case, each case its own job (tests/distributed/torch_user_cases.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = Path(__file__).with_name("agreement_cases.py")
+SCRIPT = Path(__file__).with_name("torch_user_cases.py")
 TIMEOUT_S = 30
 
 
@@ -54,7 +55,7 @@ def test_a_nan_gradient_on_one_rank_raises_on_every_rank_and_leaves_the_state_in
         assert outcome.endswith("[state intact: True]"), f"rank {rank}: {outcome}"
 
 
-@pytest.mark.parametrize("case", ["zero1_skip_continues", "zero1_gradient_on_one_rank_only"])
+@pytest.mark.parametrize("case", ["zero1_skip_continues", "zero1_gradient_on_one_rank_only", "zero1_dcp_fresh_load"])
 def test_zero1_gradient_semantics_across_ranks(case):
     for rank, outcome in run_case(case).items():
         assert outcome == "OK", f"rank {rank}: {outcome}"
