@@ -126,6 +126,17 @@ def compute_view(module: nn.Module, w: torch.Tensor) -> torch.Tensor:
     return cache(w)
 
 
+@torch._dynamo.disable(recursive=True)
+def _linear_outside_the_graph(module: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    """An NVFP4Linear's forward when torch.compile traces the model: run eagerly, as a graph break. Its weight
+    comes from the layer's view cache, Python state (version counters, weak references) that dynamo would guard
+    on, and re-specialise, in a frame every layer shares (one recompile per layer shape, then the recompile
+    limit). Kept out, the compiled graphs are the code between the linears, and each resumes at its own place in
+    the caller (a block's forward resumes after its q/k/v projection with that projection's shape, in every
+    block alike). The GEMM is an extern kernel under inductor anyway."""
+    return F.linear(input, compute_view(module, module.weight), module.bias)
+
+
 def forget(module: nn.Module) -> None:
     """Drop `module`'s cached view. `nn.Module._apply` (`.to`, `.cuda`, `.bfloat16`, ...) swaps a tensor-subclass
     parameter in place and poisons its old grad accumulator, the one the view's autograd node leads to (a backward
@@ -145,6 +156,8 @@ class NVFP4Linear(nn.Linear):
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # constant-folded by dynamo; a quarter of a microsecond in eager mode
+            return _linear_outside_the_graph(self, input)
         return F.linear(input, compute_view(self, self.weight), self.bias)
 
     def _apply(self, fn, *args, **kwargs):
