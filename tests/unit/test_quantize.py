@@ -269,3 +269,12 @@ def test_a_second_conversion_changes_nothing_and_the_dtype_follows_each_linear()
     assert fp4_dist.convert_linear_weights(nn.Linear(32, 16), dtype=torch.float16).converted == [""]
     with pytest.raises(TypeError, match="must be an nn.Module, got NoneType"):
         fp4_dist.convert_linear_weights(None)
+
+
+def test_a_plain_torch_optimizer_on_nvfp4_weights_says_how_they_train():
+    model = nn.Linear(32, 16, bias=False).to(torch.bfloat16)
+    fp4_dist.convert_linear_weights(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(4, 32, dtype=torch.bfloat16)).float().sum().backward()
+    with pytest.raises(NotImplementedError, match="Zero1Optimizer.*fully_shard_nvfp4"):
+        opt.step()
