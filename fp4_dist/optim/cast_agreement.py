@@ -79,7 +79,7 @@ class CallAgreement:
         if rank_and_size(group)[1] == 1:  # nothing to exchange: check this rank's own header on the host
             raise_if_disagree(self.header.tolist(), self.size, self.whole, self.n)
             return
-        buf = self.header.to(device)
+        buf = self.header.to(device, copy=True)  # the all-reduce writes into it: never into the kept header
         all_reduce_max_(buf, group, stats)
         raise_if_disagree(buf.tolist(), self.size, self.whole, self.n)
 

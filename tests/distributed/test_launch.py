@@ -93,7 +93,7 @@ def test_zero1_training_loss_is_bitwise_equal_to_single_process_quantize_each_st
     assert train["steps"] >= 50
     calls = train["collectives_per_step"]
     if world_size > 1:
-        assert calls["all_reduce"] == 1, calls
+        assert calls["all_reduce"] == 2, calls  # the gradient check and the cast's amaxes
         # one all-gather per bucket, plus one of the compact NVFP4 tile scales
         assert calls["all_to_all_single"] + 1 == calls["all_gather_single"] >= 3, calls
 
