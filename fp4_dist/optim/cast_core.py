@@ -96,8 +96,10 @@ def plan_for(weights) -> CastPlan:
 
 
 def weight_name(i: int, w) -> str:
-    """How errors name entry i of a list of weights."""
-    return f"model_weights[{i}] ({'x'.join(map(str, w.shape))})"
+    """How errors name entry i of a list of weights: its index and shape, and its module path when known (the name
+    `fp4_dist.convert_linear_weights` gives a weight)."""
+    name = getattr(w, "fp4_dist_name", None)
+    return f"model_weights[{i}] ({'x'.join(map(str, w.shape))})" + (f" = {name}" if name else "")
 
 
 def shard_bytes(data: torch.Tensor, shard: Optional[torch.Tensor], start: int) -> Optional[torch.Tensor]:
@@ -203,9 +205,15 @@ class CastCore:
         for _, _, cast in self._runs:
             cast()
 
-    def raise_for(self, where: str = " on some rank") -> None:
-        """Raise the error of the last `exchange` (named as there) after a deferred verdict came back false."""
-        self._raise(where)
+    def raise_for(self, where: str) -> None:
+        """Raise the error of the last `exchange` (named as there) after a deferred verdict came back false: the
+        bytes were written then, so the message says so instead of "no byte was written"."""
+        try:
+            self._raise(where)
+        except ValueError as e:
+            text = str(e).replace(" No weight, scale or amax was written", "")
+            raise ValueError(text + " The weights were cast from these masters in that step: fix the cause and "
+                             "resume from a checkpoint") from None
 
     def _raise(self, where: str = " on some rank") -> None:
         """The error path may read more: it is about to raise anyway."""

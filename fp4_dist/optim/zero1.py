@@ -604,8 +604,7 @@ class _GradCheck:
         if values[-1]:
             self.cast_verdict = None
             opt._cast.core.raise_for(" after the previous optimizer step, from finite gradients: the inner "
-                                     "optimizer made them (check its hyperparameters); the weights were cast from "
-                                     "them")
+                                     "optimizer made them (check its hyperparameters)")
         if any(values[n:n + len(sections)]):
             return self._nonfinite(self._bad_parameters())
         return [i for i in range(n) if not values[i]]

@@ -227,3 +227,12 @@ def test_a_call_after_a_numerics_change_casts_with_the_new_numerics_not_the_cach
     assert not torch.equal(ref.rowwise_scale_inv, fp4_dist.quantize(master.to(torch.bfloat16)).rowwise_scale_inv)
     for f in FIELDS:
         assert_bytes_equal(getattr(w, f), getattr(ref, f), f"{f} after te -> te-2.14")
+
+
+def test_errors_name_a_converted_weight_by_its_module_path():
+    model = torch.nn.Sequential(torch.nn.Linear(48, 32, bias=False), torch.nn.Linear(32, 16, bias=False))
+    fp4_dist.convert_linear_weights(model)
+    masters = [p.dequantize(torch.float32).reshape(-1).clone() for p in model.parameters()]
+    masters[1][5] = float("nan")
+    with pytest.raises(ValueError, match=r"model_weights\[1\] \(16x32\) = 1\.weight master"):
+        cast_master_weights_to_nvfp4(list(model.parameters()), masters, [0, 0])
