@@ -99,15 +99,8 @@ def zero1(rank: int, size: int):
     gen = torch.Generator().manual_seed(rank)
     xs = [torch.randn(8, k, generator=gen, dtype=torch.bfloat16) for _, k in SHAPES]
 
-    def step():  # each layer on its own input: the shapes do not chain
-        sum(layer(x).float().square().mean() for layer, x in zip(net, xs)).backward()
-        opt.step()
-        opt.zero_grad()
-
-    step()
-    with counted() as (calls, nbytes):
-        step()
-    return calls, nbytes
+    # each layer on its own input: the shapes do not chain
+    return second_step(lambda: sum(layer(x).float().square().mean() for layer, x in zip(net, xs)), opt)
 
 
 def fsdp2(rank: int, size: int):
@@ -124,8 +117,13 @@ def fsdp2(rank: int, size: int):
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))
 
+    return second_step(lambda: net(x).float().square().mean(), opt)
+
+
+def second_step(loss, opt):
+    """(calls, bytes) of the collectives of a training step after a first one (bindings and buffers built)."""
     def step():
-        net(x).float().square().mean().backward()
+        loss().backward()
         opt.step()
         opt.zero_grad()
 
