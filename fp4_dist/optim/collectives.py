@@ -42,9 +42,14 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def in_distributed_job() -> bool:
+    """Whether torch.distributed is initialised (a job of processes; otherwise a single process)."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def rank_and_size(group=None) -> Tuple[int, int]:
     """(rank in ``group``, size of ``group``); (0, 1) when torch.distributed is not initialised."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not in_distributed_job():
         if group is not None:
             raise ValueError("a process group was passed but torch.distributed is not initialised; "
                              "call fp4_dist.launch.init_distributed() (or dist.init_process_group) first")
@@ -58,7 +63,7 @@ def rank_and_size(group=None) -> Tuple[int, int]:
 
 def dist_backend(group=None) -> Optional[str]:
     """The backend name of ``group`` ("gloo", "nccl", ...), or None without torch.distributed."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not in_distributed_job():
         return None
     return dist.get_backend(group)
 

@@ -36,6 +36,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from .collectives import in_distributed_job
+
 try:
     from torch.distributed._shard._utils import DEPRECATE_MSG
 except ImportError:  # the text torch 2.4-2.13 warn with
@@ -46,7 +48,7 @@ _PieceMap = Dict[int, List[Tuple[int, int, int]]]  # parameter index -> [(group 
 
 
 def _distributed(opt) -> bool:
-    return dist.is_available() and dist.is_initialized() and opt.world_size > 1
+    return in_distributed_job() and opt.world_size > 1
 
 
 def _all_pieces(opt) -> _PieceMap:
