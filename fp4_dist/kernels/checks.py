@@ -33,11 +33,14 @@ Shape = tuple[int, int]
 
 
 
-def non_finite_error(name: str, where: str = "") -> ValueError:
+NOTHING_WRITTEN = "No weight, scale or amax was written"
+
+
+def non_finite_error(name: str, where: str = "", outcome: str = NOTHING_WRITTEN) -> ValueError:
     """The error of a weight whose values hold inf or NaN (NVFP4 has no code for them); `where` says where the
-    values were seen (e.g. " on some rank")."""
+    values were seen (e.g. " on some rank"), `outcome` what became of the weights."""
     return ValueError(f"{name}: values are not finite (non-finite: inf or NaN{where}); NVFP4 cannot encode them. "
-                      "No weight, scale or amax was written")
+                      f"{outcome}")
 
 
 # --------------------------------------------------------------------------------------------------- parts

@@ -207,21 +207,17 @@ class CastCore:
 
     def raise_for(self, where: str) -> None:
         """Raise the error of the last `exchange` (named as there) after a deferred verdict came back false: the
-        bytes were written then, so the message says so instead of "no byte was written"."""
-        try:
-            self._raise(where)
-        except ValueError as e:
-            text = str(e).replace(" No weight, scale or amax was written", "")
-            raise ValueError(text + " The weights were cast from these masters in that step: fix the cause and "
-                             "resume from a checkpoint") from None
+        bytes were written then, and the message says so."""
+        self._raise(where, "The weights were cast from these masters in that step: fix the cause and resume from "
+                           "a checkpoint")
 
-    def _raise(self, where: str = " on some rank") -> None:
+    def _raise(self, where: str = " on some rank", outcome: str = checks.NOTHING_WRITTEN) -> None:
         """The error path may read more: it is about to raise anyway."""
         for g in self.plan.groups:
             for i, a in zip(g.indices, g.tensor_amaxes(self.amaxes).tolist()):
                 if a != a or a in (float("inf"), float("-inf")):
-                    raise checks.non_finite_error(self.names[i], where)
-        raise checks.non_finite_error("a master shard", " on another rank")
+                    raise checks.non_finite_error(self.names[i], where, outcome)
+        raise checks.non_finite_error("a master shard", " on another rank", outcome)
 
 
 def reduce_whole_weights(buf: torch.Tensor, index: torch.Tensor, amax_group, stats) -> None:
