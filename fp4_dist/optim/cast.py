@@ -33,7 +33,6 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from .. import kernels
 from ..compute_copy import mark_pending
@@ -41,7 +40,7 @@ from ..format import MASTER_DTYPES, byte_window, check_even_boundary, check_weig
 from ..tensor import NVFP4Tensor, is_nvfp4_tensor
 from .cast_agreement import CallAgreement, reject
 from .cast_core import BINDINGS, CastCore, CastPlan, make_cast_plan, shard_bytes, weight_name
-from .collectives import CommStats, dist_backend, rank_and_size
+from .collectives import CommStats, dist_backend, in_distributed_job, rank_and_size
 
 
 # ------------------------------------------------------------------------------------------------ validation
@@ -238,10 +237,10 @@ def _weight_device(model_weights) -> torch.device:
 def _agreement(plan, model_weights, shards, starts, rank, size) -> Optional[CallAgreement]:
     """The agreement header of a call inside a distributed job; none for a single process (no other rank to
     disagree with: a part of a weight may be cast alone there, its scales then come from that part)."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not in_distributed_job():
         return None
     return CallAgreement(plan.shapes, [w.dtype for w in model_weights], [w.numerics for w in model_weights],
-                         plan.amax_numel, shards, starts, rank, size)  # fmt: skip
+                         shards, starts, rank, size)  # fmt: skip
 
 
 class BoundCast:
@@ -296,7 +295,7 @@ def _join_with_error(model_weights, group, stats, error: Exception) -> None:
     """This rank's call is invalid: join the agreement header with this rank's flag set (the other ranks then
     raise RuntimeError naming this rank, before their amax all-reduce), and raise `error` here. Writes nothing.
     A single process has no one to tell."""
-    if dist.is_available() and dist.is_initialized():
+    if in_distributed_job():
         reject(group, stats, _error_device(model_weights, group))
     raise error
 

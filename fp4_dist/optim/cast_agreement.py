@@ -4,10 +4,10 @@ a mismatch there aborts gloo and hangs NCCL).
 
 One MAX all-reduce of a small header whose size depends only on the group size, then one read::
 
-    [ n, -n | L, -L | d, -d | rejected: one flag per rank | coverage: (A_r, B_r, C_r) in rank r's slots ]
+    [ n, -n | d, -d | rejected: one flag per rank | coverage: (A_r, B_r, C_r) in rank r's slots ]
 
-``n`` is the number of weights, ``L`` the amax buffer's length and ``d`` a digest of every weight's shape, dtype
-and numerics: after the MAX, ``x == -(-x)_max`` holds only if every rank has the same ``x``. A rank whose own
+``n`` is the number of weights and ``d`` a digest of every weight's shape, dtype and numerics (which fix the
+amax buffer's length): after the MAX, ``x == -(-x)_max`` holds only if every rank has the same ``x``. A rank whose own
 arguments are invalid sets its flag instead, so every rank raises (none hangs). ``A_r, B_r, C_r`` are the 0th,
 1st and 2nd moments of the elements rank r's shards cover, summed over the weights with per-weight coefficients
 modulo a prime below 2**24 (exact in fp32). Shards that cover every weight exactly once sum to the moments of
@@ -27,7 +27,7 @@ from .collectives import CommStats, all_reduce_max_, rank_and_size
 
 PRIME = 16_777_213
 """The largest prime below 2**24: every residue is an exact fp32 integer."""
-FIXED = 6
+FIXED = 4
 
 
 def _digest24(value) -> int:
@@ -48,13 +48,12 @@ class CallAgreement:
 
     Args:
         shapes, dtypes, numerics: per weight, as every rank must pass them.
-        amax_numel: the length of the amax buffer the call's all-reduce will carry.
         shards, starts: per weight this rank's flat master piece (None: none) and its first element.
+        rank, size: this rank and the size of the group the call runs on.
     """
 
-    def __init__(self, shapes: Sequence[tuple], dtypes, numerics, amax_numel: int, shards, starts, rank: int,
-                 size: int):  # fmt: skip
-        self.rank, self.size = rank, size
+    def __init__(self, shapes: Sequence[tuple], dtypes, numerics, shards, starts, rank: int, size: int):
+        self.size = size
         numels = [m * k for m, k in shapes]
         coef = [[_digest24(("coverage", j, w)) for w in range(len(numels))] for j in range(3)]
         mine = [0, 0, 0]
@@ -68,7 +67,7 @@ class CallAgreement:
         self.whole = [sum(c[w] * m for w, m in enumerate(ms)) % PRIME for c, ms in zip(coef, whole_moments)]
         d = _digest24([(tuple(s), str(t), num) for s, t, num in zip(shapes, dtypes, numerics)])
         header = [0.0] * header_numel(size)
-        for slot, x in enumerate((len(shapes) % PRIME, amax_numel % PRIME, d)):
+        for slot, x in enumerate((len(shapes) % PRIME, d)):
             header[2 * slot], header[2 * slot + 1] = x, -x
         header[FIXED + size + 3 * rank:FIXED + size + 3 * rank + 3] = mine
         self.header = torch.tensor(header, dtype=torch.float32)
@@ -76,7 +75,7 @@ class CallAgreement:
 
     def check(self, group, stats: Optional[CommStats], device) -> None:
         """The header all-reduce and its read; raises on every rank when the ranks disagree."""
-        if rank_and_size(group)[1] == 1:  # nothing to exchange: check this rank's own header on the host
+        if self.size == 1:  # nothing to exchange (`BoundCast.run` checked the group's size): check on the host
             raise_if_disagree(self.header.tolist(), self.size, self.whole, self.n)
             return
         buf = self.header.to(device, copy=True)  # the all-reduce writes into it: never into the kept header
@@ -103,7 +102,7 @@ def raise_if_disagree(values: list, size: int, whole: list, n: int) -> None:
         raise RankMismatchError(
             f"{what}: the ranks passed different numbers of weights (this rank passed {n}, some rank up to "
             f"{int(values[0])}); every rank must pass the same list of weights. No byte was written")
-    if values[2] != -values[3] or values[4] != -values[5]:
+    if values[2] != -values[3]:
         raise RankMismatchError(
             f"{what}: the ranks passed different weights (shapes, dtypes or numerics differ between ranks); every "
             "rank must pass the same list of weights. No byte was written")
