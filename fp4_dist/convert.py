@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
@@ -12,6 +12,8 @@ from torch import nn
 from .compute_view import NVFP4Linear
 from .format import MODEL_DTYPES, TILE
 from .quantize import quantize
+from .shared_amax import ATTR as AMAX_GROUP_ATTR
+from .shared_amax import check_patterns, group_amax, sibling_groups
 from .tensor import is_nvfp4_tensor
 
 
@@ -21,6 +23,8 @@ class ConversionReport:
 
     converted: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    shared_amax: dict = field(default_factory=dict)
+    """Converted weights that share one amax with their siblings (``{weight: AmaxGroup}``, `shared_amax`)."""
     tied: dict[str, list[str]] = field(default_factory=dict)
     """Converted weights that other modules share (``{linear: [other owners]}``): every owner holds the one NVFP4
     parameter, so the tie survives (an embedding tied to the output head reads the NVFP4 values too)."""
@@ -29,6 +33,8 @@ class ConversionReport:
         lines = [f"NVFP4 weights: {len(self.converted)} converted, {len(self.skipped)} kept in high precision"]
         lines += [f"  kept {name}: {why}" for name, why in self.skipped.items()]
         lines += [f"  tied {name}.weight with {', '.join(others)}" for name, others in self.tied.items()]
+        groups = list(dict.fromkeys(self.shared_amax.values()))
+        lines += [f"  one amax: {g}" for g in groups]
         return "\n".join(lines)
 
 
@@ -39,6 +45,7 @@ def convert_linear_weights(
     dtype: Optional[torch.dtype] = None,
     skip: tuple[str, ...] = (),
     compute_copy: bool = True,
+    shared_amax: Sequence[Sequence[str]] = (),
     verbose: bool = False,
 ) -> ConversionReport:
     """Replace every eligible nn.Linear weight (2D, K % 16 == 0) by an NVFP4 parameter, in place.
@@ -58,6 +65,11 @@ def convert_linear_weights(
         compute_copy: keep each weight's values in the compute dtype between updates, so forward and backward use
             them without dequantizing; False dequantizes on every use instead (`NVFP4Tensor.compute_copy`,
             settable per weight later).
+        shared_amax: sibling linears whose weights share one amax, by leaf name, e.g.
+            ``(("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))`` (`fp4_dist.export.VLLM_FUSED`): under each
+            parent module the converted members of a tuple get one amax, the largest of theirs, here and in every
+            later cast (`fp4_dist.shared_amax`), so an export gives each group one global scale (what vLLM's fused
+            layers need). Listed in the report.
         verbose: print the report.
     Returns:
         ConversionReport naming converted, skipped (with the reason) and tied weights.
@@ -77,6 +89,7 @@ def convert_linear_weights(
             "converts the linear weights itself")
     owners = _weight_owners(model)
     report, done = ConversionReport(), {}
+    groups = _amax_groups(model, check_patterns(shared_amax), skip, dtype) if shared_amax else {}
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
@@ -93,10 +106,14 @@ def convert_linear_weights(
             report.skipped[name] = "weight holds non-finite values"
         else:
             model_dtype = dtype or (w.dtype if w.dtype in MODEL_DTYPES else torch.bfloat16)
-            q = quantize(w.detach(), numerics=numerics, dtype=model_dtype, name=f"{name}.weight")
+            group, shared = groups.get(f"{name}.weight", (None, None))
+            q = quantize(w.detach(), numerics=numerics, dtype=model_dtype, name=f"{name}.weight", amax=shared)
             q.compute_copy = compute_copy
             new = nn.Parameter(q, requires_grad=w.requires_grad)
             new.fp4_dist_name = f"{name}.weight"
+            if group is not None:
+                setattr(new, AMAX_GROUP_ATTR, group)
+                report.shared_amax[f"{name}.weight"] = group
             others = [o for o in owners[id(w)] if o[0] is not module]
             for owner, attr, _ in [(module, "weight", name), *others]:
                 setattr(owner, attr, new)
@@ -113,6 +130,24 @@ def convert_linear_weights(
     if verbose:
         print(report)
     return report
+
+
+def _eligible(name: str, w, skip) -> bool:
+    return (not is_nvfp4_tensor(w) and name not in skip and w.shape[1] % TILE == 0
+            and bool(torch.isfinite(w).all()))  # fmt: skip
+
+
+def _amax_groups(model: nn.Module, patterns, skip, dtype) -> dict:
+    """{weight name: (AmaxGroup, its shared amax)} of the sibling groups among the linears this call converts."""
+    linears = {name: m.weight for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    eligible = [name for name, w in linears.items() if _eligible(name, w, skip)]
+    out = {}
+    for g in sibling_groups(eligible, patterns):
+        ws = [linears[m[: -len(".weight")]] for m in g.members]
+        round_to = dtype or (ws[0].dtype if ws[0].dtype in MODEL_DTYPES else torch.bfloat16)
+        shared = group_amax(ws, round_to)
+        out.update({m: (g, shared) for m in g.members})
+    return out
 
 
 def _weight_owners(model: nn.Module) -> dict:

@@ -194,16 +194,28 @@ class NVFP4Tensor(torch.Tensor):
     def quantize_(self, src: torch.Tensor) -> "NVFP4Tensor":
         """Re-quantize `src` ([M, K], any float dtype) into this tensor's existing buffers.
 
-        Values are rounded to this tensor's dtype first. The columnwise copy, if present, is rebuilt.
+        Values are rounded to this tensor's dtype first. The columnwise copy, if present, is rebuilt. A weight that
+        shares its amax with others (`fp4_dist.shared_amax`) keeps the group's amax when its own max|src| is not
+        larger, and raises ValueError otherwise: its scales would then differ from what its group holds.
         """
         flat, shape = kernels.checks.quantize_source(src, "source")
+        group = self.__dict__.get("fp4_dist_amax_group")
         if shape != tuple(self.shape):
             raise ValueError(f"cannot quantize a {list(shape)} tensor into an NVFP4Tensor of shape {list(self.shape)}")
         if src.device != self.rowwise_data.device:
             raise ValueError(f"source is on {src.device} but the NVFP4Tensor is on {self.rowwise_data.device}")
+        shared = None
+        if group is not None:
+            shared = self.amax.clone()
+            own = flat.to(self.dtype).abs().max().to(torch.float32)
+            if bool(own > shared[0]):
+                raise ValueError(f"quantize_: this weight shares one amax with {group}, and the new values' max "
+                                 f"|x| = {float(own)} exceeds it ({float(shared[0])}): re-quantizing it alone would "
+                                 "leave the group; quantize the whole group (convert_linear_weights on the "
+                                 "high-precision model) or let the optimizer's cast do it")
         kernels.quantize_rowwise(flat, shape, round_to=self.dtype, numerics=self.numerics,
                                  rowwise_data=self.rowwise_data, scale_inv=self.rowwise_scale_inv, amax=self.amax,
-                                 name="source")  # fmt: skip
+                                 name="source", shared_amax=shared)  # fmt: skip
         if self.columnwise_data is not None:
             self.make_columnwise()
         return self

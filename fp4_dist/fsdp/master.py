@@ -48,6 +48,8 @@ class WeightState:
     model_dtype: torch.dtype
     """Dtype the masters are rounded to before quantization and that the forward computes in."""
     numerics: str = "te"
+    amax_group: Any = None
+    """The `fp4_dist.shared_amax.AmaxGroup` whose one amax this weight's scales use, or None."""
     # --- filled by precompute.ShardCast before each gather ("nvfp4" mode)
     packed: Optional[torch.Tensor] = None
     """uint8 [rows, K/2]: this rank's rows, cast with the global amax."""

@@ -82,7 +82,7 @@ class ShardCast:
         for w in ws:
             w.state.packed, w.state.amax = wire.shard_buffers(w.master.shape[0], w.shape[1], dev)
         self.plan = make_cast_plan([w.shape for w in ws], [w.state.model_dtype for w in ws],
-                                   [w.state.numerics for w in ws])  # fmt: skip
+                                   [w.state.numerics for w in ws], [w.state.amax_group for w in ws])  # fmt: skip
         # Each rank holds whole tile bands, so only the tensor amaxes cross ranks.
         self.core = CastCore(self.plan, [w.master.reshape(-1) for w in ws], [w.row0 * w.shape[1] for w in ws],
                              [w.state.packed.view(-1) for w in ws], self._bind_scales,

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from ..format import TILE, check_numerics, whole_bands
 from ..optim.collectives import reduce_scatter_ordered
+from ..shared_amax import check_patterns, group_of, sibling_groups
 from ..tensor import NVFP4Tensor
 from . import wire
 from .master import NVFP4Master, WeightState, local_master
@@ -73,6 +74,7 @@ def fully_shard_nvfp4(
     numerics: str = "te",
     skip: Sequence[str] = (),
     ordered_grad_reduction: bool = False,
+    shared_amax: Sequence[Sequence[str]] = (),
     verbose: bool = False,
 ) -> FSDPReport:
     """Shard `model` with FSDP2, its linear weights all-gathered as NVFP4 (see the module docstring).
@@ -89,6 +91,9 @@ def fully_shard_nvfp4(
         skip: module names (as in ``named_modules``) whose weight stays in high precision.
         ordered_grad_reduction: reduce-scatter gradients as an all-to-all and a sum in rank order, so the
             result is bitwise the same for every world size (as a single process summing the ranks' gradients).
+        shared_amax: sibling linears whose weights share one amax (`fp4_dist.shared_amax`), e.g.
+            ``fp4_dist.export.VLLM_FUSED``; groups already on NVFP4 weights (`convert_linear_weights`) are kept.
+            Every member must be gathered as NVFP4 (a bf16-gathered weight is quantized alone after its gather).
         verbose: print the report.
     Returns:
         `FSDPReport`; weights gathered in bf16 or kept in high precision are also named in one warning.
@@ -101,9 +106,19 @@ def fully_shard_nvfp4(
                          "fp4_dist.fsdp.fully_shard_nvfp4 on the unsharded model instead of torch's fully_shard")
     world = mesh.size(mesh.ndim - 1) if mesh is not None else (dist.get_world_size() if dist.is_initialized() else 1)
     report = FSDPReport(world_size=world)
+    patterns = check_patterns(shared_amax) if shared_amax else ()
+    states, groups = {}, {}
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
-            _convert(name, module, world, mp_policy, numerics, skip, report)
+            carried = group_of(module.weight)
+            st = _convert(name, module, world, mp_policy, numerics, skip, report)
+            if st is not None:
+                states[st.fqn] = st
+                if carried is not None:
+                    groups[st.fqn] = carried
+    for g in sibling_groups([fqn[: -len(".weight")] for fqn in states], patterns):
+        groups.update({m: g for m in g.members})
+    _set_amax_groups(states, groups)
     shard_modules = list(shard_modules)
     kw = dict(mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     for sub in shard_modules:
@@ -120,7 +135,19 @@ def fully_shard_nvfp4(
     return report
 
 
-def _convert(name, module, world, mp_policy, numerics, skip, report) -> None:
+def _set_amax_groups(states: dict, groups: dict) -> None:
+    for fqn, g in groups.items():
+        absent = [m for m in g.members if m not in states]
+        bf16 = [m for m in g.members if m in states and states[m].mode != "nvfp4"]
+        if absent or bf16:
+            why = (f"{absent} are not NVFP4 weights here" if absent else
+                   f"{bf16} are gathered in bf16 (their rows do not split into whole 16-row bands per rank)")
+            raise ValueError(f"fully_shard_nvfp4: the weights {g} share one amax, but {why}; every member of an "
+                             "amax group must be an NVFP4-gathered weight")
+        states[fqn].amax_group = g
+
+
+def _convert(name, module, world, mp_policy, numerics, skip, report) -> Optional[WeightState]:
     w = module.weight
     fqn = f"{name}.weight" if name else "weight"
     m, k = w.shape
@@ -145,6 +172,7 @@ def _convert(name, module, world, mp_policy, numerics, skip, report) -> None:
                                    "so a 16x16 tile would span two ranks")
     state = WeightState(fqn, (m, k), mode, model_dtype, numerics)
     module.weight = nn.Parameter(NVFP4Master(master, state), requires_grad=w.requires_grad)
+    return state
 
 
 class _Registry:

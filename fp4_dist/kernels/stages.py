@@ -508,15 +508,19 @@ def bind_dequantize(rowwise_datas, scale_invs, amaxes, outs) -> Bound:
 # ------------------------------------------------------------------------------------- whole-tensor quantize
 def quantize_rowwise(x: torch.Tensor, shape: Shape, *, round_to: torch.dtype, numerics: str,
                      rowwise_data: torch.Tensor, scale_inv: torch.Tensor, amax: torch.Tensor,
-                     name: str = "input") -> None:  # fmt: skip
+                     name: str = "input", shared_amax: Optional[torch.Tensor] = None) -> None:  # fmt: skip
     """Quantize a whole weight into existing rowwise fields: the stages on one shard that covers the weight, so
     "distributed == whole" reduces to the shard bookkeeping being right.
 
     Args:
         x: flat contiguous fp32/bf16 values of the [M, K] weight (row-major).
+        shared_amax: fp32 [1], the amax of a group of weights this one shares (`fp4_dist.shared_amax`): the
+            tensor amax is the larger of it and the weight's own.
     Raises ValueError naming `name`, with nothing written, when x holds inf or NaN (one scalar read).
     """
     amaxes = partial_amax([x], [0], [shape], round_to=round_to)
+    if shared_amax is not None:
+        amaxes[:1] = torch.maximum(amaxes[:1], shared_amax.reshape(1).to(amaxes.device, torch.float32))
     if not torch.isfinite(amaxes[0]).item():  # the amax maps NaN to inf, so one scalar read covers both
         raise checks.non_finite_error(name)
     enc = fused_scale(amaxes, [shape], [scale_inv], [amax], numerics=numerics)

@@ -38,6 +38,7 @@ from .. import kernels
 from ..compute_copy import mark_pending
 from ..format import MASTER_DTYPES, byte_window, check_even_boundary, check_weight_shape
 from ..tensor import NVFP4Tensor, is_nvfp4_tensor
+from ..shared_amax import group_of
 from .cast_agreement import CallAgreement, reject
 from .cast_core import BINDINGS, CastCore, CastPlan, make_cast_plan, shard_bytes, weight_name
 from .collectives import CommStats, dist_backend, in_distributed_job, rank_and_size
@@ -78,7 +79,7 @@ def _shape_plan(model_weights) -> CastPlan:
     if model_weights is None or isinstance(model_weights, torch.Tensor) or not hasattr(model_weights, "__len__"):
         raise TypeError(f"model_weights must be a list of NVFP4Tensor weights (the same on every rank), got "
                         f"{type(model_weights).__name__}; this rank cannot join the other ranks' cast")
-    shapes, dtypes, numerics = [], [], []
+    shapes, dtypes, numerics, amax_groups = [], [], [], []
     for i, w in enumerate(model_weights):
         shape = tuple(getattr(w, "shape", ()))
         if len(shape) != 2:
@@ -87,7 +88,8 @@ def _shape_plan(model_weights) -> CastPlan:
         shapes.append((int(shape[0]), int(shape[1])))
         dtypes.append(w.dtype if is_nvfp4_tensor(w) else torch.bfloat16)
         numerics.append(w.numerics if is_nvfp4_tensor(w) else "te")
-    return make_cast_plan(tuple(shapes), tuple(dtypes), tuple(numerics))
+        amax_groups.append(group_of(w))
+    return make_cast_plan(tuple(shapes), tuple(dtypes), tuple(numerics), amax_groups)
 
 
 def _check_shard(i: int, w: NVFP4Tensor, master, start, fragment) -> None:
@@ -240,7 +242,7 @@ def _agreement(plan, model_weights, shards, starts, rank, size) -> Optional[Call
     if not in_distributed_job():
         return None
     return CallAgreement(plan.shapes, [w.dtype for w in model_weights], [w.numerics for w in model_weights],
-                         shards, starts, rank, size)  # fmt: skip
+                         shards, starts, rank, size, plan.shared)  # fmt: skip
 
 
 class BoundCast:

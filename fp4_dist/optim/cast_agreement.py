@@ -48,11 +48,13 @@ class CallAgreement:
 
     Args:
         shapes, dtypes, numerics: per weight, as every rank must pass them.
+        shared: the plan's amax groups (`CastPlan.shared`), which every rank must apply alike.
         shards, starts: per weight this rank's flat master piece (None: none) and its first element.
         rank, size: this rank and the size of the group the call runs on.
     """
 
-    def __init__(self, shapes: Sequence[tuple], dtypes, numerics, shards, starts, rank: int, size: int):
+    def __init__(self, shapes: Sequence[tuple], dtypes, numerics, shards, starts, rank: int, size: int,
+                 shared: tuple = ()):  # fmt: skip
         self.size = size
         numels = [m * k for m, k in shapes]
         coef = [[_digest24(("coverage", j, w)) for w in range(len(numels))] for j in range(3)]
@@ -65,7 +67,7 @@ class CallAgreement:
             mine = [(acc + c[w] * m) % PRIME for acc, c, m in zip(mine, coef, moments)]
         whole_moments = (numels, [n * (n - 1) // 2 for n in numels], [_squares_below(n) for n in numels])
         self.whole = [sum(c[w] * m for w, m in enumerate(ms)) % PRIME for c, ms in zip(coef, whole_moments)]
-        d = _digest24([(tuple(s), str(t), num) for s, t, num in zip(shapes, dtypes, numerics)])
+        d = _digest24([(tuple(s), str(t), num) for s, t, num in zip(shapes, dtypes, numerics)] + list(shared))
         header = [0.0] * header_numel(size)
         for slot, x in enumerate((len(shapes) % PRIME, d)):
             header[2 * slot], header[2 * slot + 1] = x, -x

@@ -32,6 +32,7 @@ import torch
 from .. import kernels
 from ..format import byte_window
 from ..kernels import checks
+from ..shared_amax import AmaxGroup, group_of, member_indices
 from .collectives import CommStats, all_reduce_max_, rank_and_size
 
 
@@ -68,15 +69,18 @@ class CastPlan:
     groups: Tuple[CastGroup, ...]
     amax_numel: int
     """Entries of all groups' amax layouts."""
+    shared: Tuple[Tuple[int, ...], ...] = ()
+    """Per amax group (`fp4_dist.shared_amax`), the positions of its members' tensor amaxes in the buffer."""
 
     def tensor_amax_entries(self) -> List[int]:
         """Positions in the amax buffer of every weight's tensor amax, group by group."""
         return [g.offset + j for g in self.groups for j in range(g.layout.n)]
 
 
-def make_cast_plan(shapes: Sequence[Tuple[int, int]], dtypes: Sequence[torch.dtype],
-                   numerics: Sequence[str]) -> CastPlan:  # fmt: skip
-    """Group weights by (dtype, numerics) and place each group's amax block (pure)."""
+def make_cast_plan(shapes: Sequence[Tuple[int, int]], dtypes: Sequence[torch.dtype], numerics: Sequence[str],
+                   amax_groups: Optional[Sequence[Optional[AmaxGroup]]] = None) -> CastPlan:  # fmt: skip
+    """Group weights by (dtype, numerics) and place each group's amax block (pure). `amax_groups`: per weight its
+    `AmaxGroup` or None (raises ValueError when only part of a group is given)."""
     keys: dict = {}
     for i, key in enumerate(zip(dtypes, numerics)):
         keys.setdefault(key, []).append(i)
@@ -86,13 +90,15 @@ def make_cast_plan(shapes: Sequence[Tuple[int, int]], dtypes: Sequence[torch.dty
         layout = kernels.amax_layout(g_shapes)
         groups.append(CastGroup(tuple(idx), g_shapes, dtype, num, offset, layout))
         offset += layout.total
-    return CastPlan(tuple(tuple(s) for s in shapes), tuple(groups), offset)
+    entry = {i: g.offset + j for g in groups for j, i in enumerate(g.indices)}
+    shared = tuple(tuple(entry[i] for i in members) for members in member_indices(amax_groups or []))
+    return CastPlan(tuple(tuple(s) for s in shapes), tuple(groups), offset, shared)
 
 
 def plan_for(weights) -> CastPlan:
-    """The `CastPlan` of a list of NVFP4 weights."""
+    """The `CastPlan` of a list of NVFP4 weights (their amax groups included)."""
     return make_cast_plan([tuple(int(s) for s in w.shape) for w in weights], [w.dtype for w in weights],
-                          [w.numerics for w in weights])  # fmt: skip
+                          [w.numerics for w in weights], [group_of(w) for w in weights])  # fmt: skip
 
 
 def weight_name(i: int, w) -> str:
@@ -135,6 +141,13 @@ class CastCore:
         self.plan, self.names = plan, list(names)
         self.amaxes = torch.zeros(plan.amax_numel, dtype=torch.float32, device=device)
         self._whole = torch.tensor(plan.tensor_amax_entries(), dtype=torch.int64, device=device)
+        self._shared = None
+        if plan.shared:
+            flat = [e for members in plan.shared for e in members]
+            seg = [k for k, members in enumerate(plan.shared) for _ in members]
+            self._shared = (torch.tensor(flat, dtype=torch.int64, device=device),
+                            torch.tensor(seg, dtype=torch.int64, device=device),
+                            torch.zeros(len(plan.shared), dtype=torch.float32, device=device))  # fmt: skip
         if exchanged is None:
             self._index, self.message = None, self.amaxes
         else:
@@ -181,6 +194,7 @@ class CastCore:
         if self._index is not None:
             self.amaxes.index_copy_(0, self._index, self.message)
         reduce_whole_weights(self.amaxes, self._whole, amax_group, stats)
+        self._share_amaxes()
         if self._index is not None:
             verdicts = [torch.isfinite(self.message).all()]
         else:  # a tile amax holds nothing its tensor amax does not: check the tensor amaxes, in place
@@ -195,6 +209,16 @@ class CastCore:
         if not bool(ok.item()):  # the only device-to-host read of a successful cast
             self._raise()
         return None
+
+    def _share_amaxes(self) -> None:
+        """Each amax group's members get the group's MAX (every rank holds every tensor amax by now, so every rank
+        computes the same; NaN stays NaN for the check)."""
+        if self._shared is None:
+            return
+        idx, seg, top = self._shared
+        vals = self.amaxes.index_select(0, idx)
+        top.scatter_reduce_(0, seg, vals, reduce="amax", include_self=False)
+        self.amaxes.index_copy_(0, idx, top.index_select(0, seg))
 
     def scales(self) -> None:
         for _, scale, _ in self._runs:

@@ -35,6 +35,7 @@ import torch
 
 from .._user import user_stacklevel
 from ..buffers import ShardBuffer, build_layout
+from ..shared_amax import group_of
 from ..tensor import FIELDS, is_nvfp4_tensor
 from .agreement import check_same_on_every_rank
 from .sharded_cast import ShardedCast
@@ -152,6 +153,7 @@ def _structure(params, groups: List[dict], config: Zero1Config) -> dict:
         "parameter dtypes": [str(p.dtype) for p in params],
         "NVFP4 parameters": [is_nvfp4_tensor(p) for p in params],
         "NVFP4 numerics": [getattr(p, "numerics", None) for p in params],
+        "amax groups": [str(group_of(p)) if group_of(p) else None for p in params],
         "requires_grad": [p.requires_grad for p in params],
         "param group sizes": [len(g["params"]) for g in groups],
         "config": config,

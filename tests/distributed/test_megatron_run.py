@@ -83,6 +83,23 @@ def assert_fp4_run(fp4: dict, bf16: dict) -> None:
     assert "linear weights converted to NVFP4 before DDP" in fp4["stdout"]
 
 
+def assert_exports_the_saved_weights(folder: Path, out: Path) -> None:
+    """`python -m fp4_dist.export megatron` writes the checkpoint's NVFP4 bytes under Megatron's names."""
+    import torch
+
+    proc = subprocess.run([sys.executable, "-m", "fp4_dist.export", "megatron", str(folder), str(out)], cwd=REPO,
+                          env=_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0 and "exported 8 NVFP4 weights" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    from fp4_dist.export import ct_format
+
+    tensors, amaxes, _ = ct_format.read_checkpoint(out)
+    saved = torch.load(folder / "mp_rank_00" / "model_optim_rng.pt", map_location="cpu", weights_only=False)["model"]
+    qkv = saved["decoder.layers.1.self_attention.linear_qkv.weight"]
+    assert torch.equal(tensors["decoder.layers.1.self_attention.linear_qkv.weight_packed"], qkv.rowwise_data)
+    assert amaxes["decoder.layers.1.self_attention.linear_qkv.weight"] == float(qkv.amax)
+    assert torch.equal(tensors["embedding.word_embeddings.weight"], saved["embedding.word_embeddings.weight"])
+
+
 def test_dp1_trains_like_bf16_from_the_bf16_init(tmp_path, data):
     args = ("--data-path", data, "--train-iters", "5", "--eval-interval", "1000")
     assert_fp4_run(train(tmp_path, "fp4", 1, *args), train(tmp_path, "bf16", 1, *args, fp4=False))
@@ -98,6 +115,7 @@ def test_dp2_with_overlap_evaluation_save_and_resume_at_dp2_and_dp3(tmp_path, da
     assert_fp4_run(fp4, train(tmp_path, "bf16", 2, *common, fp4=False))
     # iterations 3 and 6 in the loop, then the final validation and test sets
     assert fp4["stdout"].count("validation loss at iteration") == 4
+    assert_exports_the_saved_weights(save / "iter_0000004", tmp_path / "export")
 
     # Resume from iteration 4 (a folder of its own: --ckpt-step would load the latest optimizer state, see the
     # refusal test below).

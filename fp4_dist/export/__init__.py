@@ -1,0 +1,24 @@
+"""Train on Hopper, deploy in NVFP4: trained weights out to (and back from) compressed-tensors checkpoints.
+
+    export_compressed_tensors(model, out_dir)        a Hugging Face folder transformers and vLLM load
+    export_megatron_checkpoint(save_dir, out_dir)    the same from fp4_dist's Megatron checkpoints
+    load_compressed_tensors(model, folder)           back into NVFP4 weights, the same bytes
+    VLLM_FUSED                                       the sibling groups to train with one amax for vLLM
+
+docs/export.md has the commands and the exactness bound.
+"""
+
+from .global_scale import GlobalScale, choose_global_scale
+from .load import LoadReport, load_compressed_tensors
+from .save import VLLM_FUSED, ExportReport, export_compressed_tensors, export_megatron_checkpoint
+
+__all__ = [
+    "export_compressed_tensors",
+    "export_megatron_checkpoint",
+    "load_compressed_tensors",
+    "ExportReport",
+    "LoadReport",
+    "GlobalScale",
+    "choose_global_scale",
+    "VLLM_FUSED",
+]

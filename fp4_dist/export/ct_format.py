@@ -1,0 +1,197 @@
+"""compressed-tensors' ``nvfp4-pack-quantized`` checkpoint format, as fp4_dist writes and reads it.
+
+A Hugging Face checkpoint folder: ``config.json`` with a ``quantization_config`` and the tensors in safetensors
+files (one ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` shards and
+``model.safetensors.index.json``). An NVFP4 linear weight ``<module>.weight`` [M, K] is stored as
+
+    <module>.weight_packed        uint8 [M, K/2]       E2M1 codes, even column in the low nibble: our rowwise_data
+    <module>.weight_scale         float8_e4m3fn [M, K/16]   1x16 block scales: our tile scales, each on its 16 rows
+    <module>.weight_global_scale  float32 [1]          g: the decoder computes code * fp32(scale / g)
+
+(read from compressed-tensors 0.20's ``NVFP4PackedCompressor`` and its TENSOR_GROUP dequantize). Every other
+tensor keeps its name and dtype. fp4_dist also writes each NVFP4 weight's fp32 amax into the safetensors
+metadata (``fp4_dist.amax``: {name: float.hex}), which loaders ignore and `read_checkpoint` uses to give back the
+same amax bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterator, Mapping, Optional
+
+import torch
+
+from ..format import TILE, ceil_div
+
+FORMAT = "nvfp4-pack-quantized"
+SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale")
+AMAX_METADATA = "fp4_dist.amax"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+SIDE_FILE = "fp4_dist/dense_nvfp4.safetensors"
+"""Packed fields of NVFP4 weights stored dense (a tied embedding), for an exact load back. In a subfolder, so
+that loaders which read every *.safetensors of the checkpoint folder do not see it."""
+DEFAULT_SHARD_BYTES = 5 * 10**9
+"""Hugging Face's default largest shard ("5GB")."""
+
+
+def _require_safetensors():
+    try:
+        import safetensors.torch as st
+    except ImportError as e:  # pragma: no cover - the [export] extra installs it
+        raise ImportError("fp4_dist.export needs the safetensors package: pip install 'fp4_dist[export]' "
+                          "(safetensors, compressed-tensors, transformers)") from e
+    return st
+
+
+def module_of(weight_name: str) -> str:
+    """'a.b.weight' -> 'a.b' (compressed-tensors names a layer's tensors after its module)."""
+    if not weight_name.endswith(".weight"):
+        raise ValueError(f"an NVFP4 weight is exported under its module's name, so it must be named "
+                         f"'<module>.weight'; got {weight_name!r}")
+    return weight_name[: -len(".weight")]
+
+
+def quantization_config(ignore: list[str], targets: Optional[list[str]] = None) -> dict:
+    """The ``quantization_config`` of weight-only NVFP4 (compressed-tensors' NVFP4A16 scheme), packed."""
+    return {
+        "config_groups": {
+            "group_0": {
+                "targets": targets or ["Linear"],
+                "weights": {
+                    "num_bits": 4, "type": "float", "symmetric": True, "group_size": TILE,
+                    "strategy": "tensor_group", "dynamic": False, "scale_dtype": "torch.float8_e4m3fn",
+                },
+                "input_activations": None,
+                "output_activations": None,
+                "format": FORMAT,
+            }
+        },
+        "format": FORMAT,
+        "global_compression_ratio": None,
+        "ignore": sorted(ignore),
+        "kv_cache_scheme": None,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+        "sparsity_config": {},
+        "transform_config": {},
+    }
+
+
+def packed_tensors(module: str, rowwise_data: torch.Tensor, rowwise_scale_inv: torch.Tensor,
+                   global_scale: float) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The three stored tensors of one NVFP4 weight (CPU, contiguous): codes and scales exactly as held."""
+    m, k = rowwise_data.shape[0], rowwise_data.shape[1] * 2
+    scale = rowwise_scale_inv[:m, : ceil_div(k, TILE)].detach().cpu().contiguous().view(torch.float8_e4m3fn)
+    return {
+        f"{module}.weight_packed": rowwise_data.detach().cpu().contiguous(),
+        f"{module}.weight_scale": scale,
+        f"{module}.weight_global_scale": torch.tensor([global_scale], dtype=torch.float32),
+    }
+
+
+def write_checkpoint(out_dir, tensors: Mapping[str, torch.Tensor], amaxes: Mapping[str, float], config: dict,
+                     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                     side_fields: Optional[Mapping[str, torch.Tensor]] = None) -> list[str]:  # fmt: skip
+    """Write `tensors` (name -> CPU tensor, in order) as safetensors files in `out_dir` and `config` as its
+    config.json; the amax of each NVFP4 weight goes into the metadata of the file that holds its codes, and
+    `side_fields` ({weight.field: tensor} of NVFP4 weights stored dense) into `SIDE_FILE`.
+    Returns the file names written."""
+    st = _require_safetensors()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    shards = list(_shards(tensors, max_shard_bytes))
+    names = [SINGLE_FILE] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for fname, shard in zip(names, shards):
+        mine = {w: a for w, a in amaxes.items() if f"{module_of(w)}.weight_packed" in shard}
+        meta = {"format": "pt", AMAX_METADATA: json.dumps({w: float(a).hex() for w, a in mine.items()})}
+        st.save_file(shard, str(out / fname), metadata=meta)
+        weight_map.update({n: fname for n in shard})
+    for stale in _checkpoint_files(out):  # a previous export with another shard count must not be picked up
+        if stale.name not in names:
+            stale.unlink()
+    if len(names) > 1:
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                 indent=2, sort_keys=True))  # fmt: skip
+    elif (out / INDEX_FILE).exists():
+        (out / INDEX_FILE).unlink()
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
+    side = out / SIDE_FILE
+    if side_fields:
+        side.parent.mkdir(exist_ok=True)
+        st.save_file(dict(side_fields), str(side), metadata={"format": "pt"})
+    elif side.exists():
+        side.unlink()
+    return names + ([INDEX_FILE] if len(names) > 1 else []) + [CONFIG_FILE] + ([SIDE_FILE] if side_fields else [])
+
+
+def _checkpoint_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.glob("model*.safetensors"))
+
+
+def _shards(tensors: Mapping[str, torch.Tensor], limit: int) -> Iterator[dict]:
+    """Consecutive groups of at most `limit` bytes (a larger tensor alone); a weight's three tensors stay together
+    so its amax metadata sits with it."""
+    shard, size = {}, 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        starts_weight = not name.endswith(("weight_scale", "weight_global_scale"))
+        if shard and starts_weight and size + nbytes > limit:
+            yield shard
+            shard, size = {}, 0
+        shard[name] = t
+        size += nbytes
+    if shard:
+        yield shard
+
+
+def read_side_fields(folder) -> dict[str, torch.Tensor]:
+    """`SIDE_FILE`'s {weight.field: tensor}, empty when absent."""
+    path = Path(folder) / SIDE_FILE
+    return _require_safetensors().load_file(str(path)) if path.is_file() else {}
+
+
+def read_checkpoint(folder) -> tuple[dict[str, torch.Tensor], dict[str, float], dict]:
+    """(tensors by name, fp4_dist amaxes by weight name (empty for other writers), config.json as a dict)."""
+    st = _require_safetensors()
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    files = _checkpoint_files(folder)
+    if not files:
+        raise FileNotFoundError(f"{folder}: no model*.safetensors file (a compressed-tensors checkpoint folder was "
+                                "expected)")
+    tensors, amaxes = {}, {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            meta = handle.metadata() or {}
+        amaxes.update({w: float.fromhex(h) for w, h in json.loads(meta.get(AMAX_METADATA, "{}")).items()})
+        tensors.update(st.load_file(str(f)))
+    cfg_path = folder / CONFIG_FILE
+    config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    return tensors, amaxes, config
+
+
+def nvfp4_modules(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """Modules stored as packed NVFP4 (those with a ``weight_packed``), in file order."""
+    return [n[: -len(".weight_packed")] for n in tensors if n.endswith(".weight_packed")]
+
+
+def check_format(config: dict, folder) -> None:
+    """Refuse a checkpoint whose quantization config is not NVFP4 weights in 16-element groups."""
+    q = config.get("quantization_config")
+    if q is None:
+        return  # no config.json (a bare tensor folder): the tensor names say what is packed
+    fmt = q.get("format")
+    groups = q.get("config_groups", {})
+    bad = [name for name, g in groups.items()
+           if (g.get("format") or fmt) != FORMAT or (g.get("weights") or {}).get("group_size") != TILE]
+    if fmt != FORMAT and not groups or bad:
+        raise ValueError(f"{os.fspath(folder)}: quantization format {fmt!r} (groups {bad or list(groups)}) is not "
+                         f"{FORMAT!r} with group_size {TILE}; fp4_dist reads NVFP4 weights only")

@@ -1,0 +1,47 @@
+"""Train with NVFP4 weights on gloo ranks, export to compressed-tensors, load with transformers
+(tests/distributed/export_cases.py): Zero1Optimizer at 2 ranks, and FSDP2 saved with DCP at 2 ranks and exported
+at 1."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("compressed_tensors")
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).with_name("export_cases.py")
+TIMEOUT_S = 240
+
+
+def run_case(case: str, ranks: int, out: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", str(SCRIPT),
+           case, str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            _, rank, outcome = line.split(" ", 2)
+            results[int(rank)] = outcome
+    assert sorted(results) == list(range(ranks)), f"not every rank reported:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    for rank, outcome in results.items():
+        assert outcome == "OK", f"{case} rank {rank}: {outcome}"
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_zero1_llama_trained_on_two_ranks_exports_what_transformers_loads_bitwise(tmp_path):
+    run_case("zero1_llama", 2, tmp_path)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fsdp2_saved_with_dcp_at_two_ranks_exports_at_one_the_trained_bytes(tmp_path):
+    run_case("fsdp_train_save", 2, tmp_path)
+    run_case("fsdp_load_export", 1, tmp_path)
