@@ -280,3 +280,21 @@ def test_megatron_checkpoint_exports_under_megatron_names(tmp_path):
 def test_a_model_without_nvfp4_weights_is_refused(tmp_path):
     with pytest.raises(ValueError, match="no NVFP4 weights"):
         export_compressed_tensors(torch.nn.Linear(16, 16), tmp_path)
+
+
+@pytest.mark.gpu
+def test_an_export_from_cuda_weights_equals_the_cpu_export(tmp_path):
+    model = llama(seed=12)
+    export_compressed_tensors(model, tmp_path / "cpu")
+    export_compressed_tensors(model.cuda(), tmp_path / "cuda")
+    a, amax_a, _ = ct_format.read_checkpoint(tmp_path / "cpu")
+    b, amax_b, _ = ct_format.read_checkpoint(tmp_path / "cuda")
+    assert amax_a == amax_b and set(a) == set(b)
+    assert all(torch.equal(a[n].view(-1).view(torch.uint8), b[n].view(-1).view(torch.uint8)) for n in a)
+    back = AutoModelForCausalLM.from_config(llama_config(), dtype=torch.bfloat16).cuda()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        load_compressed_tensors(back, tmp_path / "cuda")
+    for name, p in nvfp4_params(model).items():
+        q = back.get_parameter(name)
+        assert q.rowwise_data.is_cuda and all(torch.equal(getattr(q, f), getattr(p, f)) for f in FIELDS)
