@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .compute_copy import refresh_compute_copies
+from .lean import lean_linear
 from .tensor import NVFP4Tensor
 from .tensor_ops import clone_value
 
@@ -158,7 +159,10 @@ class NVFP4Linear(nn.Linear):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # constant-folded by dynamo; a quarter of a microsecond in eager mode
             return _linear_outside_the_graph(self, input)
-        return F.linear(input, compute_view(self, self.weight), self.bias)
+        w = self.weight
+        if type(w) is NVFP4Tensor and not w.copy_state.enabled and not torch.is_inference_mode_enabled():
+            return lean_linear(input, w, self.bias)
+        return F.linear(input, compute_view(self, w), self.bias)
 
     def _apply(self, fn, *args, **kwargs):
         forget(self)

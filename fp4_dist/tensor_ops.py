@@ -94,10 +94,11 @@ def _alias(func, args, kwargs):
 _ALIAS_REQUEST = threading.local()
 
 
-def clone_value(w: NVFP4Tensor) -> torch.Tensor:
-    """``w.clone()`` as a plain tensor on `w`'s current compute copy, linked to `w` by clone's autograd node (see
-    `fp4_dist.compute_view.compute_alias`, its one caller). A thread-local request tells the clone handler."""
-    _ALIAS_REQUEST.on = True
+def clone_value(w: NVFP4Tensor, fresh: bool = False) -> torch.Tensor:
+    """``w.clone()`` as a plain tensor on `w`'s current compute copy (`fresh`: on a new dequantization of its
+    bytes instead), linked to `w` by clone's autograd node (see `fp4_dist.compute_view.compute_alias` and
+    `fp4_dist.lean`, its callers). A thread-local request tells the clone handler."""
+    _ALIAS_REQUEST.on = "fresh" if fresh else True
     try:
         return w.clone()
     finally:
@@ -106,8 +107,11 @@ def clone_value(w: NVFP4Tensor) -> torch.Tensor:
 
 @_implements(aten.clone.default)
 def _clone(func, args, kwargs):
-    if getattr(_ALIAS_REQUEST, "on", False):
+    request = getattr(_ALIAS_REQUEST, "on", False)
+    if request:
         _ALIAS_REQUEST.on = False  # this one call only
+        if request == "fresh":
+            return args[0].dequantize(args[0].dtype)
         value = args[0].compute_value()
         return value.view(value.shape)  # a new tensor on the copy's memory (never the copy itself: autograd
         # gives the returned tensor its grad_fn)

@@ -1,0 +1,128 @@
+"""Memory and step time of a GPT-like stack trained with Zero1Optimizer on one GPU: plain bf16 weights, NVFP4
+weights with kept compute copies (the default), and lean NVFP4 weights (compute_copy=False: a copy only around
+each use, `fp4_dist.lean`).
+
+    python bench/lean.py [--hidden 2048] [--layers 8] [--seq 1024] [--micro-batch 4] [--steps 15] [--rounds 2]
+
+Each mode runs in its own process (so each has its own peak), in rounds that alternate the order; prints per mode
+the peak allocated memory during the timed steps, the median step (forward + backward + optimizer step, CUDA
+events) and the bytes the weights hold (bf16 params, or packed NVFP4 + compute copies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import fp4_dist  # noqa: E402
+from fp4_dist.optim import Zero1Optimizer  # noqa: E402
+
+MODES = ("bf16", "default", "lean")
+
+
+class Block(nn.Module):
+    def __init__(self, h: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
+        self.fc1, self.fc2 = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+
+    def forward(self, x):
+        b, t, h = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, h)
+        x = x + self.proj(a)
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, h: int, layers: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(h, h // 128) for _ in range(layers))
+        self.norm = nn.LayerNorm(h)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.norm(x)
+
+
+def run_mode(mode: str, args) -> dict:
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    model = Net(args.hidden, args.layers).to(dev, torch.bfloat16)
+    if mode != "bf16":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fp4_dist.convert_linear_weights(model, compute_copy=mode == "default")
+    opt = Zero1Optimizer(model.named_parameters(), lambda g: torch.optim.AdamW(g, lr=1e-4, fused=True))
+    x = torch.randn(args.micro_batch, args.seq, args.hidden, device=dev, dtype=torch.bfloat16)
+
+    def step():
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(args.steps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    weights = opt.param_memory_bytes()
+    return {"mode": mode, "peak_MiB": torch.cuda.max_memory_allocated() / 2**20, "step_ms": statistics.median(times),
+            "weights_MiB": {k: v / 2**20 for k, v in weights.items()}}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=15)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--mode", choices=MODES, help="run one mode here and print its JSON (the driver's child)")
+    args = p.parse_args()
+    if args.mode:
+        print(json.dumps(run_mode(args.mode, args)))
+        return
+    results = {m: [] for m in MODES}
+    for r in range(args.rounds):
+        for mode in (MODES if r % 2 == 0 else MODES[::-1]):
+            cmd = [sys.executable, __file__, "--mode", mode] + [f"--{k.replace('_', '-')}={v}" for k, v in
+                   vars(args).items() if k not in ("mode", "rounds")]  # fmt: skip
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+            results[mode].append(json.loads(out))
+    print(f"GPT-like stack, hidden {args.hidden} x {args.layers} layers, {args.micro_batch} x {args.seq} tokens, "
+          f"Zero1Optimizer (AdamW) on one {torch.cuda.get_device_name()}")
+    print(f"{'mode':8} {'peak MiB':>10} {'step ms (runs)':>24} {'vs bf16':>8} {'weights MiB':>34}")
+    base = statistics.median(r["step_ms"] for r in results["bf16"])
+    for mode, runs in results.items():
+        step = statistics.median(r["step_ms"] for r in runs)
+        w = runs[0]["weights_MiB"]
+        wtxt = f"dense {w['dense']:.0f} nvfp4 {w['nvfp4']:.0f} copies {w['compute_copies']:.0f}"
+        each = ", ".join(f"{r['step_ms']:.2f}" for r in runs)
+        peak = max(r["peak_MiB"] for r in runs)
+        print(f"{mode:8} {peak:10.0f} {step:8.2f} ({each}) {step / base:8.3f} {wtxt:>34}")
+
+
+if __name__ == "__main__":
+    main()
