@@ -107,8 +107,9 @@ def add_fp4_dist_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help="at the end, hash every full fp32 master (compares runs bit for bit)")
     group.add_argument("--fp4-print-args", action="store_true", help="print Megatron's full argument table")
     group.add_argument("--fp4-no-compute-copy", action="store_true",
-                       help="dequantize NVFP4 weights on every use instead of keeping a bf16 compute copy per "
-                            "weight between updates (saves 2 bytes per weight element, costs a dequantize per use)")
+                       help="lean: keep no bf16 compute copy of the NVFP4 weights between updates; each linear "
+                            "dequantizes its weight around each use and again in backward (saves 2 bytes per weight "
+                            "element, costs a dequantize per use; same values)")
     group.add_argument("--fp4-columnwise", action="store_true",
                        help="also build the columnwise NVFP4 copies after every param all-gather, as "
                             "TransformerEngine does (nothing in this compute path reads them)")
@@ -394,6 +395,8 @@ class RunResult:
     nvfp4_weights: int = 0
     compute_copy_bytes: int = 0
     """Bytes of the NVFP4 weights' compute copies at the end of the run (next to the param buffers)."""
+    peak_allocated_bytes: int = 0
+    """CUDA: the most memory torch had allocated on this rank's device during the iterations (0 on CPU)."""
     checkpoints: list[str] = field(default_factory=list)
     master_digest: Optional[str] = None
     validation: list = field(default_factory=list)
@@ -512,6 +515,8 @@ def train(args, model, optimizer, scheduler, device, start_iteration: int) -> Ru
         gc.disable()
         gc.collect()
     iteration = start_iteration
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     try:
         for iteration in range(start_iteration + 1, args.train_iters + 1):
             go_on = _train_iteration(args, iteration, tokens, plan, model, optimizer, scheduler, device, result)
@@ -540,6 +545,8 @@ def train(args, model, optimizer, scheduler, device, start_iteration: int) -> Ru
     from fp4_dist.compute_copy import compute_copy_bytes
 
     result.compute_copy_bytes = compute_copy_bytes(model.module)
+    if device.type == "cuda":
+        result.peak_allocated_bytes = torch.cuda.max_memory_allocated(device)
     return result
 
 
@@ -604,7 +611,9 @@ def _summary(args, result: RunResult) -> str:
     median = times[len(times) // 2] if times else float("nan")
     return (f"done: {result.mode} weights ({result.nvfp4_weights} NVFP4), {result.world_size} ranks, "
             f"iterations {result.start_iteration + 1}..{args.train_iters}, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
-            f"median step {median:.1f} ms, DDP buffers and compute copies {mib}" if losses else "done: nothing to train")
+            f"median step {median:.1f} ms, DDP buffers and compute copies {mib}"
+            + (f", peak allocated {result.peak_allocated_bytes / 2**20:.0f} MiB" if result.peak_allocated_bytes else "")
+            if losses else "done: nothing to train")
 
 
 @dataclass

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .compute_copy import refresh_compute_copies
-from .lean import lean_linear
+from .lean import is_lean, lean_linear
 from .tensor import NVFP4Tensor
 from .tensor_ops import clone_value
 
@@ -160,7 +160,7 @@ class NVFP4Linear(nn.Linear):
         if torch.compiler.is_compiling():  # constant-folded by dynamo; a quarter of a microsecond in eager mode
             return _linear_outside_the_graph(self, input)
         w = self.weight
-        if type(w) is NVFP4Tensor and not w.copy_state.enabled and not torch.is_inference_mode_enabled():
+        if is_lean(w):
             return lean_linear(input, w, self.bias)
         return F.linear(input, compute_view(self, w), self.bias)
 

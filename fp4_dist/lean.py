@@ -19,6 +19,7 @@ layers computing at one moment; time: one dequantize launch per use (forward, ba
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -58,13 +59,21 @@ def _copy(w: NVFP4Tensor, grad: bool) -> torch.Tensor:
     return value
 
 
-def lean_linear(input: torch.Tensor, weight: NVFP4Tensor, bias=None) -> torch.Tensor:
-    """``F.linear(input, weight, bias)`` computing with a copy of `weight` that exists only around its use (see the
-    module docstring)."""
+def is_lean(w) -> bool:
+    """Whether `w` is an NVFP4 weight that keeps no compute copy (computed with lean copies)."""
+    return type(w) is NVFP4Tensor and not w.copy_state.enabled and not torch.is_inference_mode_enabled()
+
+
+@contextlib.contextmanager
+def lean_use(weight: NVFP4Tensor):
+    """Yields a fresh copy of `weight` to compute with in place of it (linked to it by clone's autograd node when
+    grad is on); whatever autograd saves of that copy inside the block is saved as a note that re-dequantizes in
+    backward (see the module docstring). Leave the block right after the op."""
     grad = torch.is_grad_enabled() and weight.requires_grad
     value = _copy(weight, grad)
     if not torch.is_grad_enabled():
-        return F.linear(input, value, bias)
+        yield value
+        return
     # Autograd keeps the hooks with what they packed: the closure holds the copy's address, never the copy.
     ptr, device = value.untyped_storage().data_ptr(), value.device
 
@@ -74,6 +83,12 @@ def lean_linear(input: torch.Tensor, weight: NVFP4Tensor, bias=None) -> torch.Te
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+        yield value
+
+
+def lean_linear(input: torch.Tensor, weight: NVFP4Tensor, bias=None) -> torch.Tensor:
+    """``F.linear(input, weight, bias)`` computing with a copy of `weight` that exists only around its use."""
+    with lean_use(weight) as value:
         return F.linear(input, value, bias)
 
 

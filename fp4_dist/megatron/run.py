@@ -52,7 +52,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="also build the columnwise NVFP4 copies after every param all-gather, as TransformerEngine "
                         "does (nothing in the compute path reads them)")
     p.add_argument("--no-compute-copy", action="store_true",
-                   help="dequantize NVFP4 weights on every use instead of keeping a bf16 copy between updates")
+                   help="lean: keep no bf16 copy of the NVFP4 weights between updates; each linear dequantizes its "
+                        "weight around each use and again in backward (less memory than bf16 weights, same values)")
     p.add_argument("--allow-untested-megatron", action="store_true",
                    help="run with a megatron-core version outside the tested range")
     p.add_argument("script", help="the training script, e.g. Megatron-LM's pretrain_gpt.py")

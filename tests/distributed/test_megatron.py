@@ -20,7 +20,7 @@ pytest.importorskip("megatron.core")
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "distributed" / "megatron_suite.py"
-SUITES = {2: "parity,upstream,resume,fake", 3: "parity,upstream,resume", 4: "parity,upstream"}
+SUITES = {2: "parity,upstream,resume,fake,lean", 3: "parity,upstream,resume", 4: "parity,upstream"}
 TIMEOUT_S = 400
 
 pytestmark = [pytest.mark.distributed, pytest.mark.megatron, pytest.mark.slow]
@@ -72,6 +72,13 @@ def test_resume_from_checkpoint_continues_bit_for_bit(dp):
 def test_nvfp4_param_gather_run_equals_fake_quant_bf16_run_bit_for_bit():
     bad = failures(2, "fake")
     assert not bad, "\n".join(bad)
+
+
+def test_lean_compute_trains_bitwise_like_kept_compute_copies():
+    bad = failures(2, "lean")
+    assert not bad, "\n".join(bad)
+    rep = report(2)["suites"]["lean"]
+    assert rep["compute_copy_bytes"] == 0 and len(rep["losses"]) == 4
 
 
 @pytest.mark.parametrize("dp", [2, 3, 4], ids=lambda n: f"dp{n}")
