@@ -104,6 +104,20 @@ def step_fn(model, opt, x):
     return step
 
 
+def held_by_forward(model, x) -> float:
+    """MiB the forward leaves allocated for its backward (activations, and anything of the gathered weights that
+    outlives the reshard after forward): the same activations in both variants, so a difference is weights."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    out = model(x)
+    torch.cuda.synchronize()
+    held = (torch.cuda.memory_allocated() - before) / 2**20
+    out.float().square().mean().backward()
+    for p in model.parameters():
+        p.grad = None
+    return held
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=2048)
@@ -137,6 +151,7 @@ def main() -> None:
             sync()
             times[v].append(1e3 * (time.perf_counter() - t0) / args.steps)
     med = {v: statistics.median(t) for v, t in times.items()}
+    held = {v: held_by_forward(runs[v][0], x) for v in runs} if dev.type == "cuda" else {}
     if args.profile and info.rank == 0:
         import cProfile
         import io
@@ -171,10 +186,12 @@ def main() -> None:
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     lines = [f"device: {name} x {info.world_size}; hidden {args.hidden} x {args.layers} blocks, {args.tokens} tokens "
              f"per rank, {weights / 1e6:.1f}M linear weight elements", "",
-             "| variant | median step ms | all-gather MiB per step (fwd + bwd) | x bf16 |", "|---|---|---|---|"]
+             "| variant | median step ms | all-gather MiB per step (fwd + bwd) | x bf16 | MiB held from forward to "
+             "backward |", "|---|---|---|---|---|"]
     for v in steps:
         lines.append(f"| {v} | {med[v]:.2f} | {gathered[v] / 2**20:.2f} | "
-                     f"{med[v] / med['bf16']:.3f} time, {gathered[v] / max(gathered['bf16'], 1):.3f} bytes |")
+                     f"{med[v] / med['bf16']:.3f} time, {gathered[v] / max(gathered['bf16'], 1):.3f} bytes | "
+                     f"{held.get(v, float('nan')):.0f} |")
     text = "\n".join(lines)
     if info.rank == 0:
         print(text, flush=True)

@@ -99,29 +99,31 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--modes", default=",".join(MODES), help="which modes to run (comma-separated)")
     p.add_argument("--mode", choices=MODES, help="run one mode here and print its JSON (the driver's child)")
     args = p.parse_args()
     if args.mode:
         print(json.dumps(run_mode(args.mode, args)))
         return
-    results = {m: [] for m in MODES}
+    modes = tuple(args.modes.split(","))
+    results = {m: [] for m in modes}
     for r in range(args.rounds):
-        for mode in (MODES if r % 2 == 0 else MODES[::-1]):
+        for mode in (modes if r % 2 == 0 else modes[::-1]):
             cmd = [sys.executable, __file__, "--mode", mode] + [f"--{k.replace('_', '-')}={v}" for k, v in
-                   vars(args).items() if k not in ("mode", "rounds")]  # fmt: skip
+                   vars(args).items() if k not in ("mode", "rounds", "modes")]  # fmt: skip
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
             results[mode].append(json.loads(out))
     print(f"GPT-like stack, hidden {args.hidden} x {args.layers} layers, {args.micro_batch} x {args.seq} tokens, "
           f"Zero1Optimizer (AdamW) on one {torch.cuda.get_device_name()}")
-    print(f"{'mode':8} {'peak MiB':>10} {'step ms (runs)':>24} {'vs bf16':>8} {'weights MiB':>34}")
-    base = statistics.median(r["step_ms"] for r in results["bf16"])
+    print(f"{'mode':9} {'peak MiB':>10} {'step ms (runs)':>24} {'vs bf16':>8} {'weights MiB':>34}")
+    base = statistics.median(r["step_ms"] for r in results[modes[0]])
     for mode, runs in results.items():
         step = statistics.median(r["step_ms"] for r in runs)
         w = runs[0]["weights_MiB"]
         wtxt = f"dense {w['dense']:.0f} nvfp4 {w['nvfp4']:.0f} copies {w['compute_copies']:.0f}"
         each = ", ".join(f"{r['step_ms']:.2f}" for r in runs)
         peak = max(r["peak_MiB"] for r in runs)
-        print(f"{mode:8} {peak:10.0f} {step:8.2f} ({each}) {step / base:8.3f} {wtxt:>34}")
+        print(f"{mode:9} {peak:10.0f} {step:8.2f} ({each}) {step / base:8.3f} {wtxt:>34}")
 
 
 if __name__ == "__main__":
