@@ -5,6 +5,8 @@ Public API (everything else is internal and may change)::
     format      NVFP4Tensor, quantize, is_nvfp4_tensor, convert_linear_weights
     compute     NVFP4Linear (fp4_dist.compute_view: a layer's cached alias of its weight's compute copy)
     zero        cast_master_weights_to_nvfp4 (= quantize_master_weights), post_all_gather_processing
+    export      fp4_dist.export: export_compressed_tensors, load_compressed_tensors, VLLM_FUSED (imported on use:
+                it needs safetensors)
 """
 
 from . import launch  # noqa: F401 - first, so that a process group made after `import fp4_dist` can be freed

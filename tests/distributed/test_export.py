@@ -4,33 +4,21 @@ at 1."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from .rank_results import run_ranks
+
 pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
-REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("export_cases.py")
 TIMEOUT_S = 240
 
 
 def run_case(case: str, ranks: int, out: Path) -> None:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", str(SCRIPT),
-           case, str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            _, rank, outcome = line.split(" ", 2)
-            results[int(rank)] = outcome
-    assert sorted(results) == list(range(ranks)), f"not every rank reported:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    for rank, outcome in results.items():
+    for rank, outcome in run_ranks(SCRIPT, [case, out], ranks, TIMEOUT_S).items():
         assert outcome == "OK", f"{case} rank {rank}: {outcome}"
 
 

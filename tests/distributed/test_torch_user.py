@@ -4,29 +4,18 @@ ranks. 2 gloo ranks per case, each case its own job (tests/distributed/torch_use
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from .rank_results import run_ranks
+
 SCRIPT = Path(__file__).with_name("torch_user_cases.py")
 TIMEOUT_S = 30
 
 
 def run_case(case: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(SCRIPT), case]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            _, rank, outcome = line.split(" ", 2)
-            results[int(rank)] = outcome
-    assert sorted(results) == [0, 1], f"not every rank reported:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return results
+    return run_ranks(SCRIPT, [case], 2, TIMEOUT_S)
 
 
 @pytest.mark.parametrize("case, says", [
