@@ -83,9 +83,10 @@ def group_amax(values: Sequence[torch.Tensor], round_to: torch.dtype) -> torch.T
     return torch.stack([v.detach().to(round_to).abs().max().to(torch.float32) for v in values]).max().reshape(1)
 
 
-def quantize_members(items: dict) -> dict:
-    """{name: NVFP4Tensor} of whole weights {name: (full master, FSDP2 `WeightState`)}, each group with its shared
-    amax: the bytes FSDP2's shard cast writes."""
+def quantize_members(items: dict, device=None) -> dict:
+    """{name: NVFP4Tensor on the host} of whole weights {name: (full master, FSDP2 `WeightState`)}, each group with
+    its shared amax: the bytes FSDP2's shard cast writes. Each weight is quantized on `device` (default: where its
+    master is), one at a time."""
     from .quantize import quantize
 
     out = {}
@@ -94,5 +95,7 @@ def quantize_members(items: dict) -> dict:
         shared = None
         if g is not None:
             shared = group_amax([items[m][0] for m in g.members], st.model_dtype)
-        out[name] = quantize(master, st.numerics, st.model_dtype, name=name, amax=shared)
+        q = quantize(master.to(device or master.device), st.numerics, st.model_dtype, name=name,
+                     amax=None if shared is None else shared.to(device or master.device))  # fmt: skip
+        out[name] = q if q.rowwise_data.device.type == "cpu" else q.to("cpu")
     return out

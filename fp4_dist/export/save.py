@@ -106,21 +106,27 @@ def export_compressed_tensors(model: nn.Module, out_dir, *, config: Any = None,
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"export_compressed_tensors: model must be an nn.Module, got {type(model).__name__}")
-    entries, tied, linear_modules, held_by_other = _model_entries(model, dense_dtype)
-    if not any(isinstance(e, NVFP4Entry) for e in entries.values()):
+    registry = getattr(model, "_fp4_dist_nvfp4", None)
+    if not (registry.states if registry is not None else any(is_nvfp4_tensor(p) for p in model.parameters())):
         raise ValueError("export_compressed_tensors: the model has no NVFP4 weights (convert it with "
                          "fp4_dist.convert_linear_weights or shard it with fully_shard_nvfp4 first)")
     cfg = _config_dict(config if config is not None else getattr(model, "config", None))
     rank, _ = rank_and_size(group)
+    writer = rank == 0  # the others only take part in the gathers of a sharded model
+    entries, tied, linear_modules, held_by_other = _model_entries(model, dense_dtype, registry, writer)
     report = ExportReport(str(out_dir), tied=tied)
-    tensors, amaxes, side = _encode(entries, held_by_other, report)
-    stored = {ct_format.module_of(n) for n in report.nvfp4}
-    cfg["quantization_config"] = ct_format.quantization_config(sorted(set(linear_modules) - stored))
-    if rank == 0:
+    if writer:
+        tensors, amaxes, side = _encode(entries, held_by_other, report)
+        stored = {ct_format.module_of(n) for n in report.nvfp4}
+        cfg["quantization_config"] = ct_format.quantization_config(sorted(set(linear_modules) - stored))
         report.files = ct_format.write_checkpoint(out_dir, tensors, amaxes, cfg, max_shard_bytes, side)
-    if in_distributed_job():
-        dist.barrier(group)
-    if verbose and rank == 0:
+    if in_distributed_job():  # every rank returns the writer's report, once the files are there
+        box = [report]
+        dist.broadcast_object_list(box, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
+        report = box[0]
+        if not writer:
+            report.files = []
+    if verbose and writer:
         print(report)
     return report
 
@@ -205,13 +211,13 @@ def _config_dict(config) -> dict:
                     f"{type(config).__name__}")
 
 
-def _model_entries(model: nn.Module, dense_dtype):
+def _model_entries(model: nn.Module, dense_dtype, registry, writer: bool):
     """({name: NVFP4Entry | tensor} in state-dict order, {dropped tied name: kept name}, names of nn.Linear
-    modules, names of NVFP4 weights some non-linear module holds)."""
+    modules, names of NVFP4 weights some non-linear module holds). A sharded model's tensors are gathered on every
+    rank (collectives) and kept by the writer only."""
     linear_modules = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    registry = getattr(model, "_fp4_dist_nvfp4", None)
     if registry is not None:
-        return _fsdp_entries(model, registry, dense_dtype) + (linear_modules, set())
+        return _fsdp_entries(model, registry, dense_dtype, writer) + (linear_modules, set())
     held_by_other = set()
     for mname, module in model.named_modules():
         for attr, p in module.named_parameters(recurse=False):
@@ -232,9 +238,10 @@ def _model_entries(model: nn.Module, dense_dtype):
     return entries, tied, linear_modules, other
 
 
-def _fsdp_entries(model: nn.Module, registry, dense_dtype):
-    """Entries of a `fully_shard_nvfp4` model: full masters (a collective per sharded tensor), NVFP4 weights
-    quantized as the FSDP2 cast does (with their shared amax, if any)."""
+def _fsdp_entries(model: nn.Module, registry, dense_dtype, writer: bool):
+    """Entries of a `fully_shard_nvfp4` model: full masters (a collective per sharded tensor, kept on the host of
+    the writer only), NVFP4 weights quantized as the FSDP2 cast does (with their shared amax, if any), one amax
+    group at a time on the model's device."""
     from torch.distributed.tensor import DTensor
 
     from ..shared_amax import quantize_members
@@ -242,11 +249,16 @@ def _fsdp_entries(model: nn.Module, registry, dense_dtype):
     states = registry.states
     model_dtype = next(iter(states.values())).model_dtype if states else None
     dense_dtype = dense_dtype or model_dtype
-    full = {}
+    full, device = {}, None
     for name, t in model.state_dict().items():
-        full[name] = t.full_tensor() if isinstance(t, DTensor) else t
-    masters = {n: full[n] for n in states}
-    quantized = quantize_members({n: (masters[n], states[n]) for n in states})
+        whole = t.full_tensor() if isinstance(t, DTensor) else t
+        device = device or whole.device
+        if writer:
+            full[name] = whole.detach().cpu()
+        del whole
+    if not writer:
+        return {}, {}
+    quantized = quantize_members({n: (full[n], states[n]) for n in states}, device)
     entries = {}
     for name, t in full.items():
         if name in quantized:
