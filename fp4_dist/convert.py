@@ -87,9 +87,11 @@ def convert_linear_weights(
             "convert_linear_weights: this model is already sharded (its parameters are DTensors, e.g. by torch's "
             "fully_shard); convert the unsharded model, or shard it with fp4_dist.fsdp.fully_shard_nvfp4, which "
             "converts the linear weights itself")
-    owners = _weight_owners(model)
+    owners = weight_owners(model)
     report, done = ConversionReport(), {}
-    groups = _amax_groups(model, check_patterns(shared_amax), skip, dtype) if shared_amax else {}
+    linears = {name: m.weight for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    kept = {name: _kept_reason(name, w, skip) for name, w in linears.items() if not is_nvfp4_tensor(w)}
+    groups = _amax_groups(linears, kept, check_patterns(shared_amax), dtype) if shared_amax else {}
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
@@ -98,30 +100,22 @@ def convert_linear_weights(
             continue
         if is_nvfp4_tensor(w):
             continue
-        if name in skip:
-            report.skipped[name] = "listed in skip"
-        elif w.shape[1] % TILE:
-            report.skipped[name] = f"in_features = {w.shape[1]} is not a multiple of {TILE}"
-        elif not torch.isfinite(w).all():
-            report.skipped[name] = "weight holds non-finite values"
+        why = kept[name]
+        if why:
+            report.skipped[name] = why
         else:
-            model_dtype = dtype or (w.dtype if w.dtype in MODEL_DTYPES else torch.bfloat16)
             group, shared = groups.get(f"{name}.weight", (None, None))
-            q = quantize(w.detach(), numerics=numerics, dtype=model_dtype, name=f"{name}.weight", amax=shared)
+            q = quantize(w.detach(), numerics=numerics, dtype=model_dtype_of(w, dtype), name=f"{name}.weight",
+                         amax=shared)  # fmt: skip
             q.compute_copy = compute_copy
-            new = nn.Parameter(q, requires_grad=w.requires_grad)
-            new.fp4_dist_name = f"{name}.weight"
+            others = [o for o in owners[id(w)] if o[0] is not module]
+            new = install_nvfp4(module, q, f"{name}.weight", w.requires_grad, [(o, attr) for o, attr, _ in others])
             if group is not None:
                 setattr(new, AMAX_GROUP_ATTR, group)
                 report.shared_amax[f"{name}.weight"] = group
-            others = [o for o in owners[id(w)] if o[0] is not module]
-            for owner, attr, _ in [(module, "weight", name), *others]:
-                setattr(owner, attr, new)
             if others:
                 report.tied[name] = [f"{qual}.{attr}" if qual else attr for _, attr, qual in others]
             done[id(w)] = new
-            if type(module) is nn.Linear:  # its forward is F.linear: computing with the cached view is the same
-                module.__class__ = NVFP4Linear
             # An optimizer built before this call still holds `w`, which no longer gets gradients: let it say so.
             w._fp4_dist_replaced_by = f"{name}.weight"
             report.converted.append(name)
@@ -132,25 +126,48 @@ def convert_linear_weights(
     return report
 
 
-def _eligible(name: str, w, skip) -> bool:
-    return (not is_nvfp4_tensor(w) and name not in skip and w.shape[1] % TILE == 0
-            and bool(torch.isfinite(w).all()))  # fmt: skip
+def model_dtype_of(w: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.dtype:
+    """The dtype an NVFP4 weight made from `w` computes in: `dtype` if given, else `w`'s own when NVFP4 weights can
+    compute in it, else bf16."""
+    return dtype or (w.dtype if w.dtype in MODEL_DTYPES else torch.bfloat16)
 
 
-def _amax_groups(model: nn.Module, patterns, skip, dtype) -> dict:
-    """{weight name: (AmaxGroup, its shared amax)} of the sibling groups among the linears this call converts."""
-    linears = {name: m.weight for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-    eligible = [name for name, w in linears.items() if _eligible(name, w, skip)]
+def install_nvfp4(module: nn.Module, q, name: str, requires_grad: bool, others=()) -> nn.Parameter:
+    """Make `q` the ``weight`` parameter of `module` (and the `others` (module, attribute) owners of a tied weight),
+    named `name` in messages; a plain nn.Linear becomes an `NVFP4Linear` (its forward is F.linear, so computing
+    with the layer's cached view of the compute copy is the same)."""
+    new = nn.Parameter(q, requires_grad=requires_grad)
+    new.fp4_dist_name = name
+    for owner, attr in [(module, "weight"), *others]:
+        setattr(owner, attr, new)
+    if type(module) is nn.Linear:
+        module.__class__ = NVFP4Linear
+    return new
+
+
+def _kept_reason(name: str, w: torch.Tensor, skip) -> Optional[str]:
+    """Why the linear `name` keeps its high-precision weight `w`, or None when it is converted."""
+    if name in skip:
+        return "listed in skip"
+    if w.shape[1] % TILE:
+        return f"in_features = {w.shape[1]} is not a multiple of {TILE}"
+    if not torch.isfinite(w).all():
+        return "weight holds non-finite values"
+    return None
+
+
+def _amax_groups(linears: dict, kept: dict, patterns, dtype) -> dict:
+    """{weight name: (AmaxGroup, its shared amax)} of the sibling groups among the linears this call converts
+    (`kept`: linear name -> why it keeps its weight, None for those converted)."""
     out = {}
-    for g in sibling_groups(eligible, patterns):
+    for g in sibling_groups([name for name, why in kept.items() if why is None], patterns):
         ws = [linears[m[: -len(".weight")]] for m in g.members]
-        round_to = dtype or (ws[0].dtype if ws[0].dtype in MODEL_DTYPES else torch.bfloat16)
-        shared = group_amax(ws, round_to)
+        shared = group_amax(ws, model_dtype_of(ws[0], dtype))
         out.update({m: (g, shared) for m in g.members})
     return out
 
 
-def _weight_owners(model: nn.Module) -> dict:
+def weight_owners(model: nn.Module) -> dict:
     """{id(parameter): [(module, attribute, module name)]} over every module, shared parameters included."""
     owners: dict = {}
     for qual, module in model.named_modules(remove_duplicate=False):

@@ -34,7 +34,8 @@ class AmaxGroup:
 
 
 def group_of(w) -> Optional[AmaxGroup]:
-    """The `AmaxGroup` of weight `w` (an NVFP4Tensor, a Parameter of one, or an FSDP2 weight state), or None."""
+    """The `AmaxGroup` of weight `w` (an NVFP4Tensor or a Parameter of one), or None. FSDP2 keeps a weight's group
+    in its `WeightState.amax_group`."""
     return getattr(w, ATTR, None)
 
 
@@ -89,12 +90,14 @@ def quantize_members(items: dict, device=None) -> dict:
     master is), one at a time."""
     from .quantize import quantize
 
-    out = {}
+    out, shared_of = {}, {}
     for name, (master, st) in items.items():
         g = st.amax_group
         shared = None
         if g is not None:
-            shared = group_amax([items[m][0] for m in g.members], st.model_dtype)
+            if g not in shared_of:
+                shared_of[g] = group_amax([items[m][0] for m in g.members], st.model_dtype)
+            shared = shared_of[g]
         q = quantize(master.to(device or master.device), st.numerics, st.model_dtype, name=name,
                      amax=None if shared is None else shared.to(device or master.device))  # fmt: skip
         out[name] = q if q.rowwise_data.device.type == "cpu" else q.to("cpu")

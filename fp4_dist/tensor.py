@@ -31,6 +31,7 @@ from .format import (
     rowwise_data_shape,
     rowwise_scale_shape,
 )
+from .shared_amax import group_amax, group_of
 
 aten = torch.ops.aten
 
@@ -199,7 +200,7 @@ class NVFP4Tensor(torch.Tensor):
         larger, and raises ValueError otherwise: its scales would then differ from what its group holds.
         """
         flat, shape = kernels.checks.quantize_source(src, "source")
-        group = self.__dict__.get("fp4_dist_amax_group")
+        group = group_of(self)
         if shape != tuple(self.shape):
             raise ValueError(f"cannot quantize a {list(shape)} tensor into an NVFP4Tensor of shape {list(self.shape)}")
         if src.device != self.rowwise_data.device:
@@ -207,7 +208,7 @@ class NVFP4Tensor(torch.Tensor):
         shared = None
         if group is not None:
             shared = self.amax.clone()
-            own = flat.to(self.dtype).abs().max().to(torch.float32)
+            own = group_amax([flat], self.dtype)[0]
             if bool(own > shared[0]):
                 raise ValueError(f"quantize_: this weight shares one amax with {group}, and the new values' max "
                                  f"|x| = {float(own)} exceeds it ({float(shared[0])}): re-quantizing it alone would "

@@ -19,14 +19,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..format import GLOBAL_SCALE_NUMERATOR, TILE
-from ..format import E2M1_VALUES
+from ..format import E2M1_VALUES, GLOBAL_SCALE_NUMERATOR, TILE
+from ..kernels.reference import unpack_nibbles
 
 SEARCH_ULPS = 64
 """fp32 neighbours of 2688 / A tried on each side."""
 
 _SCALES = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)  # 0x01..0x7E
 _CODES = torch.tensor(E2M1_VALUES[1:], dtype=torch.float32)  # 0.5 .. 6
+_INV = torch.ones(1) / torch.full((1,), GLOBAL_SCALE_NUMERATOR)  # fp32(1/2688), as the spec's dequantize has it
 
 
 @dataclass(frozen=True)
@@ -41,19 +42,18 @@ class GlobalScale:
     mismatched: int = 0
 
 
-def _ours(amax: torch.Tensor) -> torch.Tensor:
-    inv = torch.ones(1) / torch.full((1,), GLOBAL_SCALE_NUMERATOR)
-    return (_SCALES * amax) * inv
+def _ours(scales: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """Our decode factor (float(s) * A) * fp32(1/2688) of each scale value."""
+    return (scales * amax) * _INV
 
 
-def _factor_table(amax: float):
-    """Our factor per scale and the candidate g values, nearest to 2688 / A first."""
-    a = torch.tensor([amax], dtype=torch.float32)
-    g0 = torch.full((1,), GLOBAL_SCALE_NUMERATOR) / a
-    bits = int(g0.view(torch.int32))
+def _around_2688_over(x: float) -> torch.Tensor:
+    """The finite positive fp32 values within `SEARCH_ULPS` of fp32(2688 / x), nearest first: the candidates for g
+    given A, and for A given g."""
+    center = torch.full((1,), GLOBAL_SCALE_NUMERATOR) / torch.tensor([x], dtype=torch.float32)
+    bits = int(center.view(torch.int32))
     steps = sorted(range(-SEARCH_ULPS, SEARCH_ULPS + 1), key=abs)
-    cands = torch.tensor([bits + d for d in steps if 0 < bits + d < 0x7F800000], dtype=torch.int32)
-    return _ours(a), cands.view(torch.float32)
+    return torch.tensor([bits + d for d in steps if 0 < bits + d < 0x7F800000], dtype=torch.int32).view(torch.float32)
 
 
 def choose_global_scale(amax: float) -> GlobalScale:
@@ -61,7 +61,7 @@ def choose_global_scale(amax: float) -> GlobalScale:
     share one amax get one global scale, as vLLM's fused layers need)."""
     if not amax > 0:  # every tile scale is 0: every decode is a signed zero whatever g is
         return GlobalScale(1.0, "fp32")
-    ours, gs = _factor_table(amax)
+    ours, gs = _ours(_SCALES, torch.tensor([amax], dtype=torch.float32)), _around_2688_over(amax)
     theirs = _SCALES[None, :] / gs[:, None]  # [candidates, scales]
     same_factor = (theirs == ours[None, :]).all(dim=1)
     if bool(same_factor.any()):
@@ -77,8 +77,7 @@ def choose_global_scale(amax: float) -> GlobalScale:
 def ct_decode(codes_packed: torch.Tensor, scales_e4m3: torch.Tensor, global_scale: float) -> torch.Tensor:
     """compressed-tensors' NVFP4 decode (`code * fp32(scale / g)`, fp32) of packed bytes [M, K/2] and 1x16 scales
     [M, K/16], written out here so an export can count its differences without importing compressed-tensors."""
-    lo, hi = codes_packed & 0x0F, codes_packed >> 4
-    codes = torch.stack((lo, hi), dim=-1).reshape(codes_packed.shape[0], -1).to(torch.int64)
+    codes = unpack_nibbles(codes_packed).to(torch.int64)
     table = torch.tensor(E2M1_VALUES, dtype=torch.float32)
     values = table[codes & 0x7] * torch.where((codes & 0x8) != 0, -1.0, 1.0)
     factor = scales_e4m3.to(torch.float32) / torch.tensor([global_scale], dtype=torch.float32)
@@ -95,12 +94,8 @@ def amax_for_global_scale(global_scale: float, scale_bytes: torch.Tensor) -> tup
         return 0.0, 0
     s = present.view(torch.float8_e4m3fn).to(torch.float32).abs()
     theirs = s / torch.tensor([global_scale], dtype=torch.float32)
-    a0 = torch.full((1,), GLOBAL_SCALE_NUMERATOR) / torch.tensor([global_scale], dtype=torch.float32)
-    bits = int(a0.view(torch.int32))
-    steps = sorted(range(-SEARCH_ULPS, SEARCH_ULPS + 1), key=abs)
-    cands = torch.tensor([bits + d for d in steps if 0 < bits + d < 0x7F800000], dtype=torch.int32).view(torch.float32)
-    inv = torch.ones(1) / torch.full((1,), GLOBAL_SCALE_NUMERATOR)
-    ours = (s[None, :] * cands[:, None]) * inv
+    cands = _around_2688_over(global_scale)
+    ours = _ours(s[None, :], cands[:, None])
     differ = (ours != theirs[None, :]).sum(dim=1)
     best = int(torch.argmin(differ))
     return float(cands[best]), int(differ[best])

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from .._user import user_stacklevel
-from ..compute_view import NVFP4Linear
-from ..format import MODEL_DTYPES, TILE, ceil_div, check_weight_shape
+from ..convert import install_nvfp4, model_dtype_of
+from ..format import TILE, ceil_div, check_weight_shape
 from ..kernels.reference import dequantize as reference_dequantize
 from ..kernels.reference import expand_rowwise_scales
 from ..tensor import NVFP4Tensor, is_nvfp4_tensor
@@ -119,10 +119,7 @@ def _nvfp4_fields(model: nn.Module, module_name: str, tensors, amax: Optional[fl
     if amax is None:
         amax, differ = amax_for_global_scale(g, compact)
         report.derived_amax[name] = differ
-    if is_nvfp4_tensor(current):
-        dtype, numerics = current.dtype, current.numerics
-    else:
-        dtype, numerics = (current.dtype if current.dtype in MODEL_DTYPES else torch.bfloat16), "te"
+    dtype, numerics = (current.dtype, current.numerics) if is_nvfp4_tensor(current) else (model_dtype_of(current), "te")
     return dict(shape=(m, k), dtype=dtype, numerics=numerics, device=current.device,
                 rowwise_data=packed.contiguous(), rowwise_scale_inv=expand_rowwise_scales(compact, m, k),
                 amax=torch.tensor([amax], dtype=torch.float32))  # fmt: skip
@@ -167,8 +164,4 @@ def _install(model: nn.Module, name: str, f: dict) -> None:
             current.make_columnwise()
         return
     q = NVFP4Tensor(f["shape"], f["dtype"], **fields, numerics=f["numerics"])
-    new = nn.Parameter(q, requires_grad=current.requires_grad)
-    new.fp4_dist_name = name
-    module.weight = new
-    if type(module) is nn.Linear:
-        module.__class__ = NVFP4Linear
+    install_nvfp4(module, q, name, current.requires_grad)

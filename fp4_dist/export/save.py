@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..convert import weight_owners
 from ..kernels import reference
 from ..optim.collectives import in_distributed_job, rank_and_size
-from ..quantize import quantize
+from ..shared_amax import sibling_groups
 from ..tensor import is_nvfp4_tensor
 from . import ct_format
 from .global_scale import GlobalScale, choose_global_scale, ct_decode
@@ -218,11 +219,8 @@ def _model_entries(model: nn.Module, dense_dtype, registry, writer: bool):
     linear_modules = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     if registry is not None:
         return _fsdp_entries(model, registry, dense_dtype, writer) + (linear_modules, set())
-    held_by_other = set()
-    for mname, module in model.named_modules():
-        for attr, p in module.named_parameters(recurse=False):
-            if is_nvfp4_tensor(p) and not isinstance(module, nn.Linear):
-                held_by_other.add(id(p))
+    held_by_other = {pid for pid, owners in weight_owners(model).items()
+                     if any(not isinstance(module, nn.Linear) for module, _, _ in owners)}  # fmt: skip
     entries, tied, seen, other = {}, {}, {}, set()
     for name, t in model.state_dict(keep_vars=True).items():
         if id(t) in seen:
@@ -307,15 +305,6 @@ def _differing(data, scale_e4m3, scale_inv, amax, g: float) -> int:
 
 
 def _fused_mismatches(scales: dict[str, GlobalScale]) -> list[tuple[str, ...]]:
-    out = []
-    for name in scales:
-        module = ct_format.module_of(name)
-        parent, _, leaf = module.rpartition(".")
-        for fused in VLLM_FUSED:
-            if leaf != fused[0]:
-                continue
-            members = [f"{parent}.{m}.weight" if parent else f"{m}.weight" for m in fused]
-            values = {scales[m].value for m in members if m in scales}
-            if len(values) > 1:
-                out.append(tuple(m for m in members if m in scales))
-    return out
+    """The groups vLLM fuses among the exported weights whose global scales differ."""
+    groups = sibling_groups([ct_format.module_of(n) for n in scales], VLLM_FUSED)
+    return [g.members for g in groups if len({scales[m].value for m in g.members}) > 1]

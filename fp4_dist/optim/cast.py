@@ -37,8 +37,8 @@ import torch
 from .. import kernels
 from ..compute_copy import mark_pending
 from ..format import MASTER_DTYPES, byte_window, check_even_boundary, check_weight_shape
-from ..tensor import NVFP4Tensor, is_nvfp4_tensor
 from ..shared_amax import group_of
+from ..tensor import NVFP4Tensor, is_nvfp4_tensor
 from .cast_agreement import CallAgreement, reject
 from .cast_core import BINDINGS, CastCore, CastPlan, make_cast_plan, shard_bytes, weight_name
 from .collectives import CommStats, dist_backend, in_distributed_job, rank_and_size
