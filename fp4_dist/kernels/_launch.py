@@ -17,9 +17,11 @@ Launchers check their arguments, size the grid, and launch; they never allocate 
 
 from __future__ import annotations
 
+import ctypes
 import re
 import threading
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -207,50 +209,120 @@ def _launch(index: int, key: tuple[str, str], units: int, args: tuple) -> None:
         fn((grid,), (THREADS,), args, stream=stream)
 
 
+_DIRECT = _launch  # the launcher a BoundLaunch may go around (tests and LaunchCounter swap `_launch` to count)
+
+
+def _driver_launch():
+    """The driver's cuLaunchKernel through ctypes, or None where the driver library does not load."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    fn = lib.cuLaunchKernel
+    u = ctypes.c_uint
+    fn.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_cu_launch = None
+_CTYPES = {int: ctypes.c_uint64, np.int32: ctypes.c_int32, np.int64: ctypes.c_int64}
+
+
+class BoundLaunch:
+    """One launch of a stage kernel with every argument fixed, for the work a step repeats (`stages.Bound`).
+
+    The argument block is packed once, so a call is the driver's ``cuLaunchKernel`` on torch's current stream,
+    a few microseconds of host time against the tens CuPy's generic call takes to convert its arguments (lean
+    compute launches one per layer use). Where the direct call cannot be made (no driver library, another
+    current device, no current context in this thread, `_launch` swapped by a counter) it is `_launch` itself."""
+
+    __slots__ = ("index", "key", "units", "args", "fn", "grid", "params", "_values")
+
+    def __init__(self, index: int, key: tuple[str, str], units: int, args: tuple):
+        global _cu_launch
+        if units <= 0:
+            raise ValueError(f"{key[0]}: launch with {units} work units")
+        self.index, self.key, self.units, self.args = index, key, units, args
+        k = device_kernels(index)
+        fn = k.functions.get(key)
+        if fn is None:
+            raise KeyError(f"no kernel {key} in the name table")
+        self.fn = fn.ptr
+        self.grid = min(units, k.max_blocks[key] if GRID[key[0]] == "resident" else (1 << 31) - 1)
+        self.params = None
+        if all(type(a) in _CTYPES for a in args):
+            if _cu_launch is None:
+                _cu_launch = _driver_launch() or False
+            self._values = [_CTYPES[type(a)](a) for a in args]  # kept alive: params points at them
+            self.params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(v) for v in self._values])
+
+    def __call__(self) -> None:
+        if (self.params is not None and _launch is _DIRECT and _cu_launch
+                and torch._C._cuda_getDevice() == self.index):  # fmt: skip
+            err = _cu_launch(self.fn, self.grid, 1, 1, THREADS, 1, 1, 0, current_raw_stream(self.index),
+                             self.params, None)  # fmt: skip
+            if err == 0:
+                return
+            if err != 201:  # CUDA_ERROR_INVALID_CONTEXT: this thread has none current; CuPy's path sets it
+                raise RuntimeError(f"cuLaunchKernel of {self.key} failed with CUresult {err}")
+        _launch(self.index, self.key, self.units, self.args)
+
+
+def bind(launch: Callable) -> BoundLaunch:
+    """The launch that ``launch(via)`` makes through one of the launchers below (called with ``via=via``), bound:
+    calling the result launches the same kernel with the same arguments."""
+    made = []
+    launch(lambda index, key, units, args: made.append(BoundLaunch(index, key, units, args)))
+    if len(made) != 1:
+        raise RuntimeError(f"bind: expected one launch, got {len(made)}")
+    return made[0]
+
+
 # One launcher per stage. A plan (`cuda_plans.Plan`) holds the device, the descriptor table, the prefix sum of
 # work units and their count; the other arguments are the per-call device buffers.
 
 
-def launch_partial_amax(plan, round_to, out) -> None:
-    _launch(plan.device, ("partial_amax", _ROUND[round_to]), plan.units,
+def launch_partial_amax(plan, round_to, out, via=None) -> None:
+    (via or _launch)(plan.device, ("partial_amax", _ROUND[round_to]), plan.units,
             (plan.table, plan.unit_begin, np.int32(plan.n), out.data_ptr(), plan.scratch.data_ptr()))  # fmt: skip
 
 
-def launch_fused_scale(plan, numerics, amaxes, enc) -> None:
-    _launch(plan.device, ("fused_scale", _NUMERICS[numerics]), plan.units,
+def launch_fused_scale(plan, numerics, amaxes, enc, via=None) -> None:
+    (via or _launch)(plan.device, ("fused_scale", _NUMERICS[numerics]), plan.units,
             (plan.table, plan.unit_begin, np.int32(plan.n), amaxes.data_ptr(), enc.data_ptr()))  # fmt: skip
 
 
-def launch_partial_cast(plan, round_to, enc, e2m1: str | None = None) -> None:
+def launch_partial_cast(plan, round_to, enc, e2m1: str | None = None, via=None) -> None:
     """`e2m1`: the rounding variant (default CAST_E2M1); both give the same bits."""
     key = ("partial_cast", f"{_ROUND[round_to]}:{e2m1 or CAST_E2M1}")
-    _launch(plan.device, key, plan.units, (plan.table, plan.unit_begin, np.int32(plan.n), enc.data_ptr()))
+    (via or _launch)(plan.device, key, plan.units, (plan.table, plan.unit_begin, np.int32(plan.n), enc.data_ptr()))
 
 
-def launch_owner_scales(plan, numerics, amaxes, enc, compact) -> None:
-    _launch(plan.device, ("owner_scales", _NUMERICS[numerics]), plan.units,
+def launch_owner_scales(plan, numerics, amaxes, enc, compact, via=None) -> None:
+    (via or _launch)(plan.device, ("owner_scales", _NUMERICS[numerics]), plan.units,
             (plan.table, plan.unit_begin, np.int32(plan.n), amaxes.data_ptr(), enc.data_ptr(),
              compact.data_ptr()))  # fmt: skip
 
 
-def launch_expand_scales(plan, gathered) -> None:
-    _launch(plan.device, ("expand_scales", ""), plan.units,
+def launch_expand_scales(plan, gathered, via=None) -> None:
+    (via or _launch)(plan.device, ("expand_scales", ""), plan.units,
             (plan.table, plan.unit_begin, np.int32(plan.n), plan.extra, gathered.data_ptr()))  # fmt: skip
 
 
-def launch_nibble_transpose(plan) -> None:
+def launch_nibble_transpose(plan, via=None) -> None:
     """The unit shape (rows x columns of the weight) is the one the plan was laid out for (`plan.variant`)."""
-    _launch(plan.device, ("nibble_transpose", plan.variant), plan.units,
+    (via or _launch)(plan.device, ("nibble_transpose", plan.variant), plan.units,
             (plan.table, plan.unit_begin, np.int32(plan.n)))  # fmt: skip
 
 
-def launch_scale_transpose(plan) -> None:
-    _launch(plan.device, ("scale_transpose", ""), plan.units, (plan.table, plan.unit_begin, np.int32(plan.n)))
+def launch_scale_transpose(plan, via=None) -> None:
+    (via or _launch)(plan.device, ("scale_transpose", ""), plan.units, (plan.table, plan.unit_begin, np.int32(plan.n)))
 
 
-def launch_dequantize(plan) -> None:
+def launch_dequantize(plan, via=None) -> None:
     """A dequantize unit is one warp's work: 8 units per 256-thread block."""
-    _launch(plan.device, ("dequantize", ""), -(-plan.units // (THREADS // 32)),
+    (via or _launch)(plan.device, ("dequantize", ""), -(-plan.units // (THREADS // 32)),
             (plan.table, plan.unit_begin, np.int32(plan.n)))  # fmt: skip
 
 

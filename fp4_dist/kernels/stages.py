@@ -157,7 +157,11 @@ def _plan_device(plan) -> torch.device:
 
 
 def _bound_plan(plan, launch: Callable, keep: tuple, written: tuple) -> Bound:
-    return Bound(plan, lambda: launch(plan), keep, written)
+    """`launch(plan, via)` calls one launcher of `_launch` with ``via=via``: bound once, it is a direct driver
+    launch with its arguments packed (`_launch.BoundLaunch`)."""
+    if not plan.units:
+        return Bound(plan, lambda: None, keep, written)
+    return Bound(plan, _launch.bind(lambda via: launch(plan, via)), keep, written)
 
 
 # ------------------------------------------------------------------------------------------- partial_amax
@@ -206,7 +210,7 @@ def bind_partial_amax(shards, starts, shapes, out: torch.Tensor, *, round_to: to
     keep = (tuple(shards), out)
     if dev.type == "cuda":
         plan = cuda_plans.amax_plan(dev.index, shards, starts, shapes)
-        return _bound_plan(plan, lambda p: _launch.launch_partial_amax(p, round_to, out), keep, (out,))
+        return _bound_plan(plan, lambda p, via: _launch.launch_partial_amax(p, round_to, out, via=via), keep, (out,))
     return Bound(None, lambda: _cpu_amax(shards, starts, shapes, round_to, out), keep, (out,))
 
 
@@ -252,7 +256,8 @@ def bind_fused_scale(amaxes: torch.Tensor, shapes, scale_invs, amax_outs, enc: t
     keep, written = (amaxes, tuple(scale_invs), tuple(amax_outs), enc), (*scale_invs, *amax_outs, enc)
     if amaxes.is_cuda:
         plan = cuda_plans.scale_plan(amaxes.device.index, shapes, scale_invs, amax_outs)
-        return _bound_plan(plan, lambda p: _launch.launch_fused_scale(p, numerics, amaxes, enc), keep, written)
+        return _bound_plan(plan, lambda p, via: _launch.launch_fused_scale(p, numerics, amaxes, enc, via=via),
+                           keep, written)
     return Bound(None, lambda: _cpu_scale(amaxes, shapes, scale_invs, amax_outs, numerics, enc), keep, written)
 
 
@@ -302,7 +307,8 @@ def bind_partial_cast(shards, starts, shapes, enc: torch.Tensor, fragments, *,
     keep = (tuple(shards), enc, tuple(fragments))
     if _cuda(shards):
         plan = cuda_plans.cast_plan(enc.device.index, shards, starts, shapes, fragments)
-        return _bound_plan(plan, lambda p: _launch.launch_partial_cast(p, round_to, enc), keep, tuple(fragments))
+        return _bound_plan(plan, lambda p, via: _launch.launch_partial_cast(p, round_to, enc, via=via),
+                           keep, tuple(fragments))
     return Bound(None, lambda: _cpu_cast(shards, starts, shapes, enc, fragments, round_to), keep, tuple(fragments))
 
 
@@ -342,7 +348,8 @@ def bind_owner_scales(amaxes: torch.Tensor, shapes, enc_ranges, own_ranges, comp
     keep, written = (amaxes, compact, enc, tuple(amax_outs)), (compact, enc, *amax_outs)
     if amaxes.is_cuda:
         plan = cuda_plans.owner_plan(amaxes.device.index, shapes, enc_ranges, own_ranges, amax_outs)
-        return _bound_plan(plan, lambda p: _launch.launch_owner_scales(p, numerics, amaxes, enc, compact), keep, written)
+        return _bound_plan(plan, lambda p, via: _launch.launch_owner_scales(p, numerics, amaxes, enc, compact, via=via),
+                           keep, written)
     return Bound(None, lambda: _cpu_owner(amaxes, shapes, enc_ranges, own_ranges, compact, enc, amax_outs, numerics),
                  keep, written)  # fmt: skip
 
@@ -389,7 +396,8 @@ def bind_expand_scales(gathered: torch.Tensor, shapes, sources, scale_invs) -> B
     keep = (gathered, tuple(scale_invs))
     if gathered.is_cuda:
         plan = cuda_plans.expand_plan(gathered.device.index, shapes, sources, scale_invs)
-        return _bound_plan(plan, lambda p: _launch.launch_expand_scales(p, gathered), keep, tuple(scale_invs))
+        return _bound_plan(plan, lambda p, via: _launch.launch_expand_scales(p, gathered, via=via),
+                           keep, tuple(scale_invs))
     index = [_source_index(segs, m, k) for segs, (m, k) in zip(sources, shapes)]
 
     def run() -> None:
@@ -426,7 +434,8 @@ def bind_nibble_transpose(rowwise_datas, columnwise_datas) -> Bound:
     srcs, dsts = list(rowwise_datas), list(columnwise_datas)
     if _cuda(srcs):
         plan = cuda_plans.nibble_plan(srcs[0].device.index, srcs, dsts)
-        return _bound_plan(plan, lambda p: _launch.launch_nibble_transpose(p), (tuple(srcs), tuple(dsts)), tuple(dsts))
+        return _bound_plan(plan, lambda p, via: _launch.launch_nibble_transpose(p, via=via),
+                           (tuple(srcs), tuple(dsts)), tuple(dsts))
 
     def run() -> None:
         for src, dst in zip(srcs, dsts):
@@ -457,7 +466,8 @@ def bind_scale_transpose(rowwise_scale_invs, columnwise_scale_invs, shapes) -> B
     srcs, dsts = list(rowwise_scale_invs), list(columnwise_scale_invs)
     if _cuda(srcs):
         plan = cuda_plans.scalet_plan(srcs[0].device.index, srcs, dsts, shapes)
-        return _bound_plan(plan, lambda p: _launch.launch_scale_transpose(p), (tuple(srcs), tuple(dsts)), tuple(dsts))
+        return _bound_plan(plan, lambda p, via: _launch.launch_scale_transpose(p, via=via),
+                           (tuple(srcs), tuple(dsts)), tuple(dsts))
 
     def run() -> None:
         for src, dst, (m, k) in zip(srcs, dsts, shapes):
@@ -496,7 +506,7 @@ def bind_dequantize(rowwise_datas, scale_invs, amaxes, outs) -> Bound:
     keep = tuple(tuple(x) for x in lists)
     if _cuda(lists[0]):
         plan = cuda_plans.dequant_plan(lists[0][0].device.index, *lists)
-        return _bound_plan(plan, lambda p: _launch.launch_dequantize(p), keep, tuple(lists[3]))
+        return _bound_plan(plan, lambda p, via: _launch.launch_dequantize(p, via=via), keep, tuple(lists[3]))
 
     def run() -> None:
         for data, si, amax, out in zip(*lists):
