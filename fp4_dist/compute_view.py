@@ -38,7 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .compute_copy import refresh_compute_copies
-from .lean import is_lean, lean_linear
+from . import lean
+from .lean import is_lean, lean_call
 from .tensor import NVFP4Tensor
 from .tensor_ops import clone_value
 
@@ -146,6 +147,7 @@ def forget(module: nn.Module) -> None:
     cache = module.__dict__.get(_ATTR)
     if cache is not None:
         cache.clear()
+    lean.forget(module)
 
 
 class NVFP4Linear(nn.Linear):
@@ -161,7 +163,7 @@ class NVFP4Linear(nn.Linear):
             return _linear_outside_the_graph(self, input)
         w = self.weight
         if is_lean(w):
-            return lean_linear(input, w, self.bias)
+            return lean_call(self, w, lambda value: F.linear(input, value, self.bias))
         return F.linear(input, compute_view(self, w), self.bias)
 
     def _apply(self, fn, *args, **kwargs):

@@ -94,11 +94,20 @@ def _alias(func, args, kwargs):
 _ALIAS_REQUEST = threading.local()
 
 
-def clone_value(w: NVFP4Tensor, fresh: bool = False) -> torch.Tensor:
-    """``w.clone()`` as a plain tensor on `w`'s current compute copy (`fresh`: on a new dequantization of its
-    bytes instead), linked to `w` by clone's autograd node (see `fp4_dist.compute_view.compute_alias` and
-    `fp4_dist.lean`, its callers). A thread-local request tells the clone handler."""
-    _ALIAS_REQUEST.on = "fresh" if fresh else True
+def clone_value(w: NVFP4Tensor) -> torch.Tensor:
+    """``w.clone()`` as a plain tensor on `w`'s current compute copy, linked to `w` by clone's autograd node (see
+    `fp4_dist.compute_view.compute_alias`, its caller). A thread-local request tells the clone handler."""
+    return _clone_onto(w, True)
+
+
+def alias_of(w: NVFP4Tensor, memory: torch.Tensor) -> torch.Tensor:
+    """``w.clone()`` as a plain tensor on `memory` (a plain [M, K] tensor of `w`'s dtype, which the caller fills
+    with `w`'s values before each use), linked to `w` by clone's autograd node (`fp4_dist.lean`'s pool buffers)."""
+    return _clone_onto(w, memory)
+
+
+def _clone_onto(w: NVFP4Tensor, request) -> torch.Tensor:
+    _ALIAS_REQUEST.on = request
     try:
         return w.clone()
     finally:
@@ -108,13 +117,11 @@ def clone_value(w: NVFP4Tensor, fresh: bool = False) -> torch.Tensor:
 @_implements(aten.clone.default)
 def _clone(func, args, kwargs):
     request = getattr(_ALIAS_REQUEST, "on", False)
-    if request:
+    if request is not False:
         _ALIAS_REQUEST.on = False  # this one call only
-        if request == "fresh":
-            return args[0].dequantize(args[0].dtype)
-        value = args[0].compute_value()
-        return value.view(value.shape)  # a new tensor on the copy's memory (never the copy itself: autograd
-        # gives the returned tensor its grad_fn)
+        value = args[0].compute_value() if request is True else request
+        return value.view(value.shape)  # a new tensor on that memory (never the tensor itself: autograd gives the
+        # returned tensor its grad_fn)
     return args[0]._with_fields(lambda t: t.clone())
 
 

@@ -33,7 +33,7 @@ import torch
 
 from .. import tensor as _tensor
 from ..compute_view import compute_view, forget
-from ..lean import is_lean, lean_use
+from ..lean import is_lean, lean_call
 from ..buffers.layout import packed_layout_of
 from . import cpu_compat
 from .monitor import MONITOR
@@ -384,8 +384,7 @@ def _make_forward_impl(original):
         if (type(weight) is _tensor.NVFP4Tensor and not kwargs.get("gradient_accumulation_fusion")
                 and kwargs.get("gtp_remat_size", 1) <= 1):  # fmt: skip
             if is_lean(weight):  # no kept copy: one made for this use, re-made in backward (fp4_dist.lean)
-                with lean_use(weight) as value:
-                    return original(self, input, value, *args, **kwargs)
+                return lean_call(self, weight, lambda value: original(self, input, value, *args, **kwargs))
             weight = compute_view(self, weight)
         return original(self, input, weight, *args, **kwargs)
 

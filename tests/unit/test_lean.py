@@ -1,5 +1,6 @@
 """Lean compute (fp4_dist.lean): NVFP4Linear layers whose weights keep no copy (compute_copy=False) compute with
-a copy made around each use, and give bitwise the losses, gradients and masters of the default mode."""
+a copy made around each use in a pool buffer of its shape, and give bitwise the losses, gradients and masters of
+the default mode."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import fp4_dist
-from fp4_dist.lean import live_copies
+from fp4_dist import lean
+from fp4_dist.compute_copy import compute_copy_bytes
+from fp4_dist.lean import held_copies
 from fp4_dist.optim import Zero1Optimizer
 
 
@@ -62,7 +65,7 @@ def train(lean: bool, steps=3, micro=2, recompute=None, device="cpu"):
             x = batch(step, m, device).requires_grad_(recompute == "reentrant")
             loss = net(x).float().square().mean()
             if lean:
-                assert live_copies() == 0, "a lean copy outlived its forward"
+                assert held_copies() == 0, "a lean copy outlived its forward"
             loss.backward()
             losses.append(loss.item())
         opt.step()
@@ -74,38 +77,85 @@ def train(lean: bool, steps=3, micro=2, recompute=None, device="cpu"):
 
 @pytest.mark.parametrize("recompute", [None, "non-reentrant", "reentrant"])
 def test_lean_losses_and_masters_equal_the_default_mode_bitwise(recompute):
+    replaced = lean.pool_stats()["replaced"]
     default_losses, default_masters = train(lean=False, recompute=recompute)
     lean_losses, lean_masters = train(lean=True, recompute=recompute)
     assert lean_losses == default_losses
     assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(lean_masters, default_masters))
-    assert live_copies() == 0
+    assert held_copies() == 0 and lean.pool_stats()["replaced"] == replaced
 
 
 @pytest.mark.gpu
 def test_lean_equals_the_default_mode_bitwise_on_cuda():
+    replaced = lean.pool_stats()["replaced"]
     default_losses, default_masters = train(lean=False, device="cuda")
     lean_losses, lean_masters = train(lean=True, device="cuda")
     assert lean_losses == default_losses
     assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(lean_masters, default_masters))
+    assert held_copies() == 0 and lean.pool_stats()["replaced"] == replaced
 
 
-def test_no_copy_is_alive_between_forward_and_backward_and_one_per_backward_use():
+def _weight_bytes(net) -> tuple[int, set]:
+    """bf16 bytes of the NVFP4 weights and their distinct shapes."""
+    ws = [p for p in net.parameters() if fp4_dist.is_nvfp4_tensor(p)]
+    return sum(w.numel() * 2 for w in ws), {tuple(w.shape) for w in ws}
+
+
+def test_no_copy_is_alive_between_forward_and_backward_and_at_most_one_per_backward_use():
+    lean.release_pool()
     net = build(lean=True)
     assert all(p.copy_state.value is None for p in net.parameters() if fp4_dist.is_nvfp4_tensor(p))
     seen = []
 
     def count(module, grad_input, grad_output):
-        seen.append(live_copies())
+        seen.append(held_copies())
 
     linears = [m for m in net.modules() if isinstance(m, fp4_dist.NVFP4Linear)]
     hooks = [m.register_full_backward_hook(count) for m in linears]
     out = net(batch(0, 0))
-    assert live_copies() == 0
+    assert held_copies() == 0
     out.float().sum().backward()
     for h in hooks:
         h.remove()
-    assert live_copies() == 0 and len(seen) == len(linears) and max(seen) <= 1
+    assert held_copies() == 0 and len(seen) == len(linears) and max(seen) <= 1
     assert all(p.grad is not None and type(p.grad) is torch.Tensor for p in net.parameters() if p.requires_grad)
+    # The pool: one buffer per distinct weight shape, a fraction of the weights' bf16 bytes (3 blocks + a head).
+    total, shapes = _weight_bytes(net)
+    stats = lean.pool_stats()
+    assert stats["buffers"] == len(shapes) == 5 and stats["replaced"] == 0
+    assert stats["bytes"] == sum(m * k * 2 for m, k in shapes) < total / 2
+    assert compute_copy_bytes(net) == 0
+
+
+def test_a_copy_kept_past_its_use_is_never_overwritten():
+    lean.release_pool()
+    net = build(lean=True)
+    kept = []
+    a, b = net.blocks[0].proj, net.blocks[1].proj  # same shape: one pool buffer
+    x = batch(0, 0)
+    with torch.no_grad():
+        lean.lean_call(a, a.weight, lambda v: kept.append(v) or F.linear(x, v))
+        with pytest.warns(UserWarning, match=r"still referenced when the next weight of that shape"):
+            lean.lean_call(b, b.weight, lambda v: F.linear(x, v))
+    assert torch.equal(kept[0], a.weight.dequantize(torch.bfloat16))
+    assert lean.pool_stats()["replaced"] == 1
+    kept.clear()
+    assert held_copies() == 0
+
+
+def test_lean_views_are_dropped_when_a_module_is_moved_and_fields_replaced_rebind():
+    net = build(lean=True)
+    x = batch(0, 0)
+    ref = net(x)
+    net.to(torch.bfloat16)  # nn.Module._apply: the layers forget their lean state
+    assert all(m.__dict__["_fp4_lean_view"].weight is None for m in net.modules()
+               if isinstance(m, fp4_dist.NVFP4Linear))
+    assert torch.equal(net(x), ref)
+    w = net.blocks[0].up.weight
+    with torch.no_grad():
+        w.quantize_(w.dequantize(torch.float32) * 2)  # new bytes in place: the next use reads them
+    out = net.blocks[0].up(x[..., :48])
+    assert torch.equal(out, F.linear(x[..., :48], w.dequantize(torch.bfloat16), net.blocks[0].up.bias))
 
 
 def test_a_weight_changed_between_forward_and_backward_makes_the_backward_raise():
