@@ -86,7 +86,7 @@ def run_mode(mode: str, args) -> dict:
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
-    weights = opt.param_memory_bytes()
+    weights = dict(opt.param_memory_bytes(), lean_pool=fp4_dist.lean.pool_bytes())
     return {"mode": mode, "peak_MiB": torch.cuda.max_memory_allocated() / 2**20, "step_ms": statistics.median(times),
             "weights_MiB": {k: v / 2**20 for k, v in weights.items()}}  # fmt: skip
 
@@ -115,15 +115,16 @@ def main() -> None:
             results[mode].append(json.loads(out))
     print(f"GPT-like stack, hidden {args.hidden} x {args.layers} layers, {args.micro_batch} x {args.seq} tokens, "
           f"Zero1Optimizer (AdamW) on one {torch.cuda.get_device_name()}")
-    print(f"{'mode':9} {'peak MiB':>10} {'step ms (runs)':>24} {'vs bf16':>8} {'weights MiB':>34}")
+    print(f"{'mode':9} {'peak MiB':>10} {'step ms (runs)':>24} {'vs bf16':>8} {'weights MiB':>43}")
     base = statistics.median(r["step_ms"] for r in results[modes[0]])
     for mode, runs in results.items():
         step = statistics.median(r["step_ms"] for r in runs)
         w = runs[0]["weights_MiB"]
-        wtxt = f"dense {w['dense']:.0f} nvfp4 {w['nvfp4']:.0f} copies {w['compute_copies']:.0f}"
+        wtxt = (f"dense {w['dense']:.0f} nvfp4 {w['nvfp4']:.0f} copies {w['compute_copies']:.0f} "
+                f"pool {w['lean_pool']:.0f}")
         each = ", ".join(f"{r['step_ms']:.2f}" for r in runs)
         peak = max(r["peak_MiB"] for r in runs)
-        print(f"{mode:9} {peak:10.0f} {step:8.2f} ({each}) {step / base:8.3f} {wtxt:>34}")
+        print(f"{mode:9} {peak:10.0f} {step:8.2f} ({each}) {step / base:8.3f} {wtxt:>43}")
 
 
 if __name__ == "__main__":

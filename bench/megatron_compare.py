@@ -55,11 +55,14 @@ MODELS = {
                "--seq-length 256 --max-position-embeddings 256 --micro-batch-size 8 --global-batch-size 16"),
     "gpt2048": ("--num-layers 8 --hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 8192 "
                 "--seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 4 --global-batch-size 16"),
+    "gpt4096": ("--num-layers 6 --hidden-size 4096 --num-attention-heads 32 --ffn-hidden-size 16384 "
+                "--seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 2 --global-batch-size 8"),
     "tiny": ("--num-layers 2 --hidden-size 48 --num-attention-heads 4 --group-query-attention "
              "--num-query-groups 1 --kv-channels 12 --ffn-hidden-size 64 --seq-length 32 "
              "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8"),
 }
 STEP_RATIO_LIMIT = 1.05  # fp4 param gather's median step over the plain bf16 run's
+VARIANTS = {"fp4": ["--fp4-param-gather"], "lean": ["--fp4-param-gather", "--fp4-no-compute-copy"]}
 COMMON = ("--bf16 --use-distributed-optimizer --lr 6e-4 --min-lr 6e-5 --lr-decay-style cosine "
           "--clip-grad 0 --seed 1234 --deterministic-mode --fp4-master-digest --manual-gc")
 
@@ -74,6 +77,9 @@ def parse() -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--rounds", type=int, default=2, help="timing rounds of bf16, fp4, fp4, bf16 runs")
     p.add_argument("--paired-steps", type=int, default=None,
                    help="steps of each model in the paired measurement (default: --steps)")
+    p.add_argument("--paired-only", default=None, metavar="VARIANTS",
+                   help="only the paired measurement, of bf16 against each of these comma-separated variants "
+                        f"({', '.join(VARIANTS)}: kept compute copies, lean), the order rotating every step")
     p.add_argument("--check-every", type=int, default=20, help="parity check of the gathered NVFP4 bytes")
     p.add_argument("--log-interval", type=int, default=50)
     p.add_argument("--json", default=None, help="write the table and all losses here (rank 0)")
@@ -119,24 +125,31 @@ class Paired(NamedTuple):
 
 
 
-def paired(base: list[str], fp4: list[str], steps: int) -> Paired:
-    """Build a bf16 and an fp4 model side by side and train them in alternating steps (bf16 first in odd
-    pairs, fp4 first in even ones); each step timed as the runs time theirs (host wall clock, device drained)."""
+def paired(base: list[str], fp4: list[str], steps: int, variants: dict | None = None) -> dict[str, list[float]]:
+    """Build a bf16 model and the fp4 models (`fp4`'s argv, or each of `variants` {name: argv}) side by side and
+    train them in alternating steps, the order rotating every step; each step timed as the runs time theirs (host
+    wall clock, device drained). Returns {name: step times}, "bf16" included."""
+    variants = variants or {"fp4": fp4}
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"\n=== paired: bf16 and fp4 models in alternating steps, {steps} steps each", flush=True)
+        print(f"\n=== paired: {', '.join(['bf16', *variants])} models in alternating steps, {steps} steps each",
+              flush=True)
     argv = ["--train-iters", str(steps)]
-    sessions = {"bf16": pretrain_gpt.setup(base + argv), "fp4": pretrain_gpt.setup(fp4 + argv)}
-    times = {"bf16": [], "fp4": []}
+    sessions = {"bf16": pretrain_gpt.setup(base + argv)}
+    sessions.update({name: pretrain_gpt.setup(v + argv) for name, v in variants.items()})
+    times = {k: [] for k in sessions}
     s = sessions["bf16"]
     tokens, _ = pretrain_gpt.data_streams(s.args)
     plan = pretrain_gpt.BatchPlan(s.args.seq_length, s.args.micro_batch_size, s.args.global_batch_size,
                                   *pretrain_gpt._dp(), s.args.seed)  # fmt: skip
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    names = list(sessions)
     gc.collect()
     gc.disable()  # as --manual-gc: collections between steps only
     try:
         for it in range(1, steps + 1):
-            for kind in ("bf16", "fp4") if it % 2 else ("fp4", "bf16"):
+            r = (it - 1) % len(names)
+            order = names[r:] + names[:r]
+            for kind in order if it % 2 else order[::-1]:
                 s = sessions[kind]
                 sync()
                 t0 = time.perf_counter()
@@ -151,11 +164,25 @@ def paired(base: list[str], fp4: list[str], steps: int) -> Paired:
         if s.model.ddp_config.overlap_param_gather:
             s.model.disable_forward_pre_hook(param_sync=True)
             s.model.enable_forward_pre_hook()
-    result = Paired(times["bf16"], times["fp4"])
     if not dist.is_initialized() or dist.get_rank() == 0:
-        f, b = result.medians()
-        print(f"done: median step fp4 {f:.1f} ms, bf16 {b:.1f} ms", flush=True)
-    return result
+        print("done: median step " + ", ".join(f"{k} {statistics.median(after_warmup(v)):.1f} ms"
+                                               for k, v in times.items()), flush=True)
+    return times
+
+
+def paired_table(times: dict[str, list[float]]) -> list[tuple[str, str, str]]:
+    """A row per fp4 variant: its median step over bf16's, and the median per-step ratio, against the limit."""
+    rows, base = [], after_warmup(times["bf16"])
+    for name, ms in times.items():
+        if name == "bf16":
+            continue
+        pair = Paired(times["bf16"], ms)
+        f, b = pair.medians()
+        value = (f"{f:.1f} / {b:.1f} ms = {f / b:.3f}; median per-pair ratio {pair.pair_ratio():.3f} "
+                 f"({len(base)} alternating steps each)")
+        verdict = ("PASS" if f / b <= STEP_RATIO_LIMIT else "FAIL") if torch.cuda.is_available() else ""
+        rows.append((f"{name} vs plain bf16, paired (limit {STEP_RATIO_LIMIT})", value, verdict))
+    return rows
 
 
 def table(rounds: list[dict[str, list]], fp4b, gather, pair: Paired) -> tuple[list[tuple[str, str, str]], bool]:
@@ -227,6 +254,24 @@ def table(rounds: list[dict[str, list]], fp4b, gather, pair: Paired) -> tuple[li
     return rows, ok and step_ok
 
 
+def paired_only(base: list[str], args) -> int:
+    unknown = set(args.paired_only.split(",")) - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"megatron_compare: unknown --paired-only variants {sorted(unknown)}; known: {list(VARIANTS)}")
+    variants = {v: base + VARIANTS[v] for v in args.paired_only.split(",")}
+    times = paired(base, [], args.paired_steps or args.steps, variants)
+    rows = paired_table(times)
+    if dist.get_rank() == 0:
+        width, label = max(len(r[0]) for r in rows), "model " + ("tiny" if args.tiny else args.model)
+        print(f"\n{label:<{width}} | result | verdict\n{'-' * (width + 30)}")
+        for name, value, verdict in rows:
+            print(f"{name:<{width}} | {value} | {verdict}")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"rows": rows, "step_ms": times}, indent=1))
+    shutdown()
+    return 0 if all(r[2] != "FAIL" for r in rows) else 1
+
+
 def main() -> int:
     args, extra = parse()
     if args.rounds < 1:
@@ -238,6 +283,8 @@ def main() -> int:
                                      "--lr-warmup-iters", str(max(1, args.steps // 10))]
     base += extra
     fp4 = base + ["--fp4-param-gather"]
+    if args.paired_only:
+        return paired_only(base, args)
     rounds = []
     for i in range(1, args.rounds + 1):
         rnd = {"bf16": [], "fp4": []}
@@ -250,7 +297,8 @@ def main() -> int:
                "the same as fp4, gathered bytes checked (determinism, parity)")
     gather = run("bf16-gather", base + ["--fp4-fake-quant"],
                  "bf16 weights and gather, NVFP4-quantized forward (fake quant)")
-    pair = paired(base, fp4, args.paired_steps or args.steps)
+    times = paired(base, fp4, args.paired_steps or args.steps)
+    pair = Paired(times["bf16"], times["fp4"])
     rows, ok = table(rounds, fp4b, gather, pair)
     if dist.get_rank() == 0:
         width = max(len(r[0]) for r in rows)

@@ -1,0 +1,84 @@
+"""Host time per use of a linear weight: plain bf16, NVFP4 with a kept compute copy, lean NVFP4 (fp4_dist.lean),
+and the dequantize launch itself, bound (a direct driver launch) and through the call form (CuPy's generic call).
+
+    python bench/lean_host.py [--size 2048] [--tokens 16] [--calls 2000]
+
+A few tokens make the GPU work negligible, so the wall time per call is the host's (the device is drained once
+at the end of each timed loop). Prints one table, microseconds per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import fp4_dist  # noqa: E402
+from fp4_dist import kernels  # noqa: E402
+
+
+def per_call(fn, calls: int) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return 1e6 * (time.perf_counter() - t) / calls
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", type=int, default=2048)
+    p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--profile", action="store_true", help="also cProfile the lean forward + backward loop")
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    x = torch.randn(args.tokens, args.size, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    rows, nvfp4_weights = [], []
+    for mode in ("bf16", "kept", "lean", "lean-nofill", "lean", "kept", "bf16"):
+        m = torch.nn.Linear(args.size, args.size, bias=False).to(dev, torch.bfloat16)
+        if mode != "bf16":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                fp4_dist.convert_linear_weights(m, compute_copy=mode == "kept")
+            nvfp4_weights.append(m.weight)
+        if mode == "lean-nofill":  # diagnostic: the lean path with its dequantize launches left out (wrong values)
+            m(x)
+            fp4_dist.lean.lean_view(m).fill = lambda: None
+        fwd = per_call(lambda: m(x), args.calls)
+        both = per_call(lambda: m(x).sum().backward(), args.calls)
+        rows.append((f"{mode}: forward", fwd))
+        rows.append((f"{mode}: forward + backward", both))
+        if mode == "lean" and args.profile:
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
+            per_call(lambda: m(x).sum().backward(), args.calls // 4)
+            prof.disable()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(16)
+    w = next(p for p in nvfp4_weights if fp4_dist.is_nvfp4_tensor(p))
+    out = torch.empty(tuple(w.shape), dtype=torch.bfloat16, device=dev)
+    bound = kernels.bind_dequantize([w.rowwise_data], [w.rowwise_scale_inv], [w.amax], [out])
+    rows.append(("dequantize, bound (direct driver launch)", per_call(bound, args.calls)))
+    rows.append(("dequantize, call form (plan lookup, CuPy launch)",
+                 per_call(lambda: kernels.dequantize([w.rowwise_data], [w.rowwise_scale_inv], [w.amax], [out]),
+                          args.calls)))  # fmt: skip
+    rows.append(("torch copy_ of the same bytes (a torch launch)", per_call(lambda: out.copy_(out), args.calls)))
+    print(f"host us per call, [{args.size}, {args.size}] weight, {args.tokens} tokens, {torch.cuda.get_device_name()}")
+    for name, us in rows:
+        print(f"| {name} | {us:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
