@@ -166,3 +166,47 @@ def test_a_weight_changed_between_forward_and_backward_makes_the_backward_raise(
         w.copy_(torch.randn(w.shape, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match=r"modified by an inplace operation: the NVFP4 weight blocks.1.up.weight"):
         out.float().sum().backward()
+
+
+def _write_through(route: str, lin, other: torch.Tensor) -> None:
+    w = lin.weight
+    with torch.no_grad():
+        if route == "copy_ from bf16":
+            w.copy_(other)
+        elif route == "copy_ from NVFP4":
+            w.copy_(fp4_dist.quantize(other))
+        elif route == "quantize_":
+            w.quantize_(other)
+        elif route == "load_state_dict":
+            src = nn.Linear(other.shape[1], other.shape[0], bias=lin.bias is not None).to(torch.bfloat16)
+            src.weight.copy_(other)
+            fp4_dist.convert_linear_weights(src)
+            lin.load_state_dict(src.state_dict())
+        elif route == "byte write":
+            w.rowwise_data[0].bitwise_xor_(0x11)  # flip a nibble pair in place
+        elif route == "field replaced":
+            w.rowwise_data = fp4_dist.quantize(other).rowwise_data.clone()
+            w.amax = fp4_dist.quantize(other).amax.clone()
+            w.rowwise_scale_inv = fp4_dist.quantize(other).rowwise_scale_inv.clone()
+
+
+@pytest.mark.parametrize("route", ["copy_ from bf16", "copy_ from NVFP4", "quantize_", "load_state_dict",
+                                   "byte write", "field replaced"])  # fmt: skip
+def test_every_route_that_changes_the_bytes_is_seen_by_the_next_lean_use(route):
+    net = build(lean=True)
+    lin = net.blocks[0].up
+    x = batch(0, 0)[..., :48]
+    lin(x).float().sum().backward()  # binds the layer's launch and alias
+    other = torch.randn(tuple(lin.weight.shape), generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    before = lin.weight.dequantize(torch.bfloat16)
+    _write_through(route, lin, other)
+    want = lin.weight.dequantize(torch.bfloat16)
+    assert not torch.equal(want, before), "the route changed nothing"
+    assert torch.equal(lin(x), F.linear(x, want, lin.bias))
+    with torch.no_grad():
+        assert torch.equal(lin(x), F.linear(x, want, lin.bias))
+    xg = x.detach().requires_grad_()
+    lin(xg).float().sum().backward()
+    ref = xg.detach().requires_grad_()
+    F.linear(ref, want, lin.bias).float().sum().backward()
+    assert torch.equal(xg.grad, ref.grad)
