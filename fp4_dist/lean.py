@@ -51,9 +51,15 @@ def is_lean(w) -> bool:
     return type(w) is NVFP4Tensor and not w.copy_state.enabled and not torch.is_inference_mode_enabled()
 
 
+_STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
 def _use_count(t: torch.Tensor) -> int:
-    """References to `t`'s storage (tensors and views on it), plus the one the query itself takes."""
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+    """References to `t`'s storage (tensors and views on it), plus the one the query itself takes; 0 where this
+    torch does not say (the pool then cannot see holders and trusts that layers consume their copies, as they do)."""
+    if _STORAGE_USE_COUNT is None:
+        return 0
+    return _STORAGE_USE_COUNT(t.untyped_storage()._cdata)
 
 
 class _Buffer:
