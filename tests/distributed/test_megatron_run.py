@@ -172,7 +172,8 @@ def refusal(proc: subprocess.CompletedProcess, rank: int) -> str:
     """The launcher's one-line account of what stopped `rank` (the job must have failed)."""
     assert proc.returncode != 0
     head = f"fp4_dist.megatron.run: rank {rank}: "
-    lines = [line for line in proc.stderr.splitlines() if line.startswith(head)]
+    # Ranks share the launcher's stderr: under load a rank's line can land after a peer's unfinished one.
+    lines = [line[line.index(head):] for line in proc.stderr.splitlines() if head in line]
     assert lines, f"no line from rank {rank}:\n{proc.stderr[-3000:]}"
     return lines[0]
 
