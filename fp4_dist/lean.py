@@ -32,6 +32,7 @@ something besides the pool and the layers' aliases references (tests use it).
 
 from __future__ import annotations
 
+import threading
 import warnings
 import weakref
 from typing import Callable
@@ -155,9 +156,10 @@ class LeanView:
     def clear(self) -> None:
         self.weight = self.fields = self.key = self.buffer = self.fill = self.alias = None
 
-    def value(self, w: NVFP4Tensor, grad: bool) -> torch.Tensor:
+    def value(self, w: NVFP4Tensor, grad: bool, fresh_tensor: bool = True) -> torch.Tensor:
         """Write `w`'s values into its pool buffer (one launch) and return what to compute with: the alias
-        (`grad`) or the buffer itself."""
+        (`grad`) or the buffer itself, as a new tensor object on it (`fresh_tensor`) or the alias the layer keeps
+        (for a function that saves it and refills before reading it: a view of it would count as a holder)."""
         buf = self.buffer
         if (w is not self.weight or buf is not _POOL.buffers.get(self.key) or not buf.free()
                 or self.fields[0] is not w.rowwise_data or self.fields[1] is not w.rowwise_scale_inv
@@ -172,7 +174,7 @@ class LeanView:
             before = _use_count(buf.tensor)
             self.alias = alias_of(w, buf.tensor)
             buf.adopt(self.alias, before)
-        return self.alias.view(self.key[0])
+        return self.alias.view(self.key[0]) if fresh_tensor else self.alias
 
     def _bind(self, w: NVFP4Tensor) -> _Buffer:
         self.clear()
@@ -242,14 +244,89 @@ def lean_call(module: torch.nn.Module, weight: NVFP4Tensor, op: Callable[[torch.
         return op(value)
 
 
+def _raise_changed(w: NVFP4Tensor) -> None:
+    raise RuntimeError(
+        f"one of the variables needed for gradient computation has been modified by an inplace operation: the "
+        f"NVFP4 weight {getattr(w, 'fp4_dist_name', None) or list(w.shape)} changed between the forward and the "
+        "backward of its layer (an optimizer step or a load in between?)")
+
+
 def _unpack(saved):
     if not isinstance(saved, _Note):
         return saved
     w = saved.weight
     if _stamp(w) != saved.stamp:
-        raise RuntimeError(
-            f"one of the variables needed for gradient computation has been modified by an inplace operation: the "
-            f"NVFP4 weight {getattr(w, 'fp4_dist_name', None) or list(w.shape)} changed between the forward and the "
-            "backward of its layer (an optimizer step or a load in between?)")
+        _raise_changed(w)
     shape, stride, offset = saved.geometry
     return saved.view.value(w, False).as_strided(shape, stride, offset)
+
+
+def _in_backward() -> bool:
+    """Whether this thread runs inside a backward pass (a recomputation of activation checkpointing)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _private(w: NVFP4Tensor) -> torch.Tensor:
+    """A copy of its own for a forward that `lean_call_refilled` runs inside a backward (activation recomputation):
+    the recomputed node saves it for its backward, so it must not be a pool buffer another node writes meanwhile.
+    (`lean_call` needs none: its notes are never handed to checkpointing, so a recomputation never runs between a
+    note's refill and its read.)"""
+    value = w.dequantize(w.dtype)
+    return alias_of(w, value) if w.requires_grad else value
+
+
+# ------------------------------------------------------------------------------------ refilled at backward
+class _Use:
+    """What the autograd node of a function that refills before it reads (Megatron's linear, through the adapter)
+    keeps of a lean use: the bound launch that wrote the copy and the versions of the bytes it was made from."""
+
+    __slots__ = ("fill", "weight", "stamp")
+
+    def __init__(self, fill, weight: NVFP4Tensor):
+        self.fill, self.weight, self.stamp = fill, weight, _stamp(weight)
+
+    def refill(self) -> None:
+        """Write the copy again, into the buffer the node saved, right before the node reads it."""
+        if _stamp(self.weight) != self.stamp:
+            _raise_changed(self.weight)
+        self.fill()
+
+
+_CLAIM = threading.local()
+
+
+def lean_call_refilled(module: torch.nn.Module, weight: NVFP4Tensor, op: Callable[[torch.Tensor], torch.Tensor]):
+    """`lean_call` for an op whose autograd function claims the use (`claim` in its forward) and calls `refill` of
+    what it claimed at the start of its backward: the function then saves the layer's alias of the pool buffer
+    itself (no saved-tensor hooks, no Python per saved tensor) and the copy is written again just before its
+    backward reads it. An op that does not claim the use raises (its graph would read whatever the buffer holds
+    then)."""
+    view = lean_view(module)
+    if not torch.is_grad_enabled():
+        return op(view.value(weight, False))
+    if _in_backward():
+        return op(_private(weight))
+    if not weight.requires_grad:
+        return lean_call(module, weight, op)
+    value = view.value(weight, True, fresh_tensor=False)
+    _CLAIM.pending = (value, _Use(view.fill, weight))
+    try:
+        out = op(value)
+    finally:
+        unclaimed, _CLAIM.pending = getattr(_CLAIM, "pending", None), None
+    if unclaimed is not None:
+        raise RuntimeError(
+            "fp4_dist.lean: the lean copy of NVFP4 weight "
+            f"{getattr(weight, 'fp4_dist_name', None) or list(weight.shape)} was not claimed by the autograd function it was made for, so its backward would not write the copy "
+            "again before reading it; this megatron-core's linear function is not the one the adapter knows")
+    return out
+
+
+def claim(weight: torch.Tensor):
+    """In an autograd function's forward: the `_Use` whose copy `weight` is (None if it is none), to keep on the
+    function's context and `refill()` at the start of its backward."""
+    pending = getattr(_CLAIM, "pending", None)
+    if pending is None or pending[0] is not weight:
+        return None
+    _CLAIM.pending = None
+    return pending[1]

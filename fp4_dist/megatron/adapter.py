@@ -33,7 +33,7 @@ import torch
 
 from .. import tensor as _tensor
 from ..compute_view import compute_view, forget
-from ..lean import is_lean, lean_call
+from ..lean import claim, is_lean, lean_call_refilled
 from ..buffers.layout import packed_layout_of
 from . import cpu_compat
 from .monitor import MONITOR
@@ -384,11 +384,33 @@ def _make_forward_impl(original):
         if (type(weight) is _tensor.NVFP4Tensor and not kwargs.get("gradient_accumulation_fusion")
                 and kwargs.get("gtp_remat_size", 1) <= 1):  # fmt: skip
             if is_lean(weight):  # no kept copy: one made for this use, re-made in backward (fp4_dist.lean)
-                return lean_call(self, weight, lambda value: original(self, input, value, *args, **kwargs))
+                return lean_call_refilled(self, weight, lambda value: original(self, input, value, *args, **kwargs))
             weight = compute_view(self, weight)
         return original(self, input, weight, *args, **kwargs)
 
     return _forward_impl
+
+
+def _make_linear_forward(original):
+    def forward(ctx, input, weight, *args):
+        # A lean use's copy (fp4_dist.lean.lean_call_refilled): the node keeps how to write it again, and saves
+        # the layer's alias of the pool buffer as upstream saves any weight.
+        use = claim(weight)
+        if use is not None:
+            ctx.fp4_lean = use
+        return original(ctx, input, weight, *args)
+
+    return forward
+
+
+def _make_linear_backward(original):
+    def backward(ctx, *grads):
+        use = getattr(ctx, "fp4_lean", None)
+        if use is not None:
+            use.refill()  # the pool buffer holds another weight's copy since the forward: write this one again
+        return original(ctx, *grads)
+
+    return backward
 
 
 def _make_apply(original):
@@ -565,6 +587,12 @@ HOOKS: tuple[Hook, ...] = (
          "dispatch (~15-20 us per use); same values and gradients (layers 1094-1098)"),
     Hook((_TPL,), "RowParallelLinear._forward_impl", _make_forward_impl,
          "the same for the row-parallel layers (layers 1424-1428)"),
+    Hook((_TPL,), "LinearWithGradAccumulationAndAsyncCommunication.forward", _make_linear_forward,
+         "lean compute (--fp4-no-compute-copy): the node of a lean use keeps how to write its copy again; it saves "
+         "the layer's alias of a pool buffer, as it saves any weight (layers 548)"),
+    Hook((_TPL,), "LinearWithGradAccumulationAndAsyncCommunication.backward", _make_linear_backward,
+         "lean compute: write the copy into the saved pool buffer again before upstream reads it (layers 585); "
+         "one Python call per linear that the backward makes anyway, instead of saved-tensor hooks"),
     Hook((_TPL,), "ColumnParallelLinear._apply", _make_apply,
          "drop the layer's cached view before nn.Module._apply (.to/.cuda/.bfloat16) swaps the NVFP4 parameter in "
          "place: the swap poisons the grad accumulator the view's autograd node leads to, so the next backward "

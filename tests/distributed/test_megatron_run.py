@@ -49,9 +49,10 @@ def data(tmp_path_factory) -> str:
     return prefix
 
 
-def launch(nproc: int, args, *, log: Path = None, check: bool = True,
-           refused: bool = False) -> subprocess.CompletedProcess:
-    opts = ["--check-every", "1"] if check else []
+def launch(nproc: int, args, *, log: Path = None, check: bool = True, refused: bool = False,
+           runner: tuple = ()) -> subprocess.CompletedProcess:
+    """`runner`: options of fp4_dist.megatron.run itself (before the script)."""
+    opts = (["--check-every", "1"] if check else []) + list(runner)
     opts += ["--log-json", str(log)] if log else []
     # A run every rank refuses: torchrun stops the other ranks once it sees one fail (it looks every 0.1 s); looking
     # every 5 s lets each rank's own refusal reach the log, which is what these runs check.
@@ -62,9 +63,9 @@ def launch(nproc: int, args, *, log: Path = None, check: bool = True,
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
-def train(tmp_path: Path, name: str, nproc: int, *args: str, fp4: bool = True) -> dict:
+def train(tmp_path: Path, name: str, nproc: int, *args: str, fp4: bool = True, runner: tuple = ()) -> dict:
     log = tmp_path / f"{name}.json"
-    proc = launch(nproc, [*args, *(["--fp4-param-gather"] if fp4 else [])], log=log, check=fp4)
+    proc = launch(nproc, [*args, *(["--fp4-param-gather"] if fp4 else [])], log=log, check=fp4, runner=runner)
     assert proc.returncode == 0, f"{name}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     record = json.loads(log.read_text())
     record["stdout"] = proc.stdout
@@ -132,6 +133,23 @@ def test_dp2_with_overlap_evaluation_save_and_resume_at_dp2_and_dp3(tmp_path, da
     assert other["master_digest_after_setup"] == same["master_digest_after_setup"], "dp 2 -> 3 masters differ"
     assert other["check_after_setup"].startswith("ok")  # the loaded weights == quantize(the re-sharded masters)
     assert all(it["check"].startswith("ok") for it in other["iterations"])
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
+def test_lean_compute_in_pretrain_trains_bitwise_like_kept_copies(tmp_path, data, recompute):
+    # Two layers, so each pool buffer is shared by both layers' weights of its shape: every linear's backward
+    # writes its copy again before reading it. With Megatron's own full-layer recomputation (reentrant: the
+    # recomputed forwards run inside the backward) those forwards use copies of their own. Both overlaps on, two
+    # microbatches per step.
+    common = ["--data-path", data, "--train-iters", "4", "--eval-interval", "2", "--overlap-param-gather",
+              "--overlap-grad-reduce", "--hidden-dropout", "0", "--attention-dropout", "0"]
+    if recompute:
+        common += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    kept = train(tmp_path, "kept", 2, *common)
+    lean = train(tmp_path, "lean", 2, *common, runner=("--no-compute-copy",))
+    assert [it["loss"] for it in lean["iterations"]] == [it["loss"] for it in kept["iterations"]]
+    assert lean["master_digest_final"] == kept["master_digest_final"]
+    assert all(it["check"].startswith("ok") for it in lean["iterations"])
 
 
 def test_tensor_parallel_2_by_data_parallel_2(tmp_path, data):

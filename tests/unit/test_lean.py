@@ -210,3 +210,51 @@ def test_every_route_that_changes_the_bytes_is_seen_by_the_next_lean_use(route):
     ref = xg.detach().requires_grad_()
     F.linear(ref, want, lin.bias).float().sum().backward()
     assert torch.equal(xg.grad, ref.grad)
+
+
+class _Refilled(torch.autograd.Function):
+    """A linear whose forward claims the lean use and whose backward refills it first (what the Megatron adapter
+    does to Megatron's linear function)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.use = lean.claim(w)
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.use is not None:
+            ctx.use.refill()
+        x, w = ctx.saved_tensors
+        return g @ w, g.flatten(0, -2).t() @ x.flatten(0, -2)
+
+
+def test_a_function_that_refills_in_backward_reads_its_own_weight_from_a_shared_buffer():
+    net = build(lean=True)
+    a, b = net.blocks[0].proj, net.blocks[1].proj  # one pool buffer
+    x = batch(0, 0)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya = lean.lean_call_refilled(a, a.weight, lambda v: _Refilled.apply(xa, v))
+    yb = lean.lean_call_refilled(b, b.weight, lambda v: _Refilled.apply(xb, v))  # the buffer now holds b
+    (ya.float().sum() + yb.float().sum()).backward()
+    for lin, xg in ((a, xa), (b, xb)):
+        w = lin.weight.dequantize(torch.bfloat16)
+        ref = x.clone().requires_grad_()
+        (ref @ w.t()).float().sum().backward()
+        assert torch.equal(xg.grad, ref.grad), "a backward read another weight's copy"
+    assert held_copies() == 0
+    with torch.no_grad():
+        a.weight.copy_(torch.randn(tuple(a.weight.shape)).to(torch.bfloat16))
+    ya = lean.lean_call_refilled(a, a.weight, lambda v: _Refilled.apply(xa, v))
+    a.weight.quantize_(torch.randn(tuple(a.weight.shape)))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        ya.float().sum().backward()
+
+
+def test_a_lean_use_nothing_claims_raises_instead_of_training_on_a_shared_buffer():
+    net = build(lean=True)
+    lin = net.blocks[0].proj
+    x = batch(0, 0)
+    with pytest.raises(RuntimeError, match="was not claimed by the autograd function"):
+        lean.lean_call_refilled(lin, lin.weight, lambda v: F.linear(x, v))
