@@ -4,6 +4,8 @@
 #   PARTS="paired2048 zero1" bash bench/lean_gpu.sh
 # Parts:
 #   tests       tests/unit/test_lean.py (the CUDA case: lean equals kept copies bitwise; the pool never replaced)
+#   check       bench/lean_check.py: a Megatron GPT 256 (4 layers share each pool buffer) trained kept and lean,
+#               bitwise equal losses and fp32 masters on CUDA
 #   paired2048  bench/megatron_compare.py --paired-only fp4,lean: GPT hidden 2048 x 8, bf16 / kept copies / lean
 #               in rotating alternating steps of one process ($PAIRED2048 steps each): the issue's step measure
 #   paired4096  the same for GPT hidden 4096 x 6 (mb 2), bf16 / lean ($PAIRED4096 steps each)
@@ -16,7 +18,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}
 OUT=${OUT:-bench/out}
-PARTS=${PARTS:-"tests paired2048 paired4096 memory zero1 profile"}
+PARTS=${PARTS:-"tests check paired2048 paired4096 memory zero1 profile"}
 PAIRED2048=${PAIRED2048:-40}
 PAIRED4096=${PAIRED4096:-20}
 mkdir -p "$OUT"
@@ -38,6 +40,7 @@ has() { [[ " $PARTS " == *" $1 "* ]]; }
 "$PY" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" | tee "$OUT/device.txt"
 torchrun1() { "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 "$@"; }
 has tests && part lean_tests "$PY" -m pytest tests/unit/test_lean.py -q -p no:cacheprovider
+has check && part lean_check torchrun1 bench/lean_check.py --model gpt256 --steps 6 -- $MEGATRON_EXTRA
 has paired2048 && part paired2048 torchrun1 bench/megatron_compare.py --model gpt2048 --paired-only fp4,lean \
   --steps "$PAIRED2048" --json "$OUT/paired2048.json" -- $MEGATRON_EXTRA
 has paired4096 && part paired4096 torchrun1 bench/megatron_compare.py --model gpt4096 --paired-only lean \
