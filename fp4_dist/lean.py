@@ -7,11 +7,16 @@ so losses and gradients are bitwise those of the default mode:
     forward    one bound dequantize launch writes the weight's values into the pool buffer of its shape (below),
                and the layer computes with its cached alias of that buffer
     autograd   what the linear saves for backward is not that buffer but a note naming the weight
-               (`torch.autograd.graph.saved_tensors_hooks`), so nothing of the copy stays alive between the
-               forward and the backward of the layer, whatever the number of microbatches in flight
+               (`torch.autograd.graph.saved_tensors_hooks`, `lean_call`), so nothing of the copy stays alive
+               between the forward and the backward of the layer, whatever the number of microbatches in flight
     backward   the note is unpacked into a new dequantization into the same pool buffer (one launch) for the
                input gradient; the weight gradient reaches the NVFP4 parameter through the alias's autograd node
                (clone's), as a plain [M, K] tensor
+
+Megatron's linear function needs no hooks (`lean_call_refilled`): through the adapter its forward claims the use
+and saves the alias of the pool buffer as it saves any weight, and its backward, Python already, writes the copy
+into that buffer again (`_Use.refill`, one launch) before reading it. Forwards recomputed inside a backward take
+copies of their own there.
 
 The pool holds one buffer per (shape, dtype, device) of the lean weights, shared by all of them: every weight of a
 transformer's layer stack takes its turn in the buffers of one layer. Sharing is safe because a copy is consumed by
@@ -244,11 +249,16 @@ def lean_call(module: torch.nn.Module, weight: NVFP4Tensor, op: Callable[[torch.
         return op(value)
 
 
+def _name(w: NVFP4Tensor) -> str:
+    """How an error names a weight: its module path where a conversion recorded one, else its shape."""
+    return str(getattr(w, "fp4_dist_name", None) or list(w.shape))
+
+
 def _raise_changed(w: NVFP4Tensor) -> None:
     raise RuntimeError(
         f"one of the variables needed for gradient computation has been modified by an inplace operation: the "
-        f"NVFP4 weight {getattr(w, 'fp4_dist_name', None) or list(w.shape)} changed between the forward and the "
-        "backward of its layer (an optimizer step or a load in between?)")
+        f"NVFP4 weight {_name(w)} changed between the forward and the backward of its layer (an optimizer step or "
+        "a load in between?)")
 
 
 def _unpack(saved):
@@ -316,9 +326,9 @@ def lean_call_refilled(module: torch.nn.Module, weight: NVFP4Tensor, op: Callabl
         unclaimed, _CLAIM.pending = getattr(_CLAIM, "pending", None), None
     if unclaimed is not None:
         raise RuntimeError(
-            "fp4_dist.lean: the lean copy of NVFP4 weight "
-            f"{getattr(weight, 'fp4_dist_name', None) or list(weight.shape)} was not claimed by the autograd function it was made for, so its backward would not write the copy "
-            "again before reading it; this megatron-core's linear function is not the one the adapter knows")
+            f"fp4_dist.lean: the lean copy of NVFP4 weight {_name(weight)} was not claimed by the autograd function "
+            "it was made for, so its backward would not write the copy again before reading it; this "
+            "megatron-core's linear function is not the one the adapter knows")
     return out
 
 

@@ -191,16 +191,21 @@ class LaunchCounter:
         _launch = self._real
 
 
-def _launch(index: int, key: tuple[str, str], units: int, args: tuple) -> None:
-    """Launch kernel `key` with min(units, resident blocks) blocks on torch's current stream of `index`."""
+def _kernel_and_grid(index: int, key: tuple[str, str], units: int):
+    """Kernel `key` of device `index` and its grid for `units` work units: min(units, resident blocks)."""
     if units <= 0:
         raise ValueError(f"{key[0]}: launch with {units} work units")
-    import cupy  # here, not at module import: CuPy is optional where nothing runs on a GPU
     k = device_kernels(index)
     fn = k.functions.get(key)
     if fn is None:
         raise KeyError(f"no kernel {key} in the name table")
-    grid = min(units, k.max_blocks[key] if GRID[key[0]] == "resident" else (1 << 31) - 1)
+    return fn, min(units, k.max_blocks[key] if GRID[key[0]] == "resident" else (1 << 31) - 1)
+
+
+def _launch(index: int, key: tuple[str, str], units: int, args: tuple) -> None:
+    """Launch kernel `key` with min(units, resident blocks) blocks on torch's current stream of `index`."""
+    fn, grid = _kernel_and_grid(index, key, units)
+    import cupy  # here, not at module import: CuPy is optional where nothing runs on a GPU
     stream = _cupy_stream(current_raw_stream(index), index)
     if cupy.cuda.runtime.getDevice() != index:
         with cupy.cuda.Device(index):
@@ -241,15 +246,8 @@ class BoundLaunch:
 
     def __init__(self, index: int, key: tuple[str, str], units: int, args: tuple):
         global _cu_launch
-        if units <= 0:
-            raise ValueError(f"{key[0]}: launch with {units} work units")
-        self.index, self.key, self.units, self.args = index, key, units, args
-        k = device_kernels(index)
-        fn = k.functions.get(key)
-        if fn is None:
-            raise KeyError(f"no kernel {key} in the name table")
-        self.fn = fn.ptr
-        self.grid = min(units, k.max_blocks[key] if GRID[key[0]] == "resident" else (1 << 31) - 1)
+        fn, self.grid = _kernel_and_grid(index, key, units)
+        self.index, self.key, self.units, self.args, self.fn = index, key, units, args, fn.ptr
         self.params = None
         if all(type(a) in _CTYPES for a in args):
             if _cu_launch is None:
