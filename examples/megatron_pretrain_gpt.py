@@ -607,10 +607,12 @@ def _summary(args, result: RunResult) -> str:
     losses = result.losses
     mib = {k: f"{v / 2**20:.3f} MiB" for k, v in result.buffer_bytes.items()}
     mib["nvfp4 compute copies"] = f"{result.compute_copy_bytes / 2**20:.3f} MiB"
-    from fp4_dist.lean import pool_bytes
+    from fp4_dist.lean import pool_stats
 
-    if pool_bytes():
-        mib["lean pool"] = f"{pool_bytes() / 2**20:.3f} MiB"  # the lean copies' buffers (one per weight shape)
+    lean = pool_stats()
+    if lean["bytes"]:  # the lean copies' buffers (one per weight shape), and launches per use
+        mib["lean pool"] = (f"{lean['bytes'] / 2**20:.3f} MiB, {lean['launches']} dequantize launches for "
+                            f"{lean['uses']} uses")
     times = sorted(r.step_ms for r in result.records[1:]) or [r.step_ms for r in result.records]
     median = times[len(times) // 2] if times else float("nan")
     return (f"done: {result.mode} weights ({result.nvfp4_weights} NVFP4), {result.world_size} ranks, "

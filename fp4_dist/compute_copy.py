@@ -46,7 +46,7 @@ class ComputeCopy:
     """
 
     __slots__ = ("enabled", "value", "pending", "auto_refresh", "epoch", "views", "aliases", "sources", "stamp",
-                 "pending_uses")
+                 "pending_uses", "casts")
 
     def __init__(self, enabled: bool = True):
         self.enabled = bool(enabled)
@@ -71,6 +71,9 @@ class ComputeCopy:
         self.stamp: Optional[tuple] = None
         """Their version counters, `value`'s and the weight's when it was made (None: nothing proves it current)."""
         self.pending_uses = 0
+        self.casts = 0
+        """Bumped by every cast (`mark_pending`): bytes an all-gather writes bump no version counter of this
+        rank's, so a lean copy (`fp4_dist.lean`) proves itself current by this count with the versions."""
 
     def fresh_for(self, w) -> bool:
         """True when `value` holds the values of `w`'s current bytes."""
@@ -226,6 +229,7 @@ def mark_pending(weights: Sequence, *, auto_refresh: bool = False) -> None:
     for w in weights:
         cc = w.copy_state
         cc.pending, cc.auto_refresh = True, auto_refresh
+        cc.casts += 1
 
 
 def compute_copy_bytes(weights) -> int:

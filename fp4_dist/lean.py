@@ -4,19 +4,19 @@ With ``compute_copy=False`` a weight keeps no copy between updates (`fp4_dist.co
 a Megatron parallel linear then computes as follows, with the same values and the same GEMMs as with a kept copy,
 so losses and gradients are bitwise those of the default mode:
 
-    forward    one bound dequantize launch writes the weight's values into the pool buffer of its shape (below),
-               and the layer computes with its cached alias of that buffer
+    forward    the weight's values are made in the pool buffer of its shape (below), unless the buffer holds them
+               already, and the layer computes with its cached alias of that buffer
     autograd   what the linear saves for backward is not that buffer but a note naming the weight
                (`torch.autograd.graph.saved_tensors_hooks`, `lean_call`), so nothing of the copy stays alive
                between the forward and the backward of the layer, whatever the number of microbatches in flight
-    backward   the note is unpacked into a new dequantization into the same pool buffer (one launch) for the
-               input gradient; the weight gradient reaches the NVFP4 parameter through the alias's autograd node
-               (clone's), as a plain [M, K] tensor
+    backward   the note is unpacked into the same pool buffer, made again unless it holds the values still, for
+               the input gradient; the weight gradient reaches the NVFP4 parameter through the alias's autograd
+               node (clone's), as a plain [M, K] tensor
 
 Megatron's linear function needs no hooks (`lean_call_refilled`): through the adapter its forward claims the use
-and saves the alias of the pool buffer as it saves any weight, and its backward, Python already, writes the copy
-into that buffer again (`_Use.refill`, one launch) before reading it. Forwards recomputed inside a backward take
-copies of their own there.
+and saves the alias of the pool buffer as it saves any weight, and its backward, Python already, makes sure the
+buffer holds the copy again (`_Use.refill`) before reading it. Forwards recomputed inside a backward take copies
+of their own there.
 
 The pool holds one buffer per (shape, dtype, device) of the lean weights, shared by all of them: every weight of a
 transformer's layer stack takes its turn in the buffers of one layer. Sharing is safe because a copy is consumed by
@@ -25,9 +25,17 @@ something still references at the next write (a copy kept past its use, which th
 its holder and replaced by a new one, counted in `pool_stats()` and warned about once, so no copy is ever
 overwritten under a reader.
 
-Per use the host cost is what a kept copy costs plus one bound launch: the layer's alias is made once (one
-dispatch through NVFP4Tensor) and reused while the weight's fields and the pool buffer stay the same; the launch is
-bound to the weight's fields and the buffer (no plan lookup, no argument checks).
+Launches. Each buffer records whose values it holds and what proved them current then (`_current`: the weight's
+cast count and version counters, as for a kept copy; nothing while a cast's bytes await their all-gather). A use
+that finds its values there launches nothing: the backward of the last layer after its forward, the forward of
+the first layer after its backward. A use that does not makes one launch that also fills the buffers of the uses
+that came after it last time (`_Order`, learned as the uses come; `_Batch`: as far as each has a buffer of its own,
+so one launch per layer of a transformer stack). The order only saves launches: every use checks its own buffer,
+so a wrong guess costs a launch, never a value. Megatron GPT, 8 layers: 58 launches per 256 uses.
+
+Per use the host cost is what a kept copy costs plus those checks (about a microsecond): the layer's alias is made
+once (one dispatch through NVFP4Tensor) and reused while the weight's fields and the pool buffer stay the same;
+the launches are bound to the weights' fields and the buffers (no plan lookup, no argument checks).
 
 A weight whose bytes change between a layer's forward and its backward (an optimizer step or a load in between)
 makes that backward raise, as a parameter changed in place does in PyTorch. Memory: the pool (`pool_bytes()`, at
@@ -69,13 +77,27 @@ def _use_count(t: torch.Tensor) -> int:
 
 
 class _Buffer:
-    """One pool buffer, and how many references to its storage the pool and the layers' aliases account for."""
+    """One pool buffer, how many references to its storage the pool and the layers' aliases account for, and
+    whose values it holds: the bound fields of the layer that wrote it last and `_current` of their weight then
+    (None: nothing proves what it holds)."""
 
-    __slots__ = ("tensor", "expected", "__weakref__")
+    __slots__ = ("tensor", "expected", "fields", "token", "version", "retired", "__weakref__")
 
     def __init__(self, shape, dtype, device):
         self.tensor = torch.empty(shape, dtype=dtype, device=device)
         self.expected = _use_count(self.tensor)
+        self.retired = False  # the pool let go of it (replaced or released): layers bound to it bind again
+        self.mark(None, None)
+
+    def mark(self, fields, token) -> None:
+        """The buffer was just written with the values of `fields` as `token` says they are (None: unknown)."""
+        self.fields, self.token, self.version = fields, token, self.tensor._version
+
+    def holds(self, fields: tuple, token) -> bool:
+        """Whether the buffer holds the values of `fields` as `token` (not None) says they are now, and nothing
+        wrote it since (its version counter)."""
+        return (token is not None and self.fields is fields and self.token == token
+                and self.tensor._version == self.version)  # fmt: skip
 
     def free(self) -> bool:
         """Whether nothing but the pool and the layers' aliases references the buffer: the next copy may go in."""
@@ -96,12 +118,13 @@ def _release(ref, held: int) -> None:
 
 
 class _Pool:
-    __slots__ = ("buffers", "replaced", "warned")
+    __slots__ = ("buffers", "replaced", "warned", "uses", "launches")
 
     def __init__(self):
         self.buffers: dict = {}
         self.replaced = 0
         self.warned = False
+        self.uses = self.launches = 0  # lean uses seen, dequantize launches they made
 
     def take(self, key) -> _Buffer:
         """The buffer for `key` = (shape, dtype, device), new when there is none or the current one is held."""
@@ -109,6 +132,7 @@ class _Pool:
         if buf is not None and buf.free():
             return buf
         if buf is not None:
+            buf.retired = True
             self._replaced(key)
         buf = self.buffers[key] = _Buffer(*key)
         return buf
@@ -139,38 +163,143 @@ def held_copies() -> int:
 
 
 def pool_stats() -> dict:
-    """{"buffers", "bytes", "replaced"}: the pool's size and how often a held buffer had to be replaced."""
-    return {"buffers": len(_POOL.buffers), "bytes": pool_bytes(), "replaced": _POOL.replaced}
+    """{"buffers", "bytes", "replaced", "uses", "launches"}: the pool's size, how often a held buffer had to be
+    replaced, and how many lean uses (forward and backward) made how many dequantize launches (fewer launches
+    than uses: copies found made already, by the use before or by a batched fill)."""
+    return {"buffers": len(_POOL.buffers), "bytes": pool_bytes(), "replaced": _POOL.replaced, "uses": _POOL.uses,
+            "launches": _POOL.launches}  # fmt: skip
 
 
 def release_pool() -> None:
     """Let go of the pool's buffers (they are freed once the layers' aliases of them are dropped at their next
     use); the next lean use allocates again."""
+    for buf in _POOL.buffers.values():
+        buf.retired = True
     _POOL.buffers.clear()
+
+
+# A lean use is made in one of two directions: a forward, or a backward writing its copy again.
+_FWD, _BWD = 0, 1
+_BATCH = 8  # most fills one launch makes
+
+
+def _current(w: NVFP4Tensor):
+    """What proves that a copy holds `w`'s current values: its cast count (`ComputeCopy.casts`) and the version
+    counters of its bytes and of itself; None between a cast and its all-gather's processing (or for an inference
+    tensor), when nothing proves a copy current."""
+    cc = w.copy_state
+    if cc.pending:
+        return None
+    try:
+        return (cc.casts, w.rowwise_data._version, w.rowwise_scale_inv._version, w.amax._version, w._version)
+    except RuntimeError:  # an inference tensor has no version counter
+        return None
+
+
+class _Order:
+    """The order lean uses come in, learned as they come: each (layer, direction) links to the one that came
+    after it last time. A changed link bumps `epoch`, and the batches built along the old links are built again."""
+
+    __slots__ = ("last", "epoch")
+
+    def __init__(self):
+        self.last, self.epoch = None, 0
+
+
+_ORDER = _Order()
+
+
+class _Batch:
+    """The fills that one launch makes when a use finds its buffer not holding its weight: its own, then those of
+    the uses the learned order says come next, as far as each has a buffer of its own (a shape not seen before in
+    the batch): the next uses then find their copies made. A use the order got wrong (or whose weight changes
+    before it) finds its buffer not holding its values and fills it itself, so the order is never trusted for
+    values, only for saving launches."""
+
+    __slots__ = ("epoch", "members", "fills", "launch")
+
+    def __init__(self, head: "LeanView", d: int):
+        self.epoch = _ORDER.epoch
+        members, keys, link = [head], {head.key}, head.next[d]
+        while link is not None and len(members) < _BATCH:
+            v = link[0]()
+            if (v is None or v.fill is None or v.key in keys or v.key[1:] != head.key[1:]
+                    or v.buffer.retired or not v.bound_to(v.weight)):  # fmt: skip
+                break
+            members.append(v)
+            keys.add(v.key)
+            link = v.next[link[1]]
+        self.members = tuple(v.ref for v in members)
+        self.fills = tuple(v.fill for v in members)
+        if len(members) == 1:
+            self.launch = head.fill
+        else:
+            self.launch = kernels.bind_dequantize([v.fields[0] for v in members], [v.fields[1] for v in members],
+                                                  [v.fields[2] for v in members],
+                                                  [v.buffer.tensor for v in members])  # fmt: skip
+
+    def still_bound(self) -> bool:
+        """Whether the learned order and every member's binding are what the batch was built from."""
+        if self.epoch != _ORDER.epoch:
+            return False
+        for ref, fill in zip(self.members, self.fills):
+            v = ref()
+            if v is None or v.fill is not fill:
+                return False
+        return True
+
+    def run(self, head_token) -> bool:
+        """Fill every member's buffer (one launch) and record what each holds; False, with nothing written, when
+        a member's buffer is referenced by something or its weight is between a cast and its gather."""
+        views, tokens = [], []
+        for ref in self.members[1:]:
+            v = ref()
+            token = _current(v.weight)
+            if token is None or not v.buffer.free():
+                return False
+            views.append(v)
+            tokens.append(token)
+        _POOL.launches += 1
+        self.launch()
+        for v, token in zip(views, tokens):
+            v.buffer.mark(v.fields, token)
+        head = self.members[0]()
+        head.buffer.mark(head.fields, head_token)
+        return True
 
 
 class LeanView:
     """One layer's lean state: the pool buffer its weight's copy goes into, the bound dequantize launch into it,
-    and the alias of it (linked to the weight by one autograd node) the layer computes with."""
+    the alias of it (linked to the weight by one autograd node) the layer computes with, and its places in the
+    learned order of uses (one per direction) with the batched fills that start there."""
 
-    __slots__ = ("weight", "fields", "key", "buffer", "fill", "alias", "__weakref__")
+    __slots__ = ("weight", "fields", "key", "buffer", "fill", "alias", "ref", "here", "next", "batches",
+                 "__weakref__")  # fmt: skip
 
     def __init__(self):
+        self.ref = weakref.ref(self)
+        self.here = ((self.ref, _FWD), (self.ref, _BWD))  # this layer's places, as links to it
+        self.next = [None, None]
         self.clear()
 
     def clear(self) -> None:
         self.weight = self.fields = self.key = self.buffer = self.fill = self.alias = None
+        self.batches = [None, None]
 
-    def value(self, w: NVFP4Tensor, grad: bool, fresh_tensor: bool = True) -> torch.Tensor:
-        """Write `w`'s values into its pool buffer (one launch) and return what to compute with: the alias
-        (`grad`) or the buffer itself, as a new tensor object on it (`fresh_tensor`) or the alias the layer keeps
-        (for a function that saves it and refills before reading it: a view of it would count as a holder)."""
-        buf = self.buffer
-        if (w is not self.weight or buf is not _POOL.buffers.get(self.key) or not buf.free()
-                or self.fields[0] is not w.rowwise_data or self.fields[1] is not w.rowwise_scale_inv
-                or self.fields[2] is not w.amax):  # fmt: skip
+    def bound_to(self, w: NVFP4Tensor) -> bool:
+        f = self.fields
+        return f[0] is w.rowwise_data and f[1] is w.rowwise_scale_inv and f[2] is w.amax
+
+    def value(self, w: NVFP4Tensor, grad: bool, fresh_tensor: bool = True, d: int = _FWD) -> torch.Tensor:
+        """Make sure `w`'s values are in its pool buffer (a launch unless the buffer holds them already) and
+        return what to compute with: the alias (`grad`) or the buffer itself, as a new tensor object on it
+        (`fresh_tensor`) or the alias the layer keeps (for a function that saves it and refills before reading
+        it: a view of it would count as a holder). `d`: the direction of the use (forward / backward)."""
+        buf, f = self.buffer, self.fields
+        if (w is not self.weight or buf.retired or f[0] is not w.rowwise_data or f[1] is not w.rowwise_scale_inv
+                or f[2] is not w.amax or not buf.free()):  # fmt: skip
             buf = self._bind(w)
-        self.fill()
+        self.ensure(d)
         # A new tensor object per use (a view: no copy, one C++ call), never one the pool or the layer keeps: a
         # holder of it then shows in the buffer's reference count at the next write.
         if not grad:
@@ -180,6 +309,31 @@ class LeanView:
             self.alias = alias_of(w, buf.tensor)
             buf.adopt(self.alias, before)
         return self.alias.view(self.key[0]) if fresh_tensor else self.alias
+
+    def ensure(self, d: int) -> None:
+        """The bound buffer holds the weight's current values once this returns (in stream order): nothing to do
+        when it holds them already, else one launch, which also fills the buffers of the uses expected next."""
+        last = _ORDER.last
+        here = self.here[d]
+        if last is not None:
+            prev = last[0]()
+            if prev is not None and prev.next[last[1]] is not here:
+                prev.next[last[1]] = here
+                _ORDER.epoch += 1
+        _ORDER.last = here
+        _POOL.uses += 1
+        buf, token = self.buffer, _current(self.weight)
+        if buf.holds(self.fields, token):
+            return
+        if token is not None:
+            batch = self.batches[d]
+            if batch is None or not batch.still_bound():
+                batch = self.batches[d] = _Batch(self, d)
+            if batch.run(token):
+                return
+        _POOL.launches += 1
+        self.fill()
+        buf.mark(self.fields, token)
 
     def _bind(self, w: NVFP4Tensor) -> _Buffer:
         self.clear()
@@ -268,7 +422,7 @@ def _unpack(saved):
     if _stamp(w) != saved.stamp:
         _raise_changed(w)
     shape, stride, offset = saved.geometry
-    return saved.view.value(w, False).as_strided(shape, stride, offset)
+    return saved.view.value(w, False, d=_BWD).as_strided(shape, stride, offset)
 
 
 def _in_backward() -> bool:
@@ -288,18 +442,26 @@ def _private(w: NVFP4Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------ refilled at backward
 class _Use:
     """What the autograd node of a function that refills before it reads (Megatron's linear, through the adapter)
-    keeps of a lean use: the bound launch that wrote the copy and the versions of the bytes it was made from."""
+    keeps of a lean use: the layer's lean state, the bound launch that wrote the copy, the buffer it wrote, and
+    the versions of the bytes it was made from."""
 
-    __slots__ = ("fill", "weight", "stamp")
+    __slots__ = ("view", "fill", "buffer", "weight", "stamp")
 
-    def __init__(self, fill, weight: NVFP4Tensor):
-        self.fill, self.weight, self.stamp = fill, weight, _stamp(weight)
+    def __init__(self, view: LeanView, weight: NVFP4Tensor):
+        self.view, self.fill, self.buffer = view, view.fill, view.buffer
+        self.weight, self.stamp = weight, _stamp(weight)
 
     def refill(self) -> None:
-        """Write the copy again, into the buffer the node saved, right before the node reads it."""
+        """Make sure the buffer the node saved holds the copy again, right before the node reads it."""
         if _stamp(self.weight) != self.stamp:
             _raise_changed(self.weight)
-        self.fill()
+        if self.view.fill is self.fill:  # the layer is bound as at the forward: the same buffer and fields
+            self.view.ensure(_BWD)
+        else:
+            _POOL.uses += 1
+            _POOL.launches += 1
+            self.fill()
+            self.buffer.mark(None, None)
 
 
 _CLAIM = threading.local()
@@ -319,7 +481,7 @@ def lean_call_refilled(module: torch.nn.Module, weight: NVFP4Tensor, op: Callabl
     if not weight.requires_grad:
         return lean_call(module, weight, op)
     value = view.value(weight, True, fresh_tensor=False)
-    _CLAIM.pending = (value, _Use(view.fill, weight))
+    _CLAIM.pending = (value, _Use(view, weight))
     try:
         out = op(value)
     finally:
