@@ -49,6 +49,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from examples import megatron_pretrain_gpt as pretrain_gpt  # noqa: E402
 from fp4_dist.launch import shutdown  # noqa: E402
+from fp4_dist.lean import pool_stats  # noqa: E402
 
 MODELS = {
     "gpt256": ("--num-layers 4 --hidden-size 256 --num-attention-heads 4 --ffn-hidden-size 1024 "
@@ -83,6 +84,10 @@ def parse() -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--check-every", type=int, default=20, help="parity check of the gathered NVFP4 bytes")
     p.add_argument("--log-interval", type=int, default=50)
     p.add_argument("--json", default=None, help="write the table and all losses here (rank 0)")
+    p.add_argument("--lean-diagnostic", choices=("timers", "nofill"), default=None,
+                   help="timers: host time per step in the lean mode's own calls (forward and backward uses) and "
+                        "in the kept copies' lookup; nofill: lean's dequantize launches left out, its pool "
+                        "buffers zeros (wrong values: what lean costs without them)")
     args, extra = p.parse_known_args()
     return args, [a for a in extra if a != "--"]
 
@@ -254,13 +259,58 @@ def table(rounds: list[dict[str, list]], fp4b, gather, pair: Paired) -> tuple[li
     return rows, ok and step_ok
 
 
+def _lean_diagnostic(kind) -> dict:
+    """Patch the lean mode for `--lean-diagnostic` (see its help); returns {name: [seconds, calls]}, filled as the
+    patched calls run."""
+    from fp4_dist import lean
+    from fp4_dist.megatron import adapter
+
+    timers: dict = {}
+    if kind == "timers":
+        def timed(owner, name, label):
+            fn, acc = getattr(owner, name), timers.setdefault(label, [0.0, 0])
+
+            def run(*args, **kwargs):
+                t = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    acc[0] += time.perf_counter() - t
+                    acc[1] += 1
+
+            setattr(owner, name, run)
+
+        timed(lean.LeanView, "value", "lean forward uses (LeanView.value)")
+        timed(lean._Use, "refill", "lean backward uses (_Use.refill)")
+        timed(adapter, "compute_view", "kept copies' lookup (compute_view)")
+    elif kind == "nofill":
+        class NoFill:
+            @staticmethod
+            def bind_dequantize(datas, scales, amaxes, outs):
+                for out in outs:
+                    out.zero_()
+                return lambda: None
+
+        lean.kernels = NoFill
+    return timers
+
+
 def paired_only(base: list[str], args) -> int:
     unknown = set(args.paired_only.split(",")) - set(VARIANTS)
     if unknown:
         raise SystemExit(f"megatron_compare: unknown --paired-only variants {sorted(unknown)}; known: {list(VARIANTS)}")
     variants = {v: base + VARIANTS[v] for v in args.paired_only.split(",")}
+    timers = _lean_diagnostic(args.lean_diagnostic)
     times = paired(base, [], args.paired_steps or args.steps, variants)
     rows = paired_table(times)
+    for name, (seconds, calls) in timers.items():
+        steps = len(times["bf16"])
+        rows.append((f"(diagnostic) host in {name}", f"{1e3 * seconds / steps:.2f} ms per step, "
+                     f"{calls / steps:.0f} calls", ""))  # fmt: skip
+    lean = pool_stats()
+    if lean["uses"]:
+        rows.append(("(info) lean: dequantize launches / uses, pool", f"{lean['launches']} / {lean['uses']}, "
+                     f"{lean['bytes'] / 2**20:.0f} MiB, replaced {lean['replaced']}", ""))  # fmt: skip
     if dist.get_rank() == 0:
         width, label = max(len(r[0]) for r in rows), "model " + ("tiny" if args.tiny else args.model)
         print(f"\n{label:<{width}} | result | verdict\n{'-' * (width + 30)}")

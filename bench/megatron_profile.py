@@ -1,12 +1,11 @@
 """Where a Megatron step's host time goes: cProfile of the same steps with and without --fp4-param-gather.
 
-    torchrun --nproc-per-node 2 bench/megatron_profile.py [--model gpt256] [--steps 30] [--no-sync-check]
+    torchrun --nproc-per-node 2 bench/megatron_profile.py [--model gpt256] [--steps 30]
         [--gpu | --syncs | --phases] [-- extra Megatron args, e.g. --overlap-param-gather --overlap-grad-reduce]
 
 Host-bound steps (small models) show every extra Python call of the NVFP4 path; rank 0 prints, for each mode,
 the median step time and the functions with the largest own time, then the fp4_dist functions by cumulative
-time. --no-sync-check replaces the cast's one device-to-host read (the non-finite check) by nothing, to measure
-what that wait costs (diagnostic only: a non-finite master then goes unnoticed).
+time.
 
 --gpu profiles the device instead (torch.profiler, steps 6 to --steps): the GPU time per step of every kernel in
 each mode, the kernels only one mode runs, and the GPU's busy time against the wall time of those steps. It
@@ -144,8 +143,8 @@ def _timing(optimizer, phases: dict, calls: dict):
     from fp4_dist.optim import cast
     from fp4_dist.tensor import NVFP4Tensor
 
-    targets = [(optimizer, "step", "optimizer step"), (cast.BoundCast, "run", "cast (host, launches)"),
-               (cast, "_raise_if_bad", "cast's non-finite check (one read)"),
+    targets = [(optimizer, "step", "optimizer step"),
+               (cast.BoundCast, "run", "cast (host, launches, its non-finite check)"),
                (optim, "post_all_gather_processing", "post-all-gather refresh")]  # fmt: skip
     originals = [getattr(owner, name) for owner, name, _ in targets]
     for (owner, name, label), fn in zip(targets, originals):
@@ -250,7 +249,6 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gpt256", choices=sorted(MODELS))
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--no-sync-check", action="store_true")
     p.add_argument("--gpu", action="store_true", help="profile the device's kernels instead of the host")
     p.add_argument("--syncs", action="store_true", help="count the synchronising CUDA calls per step, by caller")
     p.add_argument("--phases", action="store_true", help="host time per step by phase (Megatron's and fp4_dist's)")
@@ -258,10 +256,6 @@ def main() -> None:
     base = MODELS[args.model].split() + COMMON.replace("--fp4-master-digest", "").split()
     base += [a for a in extra_args if a != "--"]  # Megatron's own flags, e.g. -- --overlap-param-gather
     base += ["--train-iters", str(args.steps), "--log-interval", str(10 * args.steps), "--lr-warmup-iters", "1"]
-    if args.no_sync_check:
-        from fp4_dist.optim import cast
-
-        cast._raise_if_bad = lambda *a, **k: None
     modes = (("bf16", []), ("fp4", ["--fp4-param-gather"]), ("bf16 #2", []), ("fp4 #2", ["--fp4-param-gather"]))
     if args.syncs and not torch.cuda.is_available():
         raise SystemExit("megatron_profile: --syncs counts waits for a GPU and needs a CUDA device")
