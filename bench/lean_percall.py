@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -20,19 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fp4_dist  # noqa: E402
 from fp4_dist import lean  # noqa: E402
 from fp4_dist.compute_view import compute_view  # noqa: E402
-
-
-def per_call(fn, calls: int) -> float:
-    for _ in range(200):
-        fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return 1e6 * (time.perf_counter() - t) / calls
+from bench.lean_host import per_call  # noqa: E402
 
 
 def main() -> None:
@@ -69,7 +56,7 @@ def main() -> None:
     ]
     print(f"| call ({dev.type}, torch {torch.__version__}, Python {sys.version.split()[0]}) | us per call |\n|---|---|")
     for name, fn in rows:
-        print(f"| {name} | {per_call(fn, args.calls):.2f} |", flush=True)
+        print(f"| {name} | {per_call(fn, args.calls, warmup=200):.2f} |", flush=True)
 
 
 if __name__ == "__main__":
