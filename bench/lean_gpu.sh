@@ -9,6 +9,7 @@
 #   paired2048  bench/megatron_compare.py --paired-only fp4,lean: GPT hidden 2048 x 8, bf16 / kept copies / lean
 #               in rotating alternating steps of one process ($PAIRED2048 steps each): the issue's step measure
 #   paired4096  the same for GPT hidden 4096 x 6 (mb 2), bf16 / lean ($PAIRED4096 steps each)
+#               REPEAT=N runs each paired part in N processes and pools them (bench/paired_pool.py)
 #   memory      one process per mode (examples.megatron_pretrain_gpt, 12 iterations): peak allocated memory and
 #               median step of bf16, kept copies and lean, both models
 #   zero1       bench/lean.py: the Zero1Optimizer GPT-like stack, bf16 / kept copies / lean
@@ -21,6 +22,7 @@ OUT=${OUT:-bench/out}
 PARTS=${PARTS:-"tests check paired2048 paired4096 memory zero1 profile"}
 PAIRED2048=${PAIRED2048:-40}
 PAIRED4096=${PAIRED4096:-20}
+REPEAT=${REPEAT:-1}  # processes per paired part: one process's ratio moves by several percent between processes
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 export PYTHONWARNINGS=ignore::FutureWarning,ignore::UserWarning
@@ -41,10 +43,16 @@ has() { [[ " $PARTS " == *" $1 "* ]]; }
 torchrun1() { "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 "$@"; }
 has tests && part lean_tests "$PY" -m pytest tests/unit/test_lean.py -q -p no:cacheprovider
 has check && part lean_check torchrun1 bench/lean_check.py --model gpt256 --steps 6 -- $MEGATRON_EXTRA
-has paired2048 && part paired2048 torchrun1 bench/megatron_compare.py --model gpt2048 --paired-only fp4,lean \
-  --steps "$PAIRED2048" --json "$OUT/paired2048.json" -- $MEGATRON_EXTRA
-has paired4096 && part paired4096 torchrun1 bench/megatron_compare.py --model gpt4096 --paired-only lean \
-  --steps "$PAIRED4096" --json "$OUT/paired4096.json" -- $MEGATRON_EXTRA
+paired() {  # paired NAME MODEL VARIANTS STEPS: $REPEAT processes, then their pooled verdict when more than one
+  local name=$1 model=$2 variants=$3 steps=$4 i
+  for ((i = 1; i <= REPEAT; i++)); do
+    part "$name.$i" torchrun1 bench/megatron_compare.py --model "$model" --paired-only "$variants" \
+      --steps "$steps" --json "$OUT/$name.$i.json" -- $MEGATRON_EXTRA
+  done
+  if ((REPEAT > 1)); then part "$name.pooled" "$PY" bench/paired_pool.py $(seq -f "$OUT/$name.%g.json" 1 "$REPEAT"); fi
+}
+has paired2048 && paired paired2048 gpt2048 fp4,lean "$PAIRED2048"
+has paired4096 && paired paired4096 gpt4096 lean "$PAIRED4096"
 if has memory; then
   for model in gpt2048 gpt4096; do
     margs=$("$PY" -c "from bench.megatron_compare import MODELS, COMMON; print(MODELS['$model'], COMMON)")
