@@ -259,30 +259,32 @@ def table(rounds: list[dict[str, list]], fp4b, gather, pair: Paired) -> tuple[li
     return rows, ok and step_ok
 
 
-def _lean_diagnostic(kind) -> dict:
-    """Patch the lean mode for `--lean-diagnostic` (see its help); returns {name: [seconds, calls]}, filled as the
-    patched calls run."""
+def timed(phases: dict, calls: dict, label: str, fn, per_op: bool = False):
+    """`fn`, adding its wall time to `phases[label]` and counting its calls in `calls` (by op for the dispatch)."""
+
+    def run(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            phases[label] = phases.get(label, 0.0) + time.perf_counter() - t
+            key = f"{label} {a[1]}" if per_op else label  # dispatch(cls, func, ...): count by op
+            calls[key] = calls.get(key, 0) + 1
+    return run
+
+
+def _lean_diagnostic(kind) -> tuple[dict, dict]:
+    """Patch the lean mode for `--lean-diagnostic` (see its help); returns ({name: seconds}, {name: calls}),
+    filled as the patched calls run."""
     from fp4_dist import lean
     from fp4_dist.megatron import adapter
 
-    timers: dict = {}
+    seconds, calls = {}, {}
     if kind == "timers":
-        def timed(owner, name, label):
-            fn, acc = getattr(owner, name), timers.setdefault(label, [0.0, 0])
-
-            def run(*args, **kwargs):
-                t = time.perf_counter()
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    acc[0] += time.perf_counter() - t
-                    acc[1] += 1
-
-            setattr(owner, name, run)
-
-        timed(lean.LeanView, "value", "lean forward uses (LeanView.value)")
-        timed(lean._Use, "refill", "lean backward uses (_Use.refill)")
-        timed(adapter, "compute_view", "kept copies' lookup (compute_view)")
+        for owner, name, label in ((lean.LeanView, "value", "lean forward uses (LeanView.value)"),
+                                   (lean._Use, "refill", "lean backward uses (_Use.refill)"),
+                                   (adapter, "compute_view", "kept copies' lookup (compute_view)")):  # fmt: skip
+            setattr(owner, name, timed(seconds, calls, label, getattr(owner, name)))
     elif kind == "nofill":
         class NoFill:
             @staticmethod
@@ -292,7 +294,7 @@ def _lean_diagnostic(kind) -> dict:
                 return lambda: None
 
         lean.kernels = NoFill
-    return timers
+    return seconds, calls
 
 
 def paired_only(base: list[str], args) -> int:
@@ -300,13 +302,13 @@ def paired_only(base: list[str], args) -> int:
     if unknown:
         raise SystemExit(f"megatron_compare: unknown --paired-only variants {sorted(unknown)}; known: {list(VARIANTS)}")
     variants = {v: base + VARIANTS[v] for v in args.paired_only.split(",")}
-    timers = _lean_diagnostic(args.lean_diagnostic)
+    seconds, calls = _lean_diagnostic(args.lean_diagnostic)
     times = paired(base, [], args.paired_steps or args.steps, variants)
     rows = paired_table(times)
-    for name, (seconds, calls) in timers.items():
-        steps = len(times["bf16"])
-        rows.append((f"(diagnostic) host in {name}", f"{1e3 * seconds / steps:.2f} ms per step, "
-                     f"{calls / steps:.0f} calls", ""))  # fmt: skip
+    steps = len(times["bf16"])
+    for name, s in seconds.items():
+        rows.append((f"(diagnostic) host in {name}", f"{1e3 * s / steps:.2f} ms per step, "
+                     f"{calls[name] / steps:.0f} calls", ""))  # fmt: skip
     lean = pool_stats()
     if lean["uses"]:
         rows.append(("(info) lean: dequantize launches / uses, pool", f"{lean['launches']} / {lean['uses']}, "

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.megatron_compare import COMMON, MODELS  # noqa: E402
+from bench.megatron_compare import COMMON, MODELS, timed  # noqa: E402
 from examples import megatron_pretrain_gpt as pretrain_gpt  # noqa: E402
 from fp4_dist.launch import shutdown  # noqa: E402
 
@@ -120,21 +120,6 @@ def profile_gpu(mode: str, argv: list[str]) -> GpuRun:
     return GpuRun(mode, step_ms, kernels, calls, busy / 1e3 / active, gaps, active)
 
 
-def _timed(phases: dict, calls: dict, label: str, fn, per_op: bool = False):
-    """`fn`, adding its wall time to `phases[label]` and counting its calls in `calls` (by op for the dispatch)."""
-    import time
-
-    def run(*a, **k):
-        t = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            phases[label] = phases.get(label, 0.0) + time.perf_counter() - t
-            key = f"{label} {a[1]}" if per_op else label  # dispatch(cls, func, ...): count by op
-            calls[key] = calls.get(key, 0) + 1
-    return run
-
-
 @contextmanager
 def _timing(optimizer, phases: dict, calls: dict):
     """Wall time and call count per phase (`phases`, `calls`) of the wrapped functions inside the block."""
@@ -148,11 +133,11 @@ def _timing(optimizer, phases: dict, calls: dict):
                (optim, "post_all_gather_processing", "post-all-gather refresh")]  # fmt: skip
     originals = [getattr(owner, name) for owner, name, _ in targets]
     for (owner, name, label), fn in zip(targets, originals):
-        setattr(owner, name, _timed(phases, calls, label, fn))
+        setattr(owner, name, timed(phases, calls, label, fn))
     get_fb = pipeline.get_forward_backward_func
-    pipeline.get_forward_backward_func = lambda: _timed(phases, calls, "forward-backward", get_fb())
+    pipeline.get_forward_backward_func = lambda: timed(phases, calls, "forward-backward", get_fb())
     dispatch = NVFP4Tensor.__dict__["__torch_dispatch__"]
-    NVFP4Tensor.__torch_dispatch__ = classmethod(_timed(phases, calls, "NVFP4Tensor dispatch", dispatch.__func__,
+    NVFP4Tensor.__torch_dispatch__ = classmethod(timed(phases, calls, "NVFP4Tensor dispatch", dispatch.__func__,
                                                         per_op=True))  # fmt: skip
     try:
         yield
