@@ -93,12 +93,6 @@ class _Buffer:
         """The buffer was just written with the values of `fields` as `token` says they are (None: unknown)."""
         self.fields, self.token, self.version = fields, token, self.tensor._version
 
-    def holds(self, fields: tuple, token) -> bool:
-        """Whether the buffer holds the values of `fields` as `token` (not None) says they are now, and nothing
-        wrote it since (its version counter)."""
-        return (token is not None and self.fields is fields and self.token == token
-                and self.tensor._version == self.version)  # fmt: skip
-
     def free(self) -> bool:
         """Whether nothing but the pool and the layers' aliases references the buffer: the next copy may go in."""
         return _use_count(self.tensor) == self.expected
@@ -187,23 +181,29 @@ def _current(w: NVFP4Tensor):
     """What proves that a copy holds `w`'s current values: its cast count (`ComputeCopy.casts`) and the version
     counters of its bytes and of itself; None between a cast and its all-gather's processing (or for an inference
     tensor), when nothing proves a copy current."""
-    cc = w.copy_state
+    return _token(w.copy_state, (w.rowwise_data, w.rowwise_scale_inv, w.amax), w)
+
+
+def _token(cc, fields: tuple, w: NVFP4Tensor):
+    """`_current(w)` from `w`'s copy state and fields as a layer holds them (what a use has at hand)."""
     if cc.pending:
         return None
     try:
-        return (cc.casts, w.rowwise_data._version, w.rowwise_scale_inv._version, w.amax._version, w._version)
+        return (cc.casts, fields[0]._version, fields[1]._version, fields[2]._version, w._version)
     except RuntimeError:  # an inference tensor has no version counter
         return None
 
 
 class _Order:
     """The order lean uses come in, learned as they come: each (layer, direction) links to the one that came
-    after it last time. A changed link bumps `epoch`, and the batches built along the old links are built again."""
+    after it last time. A changed link bumps `epoch`, and the batches built along the old links are built again.
+    `tail` is where the last use's link goes: its layer's `next` list and the direction (the list, not the layer,
+    so that the order keeps no layer alive)."""
 
-    __slots__ = ("last", "epoch")
+    __slots__ = ("tail", "epoch")
 
     def __init__(self):
-        self.last, self.epoch = None, 0
+        self.tail, self.epoch = None, 0
 
 
 _ORDER = _Order()
@@ -254,7 +254,7 @@ class _Batch:
         views, tokens = [], []
         for ref in self.members[1:]:
             v = ref()
-            token = _current(v.weight)
+            token = _token(v.cc, v.fields, v.weight)
             if token is None or not v.buffer.free():
                 return False
             views.append(v)
@@ -273,17 +273,19 @@ class LeanView:
     the alias of it (linked to the weight by one autograd node) the layer computes with, and its places in the
     learned order of uses (one per direction) with the batched fills that start there."""
 
-    __slots__ = ("weight", "fields", "key", "buffer", "fill", "alias", "ref", "here", "next", "batches",
-                 "__weakref__")  # fmt: skip
+    __slots__ = ("weight", "cc", "fields", "key", "buffer", "fill", "alias", "use", "token", "ref", "here", "next",
+                 "tails", "batches", "__weakref__")  # fmt: skip
 
     def __init__(self):
         self.ref = weakref.ref(self)
         self.here = ((self.ref, _FWD), (self.ref, _BWD))  # this layer's places, as links to it
         self.next = [None, None]
+        self.tails = ((self.next, _FWD), (self.next, _BWD))
         self.clear()
 
     def clear(self) -> None:
-        self.weight = self.fields = self.key = self.buffer = self.fill = self.alias = None
+        self.weight = self.cc = self.fields = self.key = self.buffer = self.fill = self.alias = self.use = None
+        self.token = None  # `_current` of the weight at its last use
         self.batches = [None, None]
 
     def bound_to(self, w: NVFP4Tensor) -> bool:
@@ -295,11 +297,18 @@ class LeanView:
         return what to compute with: the alias (`grad`) or the buffer itself, as a new tensor object on it
         (`fresh_tensor`) or the alias the layer keeps (for a function that saves it and refills before reading
         it: a view of it would count as a holder). `d`: the direction of the use (forward / backward)."""
-        buf, f = self.buffer, self.fields
-        if (w is not self.weight or buf.retired or f[0] is not w.rowwise_data or f[1] is not w.rowwise_scale_inv
-                or f[2] is not w.amax or not buf.free()):  # fmt: skip
-            buf = self._bind(w)
-        self.ensure(d)
+        f = self.fields
+        if (w is not self.weight or self.buffer.retired or f[0] is not w.rowwise_data
+                or f[1] is not w.rowwise_scale_inv or f[2] is not w.amax):  # fmt: skip
+            self._bind(w)
+            f = self.fields
+        token = self.token = _token(self.cc, f, w)
+        if not self.ensure(d, token):
+            # Only a write needs the buffer free: one that holds these values serves its holder and this use alike.
+            if not self.buffer.free():
+                self._bind(w)
+            self.fill_now(d, token)
+        buf = self.buffer
         # A new tensor object per use (a view: no copy, one C++ call), never one the pool or the layer keeps: a
         # holder of it then shows in the buffer's reference count at the next write.
         if not grad:
@@ -310,21 +319,22 @@ class LeanView:
             buf.adopt(self.alias, before)
         return self.alias.view(self.key[0]) if fresh_tensor else self.alias
 
-    def ensure(self, d: int) -> None:
-        """The bound buffer holds the weight's current values once this returns (in stream order): nothing to do
-        when it holds them already, else one launch, which also fills the buffers of the uses expected next."""
-        last = _ORDER.last
-        here = self.here[d]
-        if last is not None:
-            prev = last[0]()
-            if prev is not None and prev.next[last[1]] is not here:
-                prev.next[last[1]] = here
-                _ORDER.epoch += 1
-        _ORDER.last = here
+    def ensure(self, d: int, token) -> bool:
+        """Note the use in the learned order; whether the bound buffer holds the weight's values as `token`
+        (`_current` of the weight, not None) says they are now. A use that gets False calls `fill_now`."""
+        tail, here = _ORDER.tail, self.here[d]
+        if tail is not None and tail[0][tail[1]] is not here:
+            tail[0][tail[1]] = here
+            _ORDER.epoch += 1
+        _ORDER.tail = self.tails[d]
         _POOL.uses += 1
-        buf, token = self.buffer, _current(self.weight)
-        if buf.holds(self.fields, token):
-            return
+        buf = self.buffer
+        return (token is not None and buf.fields is self.fields and buf.token == token
+                and buf.tensor._version == buf.version)  # fmt: skip
+
+    def fill_now(self, d: int, token) -> None:
+        """Write the weight's values into the bound buffer (in stream order): one launch, which also fills the
+        buffers of the uses expected next."""
         if token is not None:
             batch = self.batches[d]
             if batch is None or not batch.still_bound():
@@ -333,7 +343,7 @@ class LeanView:
                 return
         _POOL.launches += 1
         self.fill()
-        buf.mark(self.fields, token)
+        self.buffer.mark(self.fields, token)
 
     def _bind(self, w: NVFP4Tensor) -> _Buffer:
         self.clear()
@@ -341,7 +351,7 @@ class LeanView:
         buf = _POOL.take(key)
         fields = (w.rowwise_data, w.rowwise_scale_inv, w.amax)
         self.fill = kernels.bind_dequantize([fields[0]], [fields[1]], [fields[2]], [buf.tensor])
-        self.weight, self.fields, self.key, self.buffer = w, fields, key, buf
+        self.weight, self.cc, self.fields, self.key, self.buffer = w, w.copy_state, fields, key, buf
         return buf
 
     def __deepcopy__(self, memo) -> "LeanView":
@@ -425,9 +435,8 @@ def _unpack(saved):
     return saved.view.value(w, False, d=_BWD).as_strided(shape, stride, offset)
 
 
-def _in_backward() -> bool:
-    """Whether this thread runs inside a backward pass (a recomputation of activation checkpointing)."""
-    return torch._C._current_graph_task_id() != -1
+# The id of the backward pass this thread runs in, -1 outside one.
+_graph_task_id = torch._C._current_graph_task_id
 
 
 def _private(w: NVFP4Tensor) -> torch.Tensor:
@@ -443,20 +452,31 @@ def _private(w: NVFP4Tensor) -> torch.Tensor:
 class _Use:
     """What the autograd node of a function that refills before it reads (Megatron's linear, through the adapter)
     keeps of a lean use: the layer's lean state, the bound launch that wrote the copy, the buffer it wrote, and
-    the versions of the bytes it was made from."""
+    what proved the weight's values then (`_current`; where nothing did, the versions of its bytes). The
+    microbatches of a step share one (`LeanView.use`): it changes only with the weight."""
 
-    __slots__ = ("view", "fill", "buffer", "weight", "stamp")
+    __slots__ = ("view", "fill", "buffer", "weight", "cc", "fields", "token", "stamp")
 
-    def __init__(self, view: LeanView, weight: NVFP4Tensor):
-        self.view, self.fill, self.buffer = view, view.fill, view.buffer
-        self.weight, self.stamp = weight, _stamp(weight)
+    def __init__(self, view: LeanView, weight: NVFP4Tensor, token):
+        self.view, self.fill, self.buffer, self.weight = view, view.fill, view.buffer, weight
+        self.cc, self.fields, self.token = view.cc, view.fields, token
+        self.stamp = _stamp(weight) if token is None else None
 
     def refill(self) -> None:
         """Make sure the buffer the node saved holds the copy again, right before the node reads it."""
-        if _stamp(self.weight) != self.stamp:
-            _raise_changed(self.weight)
-        if self.view.fill is self.fill:  # the layer is bound as at the forward: the same buffer and fields
-            self.view.ensure(_BWD)
+        w, f = self.weight, self.fields
+        if f[0] is not w.rowwise_data or f[1] is not w.rowwise_scale_inv or f[2] is not w.amax:
+            _raise_changed(w)
+        token = _token(self.cc, f, w)
+        if self.token is not None:
+            if token != self.token:
+                _raise_changed(w)
+        elif _stamp(w) != self.stamp:
+            _raise_changed(w)
+        view = self.view
+        if view.fill is self.fill:  # the layer is bound as at the forward: the same buffer and fields
+            if not view.ensure(_BWD, token):
+                view.fill_now(_BWD, token)
         else:
             _POOL.uses += 1
             _POOL.launches += 1
@@ -473,15 +493,18 @@ def lean_call_refilled(module: torch.nn.Module, weight: NVFP4Tensor, op: Callabl
     itself (no saved-tensor hooks, no Python per saved tensor) and the copy is written again just before its
     backward reads it. An op that does not claim the use raises (its graph would read whatever the buffer holds
     then)."""
-    view = lean_view(module)
+    view = module.__dict__.get(_ATTR) or lean_view(module)
     if not torch.is_grad_enabled():
         return op(view.value(weight, False))
-    if _in_backward():
+    if _graph_task_id() != -1:  # a recomputation inside a backward (activation checkpointing)
         return op(_private(weight))
     if not weight.requires_grad:
         return lean_call(module, weight, op)
     value = view.value(weight, True, fresh_tensor=False)
-    _CLAIM.pending = (value, _Use(view, weight))
+    use, token = view.use, view.token
+    if token is None or use is None or use.token != token or use.fill is not view.fill:
+        use = view.use = _Use(view, weight, token)
+    _CLAIM.pending = (value, use)
     try:
         out = op(value)
     finally:

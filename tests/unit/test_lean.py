@@ -254,6 +254,28 @@ def test_a_function_that_refills_in_backward_reads_its_own_weight_from_a_shared_
         ya.float().sum().backward()
 
 
+@pytest.mark.parametrize("route", ["copy_ from bf16", "field replaced"])
+def test_microbatches_of_a_refilled_function_each_check_the_weight_they_were_recorded_with(route):
+    net = build(lean=True)
+    a, b = net.blocks[0].proj, net.blocks[1].proj  # one pool buffer
+    x = batch(0, 0)
+    x1, x2, xb = (x.clone().requires_grad_() for _ in range(3))
+    y1 = lean.lean_call_refilled(a, a.weight, lambda v: _Refilled.apply(x1, v))
+    y1b = lean.lean_call_refilled(a, a.weight, lambda v: _Refilled.apply(xb, v))  # unchanged: recorded alike
+    other = torch.randn(tuple(a.weight.shape), generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    _write_through(route, a, other)
+    y2 = lean.lean_call_refilled(a, a.weight, lambda v: _Refilled.apply(x2, v))
+    with torch.no_grad():
+        lean.lean_call_refilled(b, b.weight, lambda v: v.sum())  # the buffer now holds b: a's backward refills
+    y2.float().sum().backward()
+    ref = x.clone().requires_grad_()
+    (ref @ a.weight.dequantize(torch.bfloat16).t()).float().sum().backward()
+    assert torch.equal(x2.grad, ref.grad), "the microbatch recorded after the change read a stale copy"
+    for y in (y1, y1b):
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.float().sum().backward()
+
+
 def test_a_lean_use_nothing_claims_raises_instead_of_training_on_a_shared_buffer():
     net = build(lean=True)
     lin = net.blocks[0].proj
