@@ -84,6 +84,8 @@ def parse() -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--check-every", type=int, default=20, help="parity check of the gathered NVFP4 bytes")
     p.add_argument("--log-interval", type=int, default=50)
     p.add_argument("--json", default=None, help="write the table and all losses here (rank 0)")
+    p.add_argument("--phases", action="store_true",
+                   help="with --paired-only: time each step's forward-backward (host, device) and the rest apart")
     p.add_argument("--lean-diagnostic", choices=("timers", "nofill"), default=None,
                    help="timers: host time per step in the lean mode's own calls (forward and backward uses) and "
                         "in the kept copies' lookup; nofill: lean's dequantize launches left out, its pool "
@@ -130,10 +132,12 @@ class Paired(NamedTuple):
 
 
 
-def paired(base: list[str], fp4: list[str], steps: int, variants: dict | None = None) -> dict[str, list[float]]:
+def paired(base: list[str], fp4: list[str], steps: int, variants: dict | None = None,
+           phases: dict | None = None) -> dict[str, list[float]]:  # fmt: skip
     """Build a bf16 model and the fp4 models (`fp4`'s argv, or each of `variants` {name: argv}) side by side and
     train them in alternating steps, the order rotating every step; each step timed as the runs time theirs (host
-    wall clock, device drained). Returns {name: step times}, "bf16" included."""
+    wall clock, device drained). Returns {name: step times}, "bf16" included. With `phases` (a dict), also fills
+    {name: [(host ms until the forward-backward is issued, device ms until it is done), ...]} per step."""
     variants = variants or {"fp4": fp4}
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"\n=== paired: {', '.join(['bf16', *variants])} models in alternating steps, {steps} steps each",
@@ -156,11 +160,17 @@ def paired(base: list[str], fp4: list[str], steps: int, variants: dict | None = 
             order = names[r:] + names[:r]
             for kind in order if it % 2 else order[::-1]:
                 s = sessions[kind]
+                mark = _PhaseMark() if phases is not None else None
                 sync()
                 t0 = time.perf_counter()
-                pretrain_gpt.train_step(s.args, it, tokens, plan, s.model, s.optimizer, s.scheduler, s.device)
+                if mark:
+                    mark.start(t0)
+                pretrain_gpt.train_step(s.args, it, tokens, plan, s.model, s.optimizer, s.scheduler, s.device,
+                                        after_forward_backward=mark)  # fmt: skip
                 sync()
                 times[kind].append(1e3 * (time.perf_counter() - t0))
+                if mark:
+                    phases.setdefault(kind, []).append(mark.result())
             if it % 10 == 0:
                 gc.collect()
     finally:
@@ -173,6 +183,46 @@ def paired(base: list[str], fp4: list[str], steps: int, variants: dict | None = 
         print("done: median step " + ", ".join(f"{k} {statistics.median(after_warmup(v)):.1f} ms"
                                                for k, v in times.items()), flush=True)
     return times
+
+
+class _PhaseMark:
+    """Where one step's forward-backward ends: on the host (wall clock when it has been issued) and on the device
+    (an event behind its work); a device time well past the host's means the GPU, not the host, set the pace."""
+
+    def __init__(self):
+        self.cuda = torch.cuda.is_available()
+
+    def start(self, t0: float) -> None:
+        self.t0 = t0
+        if self.cuda:
+            self.e0, self.e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.e0.record()
+
+    def __call__(self) -> None:
+        self.host = 1e3 * (time.perf_counter() - self.t0)
+        if self.cuda:
+            self.e1.record()
+
+    def result(self) -> tuple[float, float]:
+        """(host ms, device ms) to the end of the forward-backward; call after the step's device drain."""
+        return self.host, (self.e0.elapsed_time(self.e1) if self.cuda else float("nan"))
+
+
+def phase_table(times: dict[str, list[float]], phases: dict[str, list[tuple]]) -> list[tuple[str, str, str]]:
+    """Per model: medians of the forward-backward's host and device end and of the rest of the step (optimizer,
+    cast, all-gather), and each phase's median per-pair ratio against bf16's in the same step pairs."""
+    rows = []
+    split = {k: [(h, d, t - h) for (h, d), t in zip(after_warmup(v), after_warmup(times[k]))]
+             for k, v in phases.items()}  # fmt: skip
+    for name, per in split.items():
+        host, dev, rest = (statistics.median(x[i] for x in per) for i in range(3))
+        value = f"fwd-bwd issued {host:.1f} ms, done on the device {dev:.1f} ms; rest of the step {rest:.1f} ms"
+        if name != "bf16":
+            b = split["bf16"]
+            ratios = [statistics.median(p[i] / q[i] for p, q in zip(per, b)) for i in (0, 2)]
+            value += f"; per pair vs bf16: fwd-bwd issued {ratios[0]:.3f}, rest {ratios[1]:.3f}"
+        rows.append((f"(diagnostic) phases, {name}", value, ""))
+    return rows
 
 
 def paired_table(times: dict[str, list[float]]) -> list[tuple[str, str, str]]:
@@ -303,8 +353,9 @@ def paired_only(base: list[str], args) -> int:
         raise SystemExit(f"megatron_compare: unknown --paired-only variants {sorted(unknown)}; known: {list(VARIANTS)}")
     variants = {v: base + VARIANTS[v] for v in args.paired_only.split(",")}
     seconds, calls = _lean_diagnostic(args.lean_diagnostic)
-    times = paired(base, [], args.paired_steps or args.steps, variants)
-    rows = paired_table(times)
+    phases = {} if args.phases else None
+    times = paired(base, [], args.paired_steps or args.steps, variants, phases)
+    rows = paired_table(times) + (phase_table(times, phases) if phases else [])
     steps = len(times["bf16"])
     for name, s in seconds.items():
         rows.append((f"(diagnostic) host in {name}", f"{1e3 * s / steps:.2f} ms per step, "
@@ -319,7 +370,7 @@ def paired_only(base: list[str], args) -> int:
         for name, value, verdict in rows:
             print(f"{name:<{width}} | {value} | {verdict}")
         if args.json:
-            Path(args.json).write_text(json.dumps({"rows": rows, "step_ms": times}, indent=1))
+            Path(args.json).write_text(json.dumps({"rows": rows, "step_ms": times, "phases": phases}, indent=1))
     shutdown()
     return 0 if all(r[2] != "FAIL" for r in rows) else 1
 

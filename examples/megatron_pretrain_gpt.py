@@ -407,8 +407,11 @@ class RunResult:
         return [r.loss for r in self.records]
 
 
-def train_step(args, iteration, tokens, plan, model, optimizer, scheduler, device) -> tuple[float, float]:
-    """One optimizer step over the global batch of ``iteration``; returns (mean token loss, grad norm)."""
+def train_step(args, iteration, tokens, plan, model, optimizer, scheduler, device,
+               after_forward_backward=None) -> tuple[float, float]:  # fmt: skip
+    """One optimizer step over the global batch of ``iteration``; returns (mean token loss, grad norm).
+    `after_forward_backward()`, if given, is called when the forward-backward of every microbatch has been issued
+    (benchmarks time the phases with it)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     model.zero_grad_buffer()
@@ -418,6 +421,8 @@ def train_step(args, iteration, tokens, plan, model, optimizer, scheduler, devic
         model=[model], num_microbatches=plan.num_microbatches, seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size, forward_only=False,
     )
+    if after_forward_backward is not None:
+        after_forward_backward()
     ok, grad_norm, _ = optimizer.step()
     if not ok:
         raise RuntimeError(f"iteration {iteration}: optimizer step skipped (non-finite gradients)")
