@@ -39,13 +39,13 @@ def main() -> None:
     kept, a, b = linear(True), linear(False), linear(False)  # a and b share a pool buffer
     va, vb = lean.lean_view(a), lean.lean_view(b)
     va.value(a.weight, True, fresh_tensor=False)
-    use = lean._Use(va, a.weight, va.token)
+    use = lean._Use(va, a.weight, va.buffer.token)
     x = torch.zeros(16, device=dev)
     rows = [
         ("kept copy: compute_view", lambda: compute_view(kept, kept.weight)),
         ("lean: LeanView.value, copy made already", lambda: va.value(a.weight, True, fresh_tensor=False)),
         ("lean: _Use.refill, copy made already", use.refill),
-        ("lean: _Use() (the node's note)", lambda: lean._Use(va, a.weight, va.token)),
+        ("lean: _Use() (the node's note)", lambda: lean._Use(va, a.weight, va.buffer.token)),
         ("lean: _current (what proves a copy current)", lambda: lean._current(a.weight)),
         ("lean: _Buffer.free (storage use count)", va.buffer.free),
         ("lean: bound dequantize (Bound.__call__)", va.fill),

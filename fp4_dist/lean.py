@@ -194,6 +194,11 @@ def _token(cc, fields: tuple, w: NVFP4Tensor):
         return None
 
 
+def _bound(fields: tuple, w: NVFP4Tensor) -> bool:
+    """Whether `fields` (a layer's binding, or a use's) are `w`'s fields now."""
+    return fields[0] is w.rowwise_data and fields[1] is w.rowwise_scale_inv and fields[2] is w.amax
+
+
 class _Order:
     """The order lean uses come in, learned as they come: each (layer, direction) links to the one that came
     after it last time. A changed link bumps `epoch`, and the batches built along the old links are built again.
@@ -224,7 +229,7 @@ class _Batch:
         while link is not None and len(members) < _BATCH:
             v = link[0]()
             if (v is None or v.fill is None or v.key in keys or v.key[1:] != head.key[1:]
-                    or v.buffer.retired or not v.bound_to(v.weight)):  # fmt: skip
+                    or v.buffer.retired or not _bound(v.fields, v.weight)):  # fmt: skip
                 break
             members.append(v)
             keys.add(v.key)
@@ -273,8 +278,8 @@ class LeanView:
     the alias of it (linked to the weight by one autograd node) the layer computes with, and its places in the
     learned order of uses (one per direction) with the batched fills that start there."""
 
-    __slots__ = ("weight", "cc", "fields", "key", "buffer", "fill", "alias", "use", "token", "ref", "here", "next",
-                 "tails", "batches", "__weakref__")  # fmt: skip
+    __slots__ = ("weight", "cc", "fields", "key", "buffer", "fill", "alias", "use", "ref", "here", "next", "tails",
+                 "batches", "__weakref__")  # fmt: skip
 
     def __init__(self):
         self.ref = weakref.ref(self)
@@ -285,25 +290,18 @@ class LeanView:
 
     def clear(self) -> None:
         self.weight = self.cc = self.fields = self.key = self.buffer = self.fill = self.alias = self.use = None
-        self.token = None  # `_current` of the weight at its last use
         self.batches = [None, None]
-
-    def bound_to(self, w: NVFP4Tensor) -> bool:
-        f = self.fields
-        return f[0] is w.rowwise_data and f[1] is w.rowwise_scale_inv and f[2] is w.amax
 
     def value(self, w: NVFP4Tensor, grad: bool, fresh_tensor: bool = True, d: int = _FWD) -> torch.Tensor:
         """Make sure `w`'s values are in its pool buffer (a launch unless the buffer holds them already) and
         return what to compute with: the alias (`grad`) or the buffer itself, as a new tensor object on it
         (`fresh_tensor`) or the alias the layer keeps (for a function that saves it and refills before reading
-        it: a view of it would count as a holder). `d`: the direction of the use (forward / backward)."""
-        f = self.fields
-        if (w is not self.weight or self.buffer.retired or f[0] is not w.rowwise_data
-                or f[1] is not w.rowwise_scale_inv or f[2] is not w.amax):  # fmt: skip
+        it: a view of it would count as a holder). `d`: the direction of the use (forward / backward). The buffer
+        then records what proved the values (`buffer.token`: `_current` of `w`, None where nothing did)."""
+        if w is not self.weight or self.buffer.retired or not _bound(self.fields, w):
             self._bind(w)
-            f = self.fields
-        token = self.token = _token(self.cc, f, w)
-        if not self.ensure(d, token):
+        token = _token(self.cc, self.fields, w)
+        if not self.note_use(d, token):
             # Only a write needs the buffer free: one that holds these values serves its holder and this use alike.
             if not self.buffer.free():
                 self._bind(w)
@@ -319,7 +317,7 @@ class LeanView:
             buf.adopt(self.alias, before)
         return self.alias.view(self.key[0]) if fresh_tensor else self.alias
 
-    def ensure(self, d: int, token) -> bool:
+    def note_use(self, d: int, token) -> bool:
         """Note the use in the learned order; whether the bound buffer holds the weight's values as `token`
         (`_current` of the weight, not None) says they are now. A use that gets False calls `fill_now`."""
         tail, here = _ORDER.tail, self.here[d]
@@ -465,7 +463,7 @@ class _Use:
     def refill(self) -> None:
         """Make sure the buffer the node saved holds the copy again, right before the node reads it."""
         w, f = self.weight, self.fields
-        if f[0] is not w.rowwise_data or f[1] is not w.rowwise_scale_inv or f[2] is not w.amax:
+        if not _bound(f, w):
             _raise_changed(w)
         token = _token(self.cc, f, w)
         if self.token is not None:
@@ -475,7 +473,7 @@ class _Use:
             _raise_changed(w)
         view = self.view
         if view.fill is self.fill:  # the layer is bound as at the forward: the same buffer and fields
-            if not view.ensure(_BWD, token):
+            if not view.note_use(_BWD, token):
                 view.fill_now(_BWD, token)
         else:
             _POOL.uses += 1
@@ -493,7 +491,7 @@ def lean_call_refilled(module: torch.nn.Module, weight: NVFP4Tensor, op: Callabl
     itself (no saved-tensor hooks, no Python per saved tensor) and the copy is written again just before its
     backward reads it. An op that does not claim the use raises (its graph would read whatever the buffer holds
     then)."""
-    view = module.__dict__.get(_ATTR) or lean_view(module)
+    view = lean_view(module)
     if not torch.is_grad_enabled():
         return op(view.value(weight, False))
     if _graph_task_id() != -1:  # a recomputation inside a backward (activation checkpointing)
@@ -501,7 +499,7 @@ def lean_call_refilled(module: torch.nn.Module, weight: NVFP4Tensor, op: Callabl
     if not weight.requires_grad:
         return lean_call(module, weight, op)
     value = view.value(weight, True, fresh_tensor=False)
-    use, token = view.use, view.token
+    use, token = view.use, view.buffer.token
     if token is None or use is None or use.token != token or use.fill is not view.fill:
         use = view.use = _Use(view, weight, token)
     _CLAIM.pending = (value, use)
