@@ -36,11 +36,8 @@ def main() -> None:
             fp4_dist.convert_linear_weights(m, compute_copy=keep)
         return m
 
-    kept, a, m, b = linear(True), linear(False), linear(False), linear(False)
-    va, vm, vb = lean.lean_view(a), lean.lean_view(m), lean.lean_view(b)
-    for v, lin in ((va, a), (vm, m), (vb, b)):  # bound in this order: a and b share a pool buffer, m has the other
-        v.value(lin.weight, True, fresh_tensor=False)
-    assert va.buffer is vb.buffer and va.buffer is not vm.buffer
+    kept, a, b = linear(True), linear(False), linear(False)  # a and b share a pool buffer
+    va, vb = lean.lean_view(a), lean.lean_view(b)
     va.value(a.weight, True, fresh_tensor=False)
     use = lean._Use(va, a.weight, va.buffer.token)
     x = torch.zeros(16, device=dev)
@@ -55,17 +52,6 @@ def main() -> None:
         ("lean: value of a and b in turn (a launch each)",
          lambda: (va.value(a.weight, True, fresh_tensor=False), vb.value(b.weight, True, fresh_tensor=False))),
         ("torch: x.add_(1) (a torch launch)", lambda: x.add_(1)),
-    ]
-    side = va.buffer.side
-    if side is not None:  # the side stream's ordering, as a batch written ahead and its first reader make it
-        event = torch.cuda.Event()
-        rows += [
-            ("lean: a launch written ahead (_Side.write: mark, wait, launch, record)",
-             lambda: side.write((vm.fill,), event)),
-            ("lean: a reader's wait for it (_Fence.wait, first of a batch)",
-             lambda: lean._Fence(event, side.index).wait()),
-        ]
-    rows += [
         ("torch: tensor.untyped_storage()", lambda: x.untyped_storage()),
     ]
     print(f"| call ({dev.type}, torch {torch.__version__}, Python {sys.version.split()[0]}) | us per call |\n|---|---|")

@@ -86,11 +86,10 @@ def parse() -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--json", default=None, help="write the table and all losses here (rank 0)")
     p.add_argument("--phases", action="store_true",
                    help="with --paired-only: time each step's forward-backward (host, device) and the rest apart")
-    p.add_argument("--lean-diagnostic", choices=("timers", "nofill", "noside"), default=None,
+    p.add_argument("--lean-diagnostic", choices=("timers", "nofill"), default=None,
                    help="timers: host time per step in the lean mode's own calls (forward and backward uses) and "
                         "in the kept copies' lookup; nofill: lean's dequantize launches left out, its pool "
-                        "buffers zeros (wrong values: what lean costs without them); noside: lean writes the next "
-                        "batch's copies on the current stream instead of the side stream (same values)")
+                        "buffers zeros (wrong values: what lean costs without them)")
     args, extra = p.parse_known_args()
     return args, [a for a in extra if a != "--"]
 
@@ -337,23 +336,14 @@ def _lean_diagnostic(kind) -> tuple[dict, dict]:
                                    (adapter, "compute_view", "kept copies' lookup (compute_view)")):  # fmt: skip
             setattr(owner, name, timed(seconds, calls, label, getattr(owner, name)))
     elif kind == "nofill":
-        class Nothing:
-            def __call__(self):
-                pass
-
-            def on(self, stream):
-                pass
-
         class NoFill:
             @staticmethod
             def bind_dequantize(datas, scales, amaxes, outs):
                 for out in outs:
                     out.zero_()
-                return Nothing()
+                return lambda: None
 
         lean.kernels = NoFill
-    elif kind == "noside":
-        lean.SIDE_STREAM = False
     return seconds, calls
 
 
@@ -372,9 +362,8 @@ def paired_only(base: list[str], args) -> int:
                      f"{calls[name] / steps:.0f} calls", ""))  # fmt: skip
     lean = pool_stats()
     if lean["uses"]:
-        rows.append(("(info) lean: dequantize launches (ahead) / uses, pool",
-                     f"{lean['launches']} ({lean['ahead']}) / {lean['uses']}, {lean['bytes'] / 2**20:.0f} MiB, "
-                     f"replaced {lean['replaced']}", ""))  # fmt: skip
+        rows.append(("(info) lean: dequantize launches / uses, pool", f"{lean['launches']} / {lean['uses']}, "
+                     f"{lean['bytes'] / 2**20:.0f} MiB, replaced {lean['replaced']}", ""))  # fmt: skip
     if dist.get_rank() == 0:
         width, label = max(len(r[0]) for r in rows), "model " + ("tiny" if args.tiny else args.model)
         print(f"\n{label:<{width}} | result | verdict\n{'-' * (width + 30)}")

@@ -18,24 +18,20 @@ and saves the alias of the pool buffer as it saves any weight, and its backward,
 buffer holds the copy again (`_Use.refill`) before reading it. Forwards recomputed inside a backward take copies
 of their own there.
 
-The pool holds two buffers per (shape, dtype, device) of the lean weights, shared by all of them: the layers of a
-transformer's stack alternate between them (a layer's slot is given when it first binds), so a layer computes from
-one while the next layer's copy is written into the other, and the pool is at most two layers' weights. Sharing is
-safe because every write is ordered after the reads of the values it replaces and every read after the write of
-its values (below); a buffer that something still references at the next write (a copy kept past its use, which
-the layers never do) is left to its holder and replaced by a new one, counted in `pool_stats()` and warned about
-once, so no copy is ever overwritten under a reader.
+The pool holds one buffer per (shape, dtype, device) of the lean weights, shared by all of them: every weight of a
+transformer's layer stack takes its turn in the buffers of one layer. Sharing is safe because a copy is consumed by
+the op it was made for before the next one is written, in the order of the one stream both run on; a buffer that
+something still references at the next write (a copy kept past its use, which the layers never do) is left to
+its holder and replaced by a new one, counted in `pool_stats()` and warned about once, so no copy is ever
+overwritten under a reader.
 
 Launches. Each buffer records whose values it holds and what proved them current then (`_current`: the weight's
-cast count and version counters, as for a kept copy; nothing while a cast's bytes await their all-gather). The
-order of the uses is learned as they come (`_Order`) and cut into batches: a use, then the uses after it as far as
-each has a buffer of its own (`_Batch`: one layer of a transformer stack, one launch). The use that starts a batch
-makes sure its batch is written (one launch on the current stream, unless it was written ahead) and has the next
-batch written ahead: on CUDA on a side stream of the device, after everything the current stream holds so far (so
-after every read of the values it replaces), while the layer computes; the buffers it writes carry a fence that
-their next user on the current stream waits for. The order only saves launches and time: every use checks its own
-buffer, so a wrong guess costs a launch, never a value, and nothing is written ahead into the buffers of the batch
-being used. Megatron GPT, 8 layers, 4 microbatches: 51 launches per 256 uses, 49 of them written ahead.
+cast count and version counters, as for a kept copy; nothing while a cast's bytes await their all-gather). A use
+that finds its values there launches nothing: the backward of the last layer after its forward, the forward of
+the first layer after its backward. A use that does not makes one launch that also fills the buffers of the uses
+that came after it last time (`_Order`, learned as the uses come; `_Batch`: as far as each has a buffer of its own,
+so one launch per layer of a transformer stack). The order only saves launches: every use checks its own buffer,
+so a wrong guess costs a launch, never a value. Megatron GPT, 8 layers: 58 launches per 256 uses.
 
 Per use the host cost is what a kept copy costs plus those checks (about a microsecond): the layer's alias is made
 once (one dispatch through NVFP4Tensor) and reused while the weight's fields and the pool buffer stay the same;
@@ -43,7 +39,7 @@ the launches are bound to the weights' fields and the buffers (no plan lookup, n
 
 A weight whose bytes change between a layer's forward and its backward (an optimizer step or a load in between)
 makes that backward raise, as a parameter changed in place does in PyTorch. Memory: the pool (`pool_bytes()`, at
-most two buffers per distinct weight shape) instead of a copy per weight; `held_copies()` counts pool buffers that
+most one buffer per distinct weight shape) instead of a copy per weight; `held_copies()` counts pool buffers that
 something besides the pool and the layers' aliases references (tests use it).
 """
 
@@ -59,7 +55,6 @@ import torch
 from . import kernels
 from ._user import user_stacklevel
 from .tensor import NVFP4Tensor
-from .kernels.cuda_plans import current_raw_stream
 from .tensor_ops import alias_of
 
 _ATTR = "_fp4_lean_view"
@@ -82,38 +77,21 @@ def _use_count(t: torch.Tensor) -> int:
 
 
 class _Buffer:
-    """One pool buffer, how many references to its storage the pool and the layers' aliases account for, whose
-    values it holds (the bound fields of the layer that wrote it last and `_current` of their weight then; None:
-    nothing proves what it holds), and the side stream's pending write of it (`fence`)."""
+    """One pool buffer, how many references to its storage the pool and the layers' aliases account for, and
+    whose values it holds: the bound fields of the layer that wrote it last and `_current` of their weight then
+    (None: nothing proves what it holds)."""
 
-    __slots__ = ("tensor", "side", "expected", "fields", "token", "version", "retired", "fence", "__weakref__")
+    __slots__ = ("tensor", "expected", "fields", "token", "version", "retired", "__weakref__")
 
     def __init__(self, shape, dtype, device):
         self.tensor = torch.empty(shape, dtype=dtype, device=device)
-        self.side = _side_of(self.tensor.device)
-        if self.side is not None:  # the allocator must not hand the memory out before the side stream's writes end
-            self.tensor.record_stream(self.side.stream)
         self.expected = _use_count(self.tensor)
         self.retired = False  # the pool let go of it (replaced or released): layers bound to it bind again
-        self.fence = None
         self.mark(None, None)
 
     def mark(self, fields, token) -> None:
         """The buffer was just written with the values of `fields` as `token` says they are (None: unknown)."""
         self.fields, self.token, self.version = fields, token, self.tensor._version
-
-    def holds(self, fields, token) -> bool:
-        """Whether the buffer holds (or, once `settle`d, will hold) the values of `fields` as `token` says they are
-        now (`_current` of their weight, not None)."""
-        return (token is not None and self.fields is fields and self.token == token
-                and self.tensor._version == self.version)  # fmt: skip
-
-    def settle(self) -> None:
-        """Order the current stream after the side stream's write of this buffer: before it reads or writes it."""
-        fence = self.fence
-        if fence is not None:
-            self.fence = None
-            fence.wait()
 
     def free(self) -> bool:
         """Whether nothing but the pool and the layers' aliases references the buffer: the next copy may go in."""
@@ -133,95 +111,24 @@ def _release(ref, held: int) -> None:
         buf.expected -= held
 
 
-# ------------------------------------------------------------------------------------------- the side stream
-SIDE_STREAM = True
-"""Write the next batch's copies on a side stream of the device (True), or on the current stream at the same point
-of the step (False: a diagnostic; the values are the same)."""
-
-
-class _Side:
-    """The side stream of one CUDA device that the copies of the next batch are written on, and the event the
-    current stream's work so far is marked with before such a write (one, re-recorded: the side stream waits on it
-    at once)."""
-
-    __slots__ = ("index", "stream", "mark")
-
-    def __init__(self, index: int):
-        self.index = index
-        self.stream = torch.cuda.Stream(index)
-        self.mark = torch.cuda.Event()
-
-    def write(self, launches, event) -> "_Fence":
-        """Run `launches` on the side stream once everything the current stream holds so far is done (every read of
-        the buffers' old values), then record `event` there: the fence that a reader on the current stream waits."""
-        self.mark.record(torch.cuda.current_stream(self.index))
-        self.stream.wait_event(self.mark)
-        for launch in launches:
-            launch.on(self.stream)
-        event.record(self.stream)
-        return _Fence(event, self.index)
-
-
-class _Fence:
-    """A side-stream write that the buffers it wrote wait for before their next use on the current stream; the
-    buffers of one batch share it, and a stream that waited once does not wait again."""
-
-    __slots__ = ("event", "index", "waited")
-
-    def __init__(self, event, index: int):
-        self.event, self.index, self.waited = event, index, None
-
-    def wait(self) -> None:
-        raw = current_raw_stream(self.index)
-        if raw != self.waited:
-            self.waited = raw
-            torch.cuda.current_stream(self.index).wait_event(self.event)
-
-
-_SIDES: dict = {}
-
-
-def _side_of(device: torch.device):
-    """The `_Side` of a CUDA device, None elsewhere (there a copy is written where the use makes it)."""
-    if device.type != "cuda":
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    side = _SIDES.get(index)
-    if side is None:
-        side = _SIDES[index] = _Side(index)
-    return side
-
-
-# ------------------------------------------------------------------------------------------------ the pool
-_SLOTS = 2  # buffers per shape: a layer reads one while the next layer's copy is written into the other
-
-
 class _Pool:
-    __slots__ = ("buffers", "bound", "replaced", "warned", "uses", "launches", "ahead")
+    __slots__ = ("buffers", "replaced", "warned", "uses", "launches")
 
     def __init__(self):
-        self.buffers: dict = {}  # (key, slot) -> _Buffer
-        self.bound: dict = {}  # key -> layers given a slot of it so far
+        self.buffers: dict = {}
         self.replaced = 0
         self.warned = False
-        self.uses = self.launches = self.ahead = 0  # lean uses seen, dequantize launches they made, of them ahead
+        self.uses = self.launches = 0  # lean uses seen, dequantize launches they made
 
-    def slot(self, key) -> int:
-        """The slot of `key` for a layer bound to it for the first time: alternating, so that consecutive layers
-        of a stack (in the forward and, reversed, in the backward) use different buffers."""
-        n = self.bound.get(key, 0)
-        self.bound[key] = n + 1
-        return n % _SLOTS
-
-    def take(self, key, slot: int) -> _Buffer:
-        """The buffer of `slot` for `key` = (shape, dtype, device), new when there is none or it is held."""
-        buf = self.buffers.get((key, slot))
+    def take(self, key) -> _Buffer:
+        """The buffer for `key` = (shape, dtype, device), new when there is none or the current one is held."""
+        buf = self.buffers.get(key)
         if buf is not None and buf.free():
             return buf
         if buf is not None:
             buf.retired = True
             self._replaced(key)
-        buf = self.buffers[(key, slot)] = _Buffer(*key)
+        buf = self.buffers[key] = _Buffer(*key)
         return buf
 
     def _replaced(self, key) -> None:
@@ -239,7 +146,7 @@ _POOL = _Pool()
 
 
 def pool_bytes() -> int:
-    """Bytes the lean pool's buffers hold (two buffers per distinct shape, dtype and device of the lean weights)."""
+    """Bytes the lean pool's buffers hold (one buffer per distinct shape, dtype and device of the lean weights)."""
     return sum(b.tensor.numel() * b.tensor.element_size() for b in _POOL.buffers.values())
 
 
@@ -250,12 +157,11 @@ def held_copies() -> int:
 
 
 def pool_stats() -> dict:
-    """{"buffers", "bytes", "replaced", "uses", "launches", "ahead"}: the pool's size, how often a held buffer had
-    to be replaced, and how many lean uses (forward and backward) made how many dequantize launches (fewer
-    launches than uses: copies found made already, by the use before or by a batch), of which how many wrote the
-    next batch ahead of its uses (on the side stream on CUDA)."""
+    """{"buffers", "bytes", "replaced", "uses", "launches"}: the pool's size, how often a held buffer had to be
+    replaced, and how many lean uses (forward and backward) made how many dequantize launches (fewer launches
+    than uses: copies found made already, by the use before or by a batched fill)."""
     return {"buffers": len(_POOL.buffers), "bytes": pool_bytes(), "replaced": _POOL.replaced, "uses": _POOL.uses,
-            "launches": _POOL.launches, "ahead": _POOL.ahead}  # fmt: skip
+            "launches": _POOL.launches}  # fmt: skip
 
 
 def release_pool() -> None:
@@ -264,12 +170,11 @@ def release_pool() -> None:
     for buf in _POOL.buffers.values():
         buf.retired = True
     _POOL.buffers.clear()
-    _ORDER.batch = _ORDER.pos = None
 
 
 # A lean use is made in one of two directions: a forward, or a backward writing its copy again.
 _FWD, _BWD = 0, 1
-_BATCH = 8  # most copies one launch writes
+_BATCH = 8  # most fills one launch makes
 
 
 def _current(w: NVFP4Tensor):
@@ -298,46 +203,39 @@ class _Order:
     """The order lean uses come in, learned as they come: each (layer, direction) links to the one that came
     after it last time. A changed link bumps `epoch`, and the batches built along the old links are built again.
     `tail` is where the last use's link goes: its layer's `next` list and the direction (the list, not the layer,
-    so that the order keeps no layer alive). `batch` (a weak reference) and `pos`: the batch the uses are walking
-    through and the place of the next use expected in it."""
+    so that the order keeps no layer alive)."""
 
-    __slots__ = ("tail", "epoch", "batch", "pos")
+    __slots__ = ("tail", "epoch")
 
     def __init__(self):
-        self.tail, self.epoch, self.batch, self.pos = None, 0, None, None
+        self.tail, self.epoch = None, 0
 
 
 _ORDER = _Order()
 
 
 class _Batch:
-    """The uses one launch writes the copies of: a use that starts a batch, then the uses the learned order says
-    come next, as far as each has a buffer of its own (a shape not seen before in the batch). The use that starts a
-    batch makes sure it is written (on the current stream, unless the batch before wrote it ahead) and has the next
-    batch written ahead on the side stream, into the other slot of each shape, while the layers compute. Every use
-    still checks its own buffer, so a wrong guess costs a launch, never a value."""
+    """The fills that one launch makes when a use finds its buffer not holding its weight: its own, then those of
+    the uses the learned order says come next, as far as each has a buffer of its own (a shape not seen before in
+    the batch): the next uses then find their copies made. A use the order got wrong (or whose weight changes
+    before it) finds its buffer not holding its values and fills it itself, so the order is never trusted for
+    values, only for saving launches."""
 
-    __slots__ = ("epoch", "places", "members", "fills", "buffers", "launch", "event", "ref", "following",
-                 "__weakref__")  # fmt: skip
+    __slots__ = ("epoch", "members", "fills", "launch")
 
     def __init__(self, head: "LeanView", d: int):
         self.epoch = _ORDER.epoch
-        members, places, keys, link = [head], [head.here[d]], {head.key}, head.next[d]
+        members, keys, link = [head], {head.key}, head.next[d]
         while link is not None and len(members) < _BATCH:
             v = link[0]()
             if (v is None or v.fill is None or v.key in keys or v.key[1:] != head.key[1:]
                     or v.buffer.retired or not _bound(v.fields, v.weight)):  # fmt: skip
                 break
             members.append(v)
-            places.append(v.here[link[1]])
             keys.add(v.key)
             link = v.next[link[1]]
-        self.places = tuple(places)
         self.members = tuple(v.ref for v in members)
         self.fills = tuple(v.fill for v in members)
-        self.buffers = tuple(v.buffer for v in members)
-        self.event = self.following = None
-        self.ref = weakref.ref(self)
         if len(members) == 1:
             self.launch = head.fill
         else:
@@ -346,31 +244,18 @@ class _Batch:
                                                   [v.buffer.tensor for v in members])  # fmt: skip
 
     def still_bound(self) -> bool:
-        """Whether the learned order and every layer's binding are what the batch was built from (a layer that
-        binds or forgets, and a changed link, bump the epoch)."""
-        return self.epoch == _ORDER.epoch
-
-    def then(self) -> "_Batch | None":
-        """The batch of the use the learned order puts after this batch's last (None: not learned yet)."""
-        following = None if self.following is None else self.following()
-        if following is not None and following.epoch == _ORDER.epoch:
-            return following
-        ref, d = self.places[-1]
-        last = ref()
-        link = None if last is None else last.next[d]
-        v = None if link is None else link[0]()
-        if v is None or v.fill is None:
-            return None
-        batch = v.batches[link[1]]
-        if batch is None or not batch.still_bound():
-            batch = v.batches[link[1]] = _Batch(v, link[1])
-        self.following = batch.ref
-        return batch
+        """Whether the learned order and every member's binding are what the batch was built from."""
+        if self.epoch != _ORDER.epoch:
+            return False
+        for ref, fill in zip(self.members, self.fills):
+            v = ref()
+            if v is None or v.fill is not fill:
+                return False
+        return True
 
     def run(self, head_token) -> bool:
-        """Write every member's copy on the current stream (one launch) and record what each holds; False, with
-        nothing written, when a member's buffer is referenced by something or its weight is between a cast and
-        its gather."""
+        """Fill every member's buffer (one launch) and record what each holds; False, with nothing written, when
+        a member's buffer is referenced by something or its weight is between a cast and its gather."""
         views, tokens = [], []
         for ref in self.members[1:]:
             v = ref()
@@ -379,8 +264,6 @@ class _Batch:
                 return False
             views.append(v)
             tokens.append(token)
-        for buf in self.buffers:
-            buf.settle()
         _POOL.launches += 1
         self.launch()
         for v, token in zip(views, tokens):
@@ -389,71 +272,25 @@ class _Batch:
         head.buffer.mark(head.fields, head_token)
         return True
 
-    def write_ahead(self, current: "_Batch") -> None:
-        """Write the copies of this batch's uses that their buffers do not hold yet, on the side stream (the
-        current stream's reads of those buffers go first; their readers wait for it), leaving alone the buffers
-        that `current`'s uses are still to read and those something holds: one launch for the batch (copies made
-        already written again), or one per copy due where a buffer is left alone."""
-        entries, due = [], 0
-        for ref, fill, buf in zip(self.members, self.fills, self.buffers):
-            v = ref()
-            if v is None or v.fill is not fill:
-                return
-            token = _token(v.cc, v.fields, v.weight)
-            if token is None:  # between a cast and its gather: nothing proves what the bytes will be
-                return
-            holds = buf.holds(v.fields, token)
-            due += not holds
-            entries.append((v, buf, token, holds))
-        if not due:
-            return
-        if all(buf not in current.buffers and buf.free() for _, buf, _, _ in entries):
-            # one launch for the batch, the copies made already written again with the same values
-            launches, written = (self.launch,), entries
-        else:  # one launch per copy due whose buffer may be written
-            written = [e for e in entries if not e[3] and e[1] not in current.buffers and e[1].free()]
-            launches = tuple(v.fill for v, _, _, _ in written)
-        _POOL.launches += len(launches)
-        _POOL.ahead += len(launches)
-        if not launches:
-            return
-        side = entries[0][1].side
-        fence = None
-        if side is None or not SIDE_STREAM:
-            for _, buf, _, _ in written:
-                buf.settle()
-            for launch in launches:
-                launch()
-        else:
-            if self.event is None:
-                self.event = torch.cuda.Event()
-            fence = side.write(launches, self.event)
-        for v, buf, token, _ in written:
-            buf.mark(v.fields, token)
-            buf.fence = fence
-
 
 class LeanView:
-    """One layer's lean state: the pool buffer its weight's copy goes into (its slot of the weight's shape), the
-    bound dequantize launch into it, the alias of it (linked to the weight by one autograd node) the layer
-    computes with, and its places in the learned order of uses (one per direction) with the batches that start
-    there."""
+    """One layer's lean state: the pool buffer its weight's copy goes into, the bound dequantize launch into it,
+    the alias of it (linked to the weight by one autograd node) the layer computes with, and its places in the
+    learned order of uses (one per direction) with the batched fills that start there."""
 
     __slots__ = ("weight", "cc", "fields", "key", "buffer", "fill", "alias", "use", "ref", "here", "next", "tails",
-                 "batches", "slot", "__weakref__")  # fmt: skip
+                 "batches", "__weakref__")  # fmt: skip
 
     def __init__(self):
         self.ref = weakref.ref(self)
         self.here = ((self.ref, _FWD), (self.ref, _BWD))  # this layer's places, as links to it
         self.next = [None, None]
         self.tails = ((self.next, _FWD), (self.next, _BWD))
-        self.slot = None  # (key, slot): kept when the layer binds again to a weight of the same shape
         self.clear()
 
     def clear(self) -> None:
         self.weight = self.cc = self.fields = self.key = self.buffer = self.fill = self.alias = self.use = None
         self.batches = [None, None]
-        _ORDER.epoch += 1  # the batches this layer is in are built again
 
     def value(self, w: NVFP4Tensor, grad: bool, fresh_tensor: bool = True, d: int = _FWD) -> torch.Tensor:
         """Make sure `w`'s values are in its pool buffer (a launch unless the buffer holds them already) and
@@ -463,7 +300,12 @@ class LeanView:
         then records what proved the values (`buffer.token`: `_current` of `w`, None where nothing did)."""
         if w is not self.weight or self.buffer.retired or not _bound(self.fields, w):
             self._bind(w)
-        self.make_current(d, _token(self.cc, self.fields, w), rebind=True)
+        token = _token(self.cc, self.fields, w)
+        if not self.note_use(d, token):
+            # Only a write needs the buffer free: one that holds these values serves its holder and this use alike.
+            if not self.buffer.free():
+                self._bind(w)
+            self.fill_now(d, token)
         buf = self.buffer
         # A new tensor object per use (a view: no copy, one C++ call), never one the pool or the layer keeps: a
         # holder of it then shows in the buffer's reference count at the next write.
@@ -475,58 +317,36 @@ class LeanView:
             buf.adopt(self.alias, before)
         return self.alias.view(self.key[0]) if fresh_tensor else self.alias
 
-    def make_current(self, d: int, token, rebind: bool = False) -> None:
-        """Note the use (direction `d`) in the learned order and make sure the bound buffer holds the weight's
-        values as `token` (`_current` of the weight) says they are, in the current stream's order: a use inside
-        the batch being walked finds them written ahead; a use that starts a batch writes it unless it was written
-        ahead, and has the next one written ahead. `rebind`: a buffer something holds is left to its holder (the
-        layer binds to a new one) instead of written."""
+    def note_use(self, d: int, token) -> bool:
+        """Note the use in the learned order; whether the bound buffer holds the weight's values as `token`
+        (`_current` of the weight, not None) says they are now. A use that gets False calls `fill_now`."""
         tail, here = _ORDER.tail, self.here[d]
         if tail is not None and tail[0][tail[1]] is not here:
             tail[0][tail[1]] = here
             _ORDER.epoch += 1
         _ORDER.tail = self.tails[d]
         _POOL.uses += 1
-        buf, pos = self.buffer, _ORDER.pos
-        if pos is not None:
-            walking = _ORDER.batch()
-            if walking is not None and pos < len(walking.places) and walking.places[pos] is here:
-                _ORDER.pos = pos + 1
-                if buf.holds(self.fields, token):
-                    buf.settle()
-                    return
-        # This use starts a batch.
-        batch = self.batches[d]
-        if batch is None or not batch.still_bound():
-            batch = self.batches[d] = _Batch(self, d)
-        _ORDER.batch, _ORDER.pos = batch.ref, 1
-        if buf.holds(self.fields, token):
-            buf.settle()
-        elif rebind and not buf.free():  # only a write needs it free: one holding these values serves both
-            self._bind(self.weight)
-            self._fill_alone(token)
-            _ORDER.batch = _ORDER.pos = None
-            return
-        elif token is None or not batch.run(token):
-            self._fill_alone(token)
-        following = batch.then()
-        if following is not None:
-            following.write_ahead(batch)
-
-    def _fill_alone(self, token) -> None:
-        """Write the weight's values into the bound buffer on the current stream: one launch."""
         buf = self.buffer
-        buf.settle()
+        return (token is not None and buf.fields is self.fields and buf.token == token
+                and buf.tensor._version == buf.version)  # fmt: skip
+
+    def fill_now(self, d: int, token) -> None:
+        """Write the weight's values into the bound buffer (in stream order): one launch, which also fills the
+        buffers of the uses expected next."""
+        if token is not None:
+            batch = self.batches[d]
+            if batch is None or not batch.still_bound():
+                batch = self.batches[d] = _Batch(self, d)
+            if batch.run(token):
+                return
         _POOL.launches += 1
         self.fill()
-        buf.mark(self.fields, token)
+        self.buffer.mark(self.fields, token)
 
     def _bind(self, w: NVFP4Tensor) -> _Buffer:
         self.clear()
         key = (tuple(w.shape), w.dtype, w.rowwise_data.device)
-        if self.slot is None or self.slot[0] != key:
-            self.slot = (key, _POOL.slot(key))
-        buf = _POOL.take(key, self.slot[1])
+        buf = _POOL.take(key)
         fields = (w.rowwise_data, w.rowwise_scale_inv, w.amax)
         self.fill = kernels.bind_dequantize([fields[0]], [fields[1]], [fields[2]], [buf.tensor])
         self.weight, self.cc, self.fields, self.key, self.buffer = w, w.copy_state, fields, key, buf
@@ -653,11 +473,11 @@ class _Use:
             _raise_changed(w)
         view = self.view
         if view.fill is self.fill:  # the layer is bound as at the forward: the same buffer and fields
-            view.make_current(_BWD, token)
+            if not view.note_use(_BWD, token):
+                view.fill_now(_BWD, token)
         else:
             _POOL.uses += 1
             _POOL.launches += 1
-            self.buffer.settle()
             self.fill()
             self.buffer.mark(None, None)
 

@@ -255,21 +255,16 @@ class BoundLaunch:
             self._values = [_CTYPES[type(a)](a) for a in args]  # kept alive: params points at them
             self.params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(v) for v in self._values])
 
-    def __call__(self, stream=None) -> None:
-        """Launch on torch's current stream, or on `stream` (a torch.cuda.Stream of the kernel's device)."""
+    def __call__(self) -> None:
         if (self.params is not None and _launch is _DIRECT and _cu_launch
                 and torch._C._cuda_getDevice() == self.index):  # fmt: skip
-            raw = current_raw_stream(self.index) if stream is None else stream.cuda_stream
-            err = _cu_launch(self.fn, self.grid, 1, 1, THREADS, 1, 1, 0, raw, self.params, None)
+            err = _cu_launch(self.fn, self.grid, 1, 1, THREADS, 1, 1, 0, current_raw_stream(self.index),
+                             self.params, None)  # fmt: skip
             if err == 0:
                 return
             if err != 201:  # CUDA_ERROR_INVALID_CONTEXT: this thread has none current; CuPy's path sets it
                 raise RuntimeError(f"cuLaunchKernel of {self.key} failed with CUresult {err}")
-        if stream is None:
-            _launch(self.index, self.key, self.units, self.args)
-        else:
-            with torch.cuda.stream(stream):
-                _launch(self.index, self.key, self.units, self.args)
+        _launch(self.index, self.key, self.units, self.args)
 
 
 def bind(launch: Callable) -> BoundLaunch:

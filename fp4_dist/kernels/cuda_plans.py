@@ -88,13 +88,7 @@ class Plan:
     def on_current_stream(self) -> "Plan":
         """Order the upload before this stream's work, the first time the plan is used on another stream."""
         if current_raw_stream(self.device) not in self._streams:
-            self.on_stream(torch.cuda.current_stream(self.device))
-        return self
-
-    def on_stream(self, stream: torch.cuda.Stream) -> "Plan":
-        """`on_current_stream` for a launch on `stream` (lean compute writes the next layer's copies on a side
-        stream)."""
-        if stream.cuda_stream not in self._streams:
+            stream = torch.cuda.current_stream(self.device)
             stream.wait_event(self._ready)
             self._dev.record_stream(stream)
             self.scratch.record_stream(stream)

@@ -151,18 +151,6 @@ class Bound:
         if self._written:
             torch.autograd.graph.increment_version(self._written)
 
-    def on(self, stream: Optional[torch.cuda.Stream]) -> None:
-        """Run on `stream` instead of the current stream (a CUDA plan; elsewhere, or with None, it is a call)."""
-        if stream is None or self.plan is None:
-            return self()
-        if not self.plan.units:
-            return None
-        self.plan.on_stream(stream)
-        self._run(stream)
-        if self._written:
-            torch.autograd.graph.increment_version(self._written)
-        return None
-
 
 def _plan_device(plan) -> torch.device:
     return torch.device("cuda", plan.device)
