@@ -109,7 +109,7 @@ def _make_shard_cast(original):
             return original(model_params, main_params, start_offsets, data_parallel_group, fsdp_shard_model_params)
         from ..optim import cast_master_weights_to_nvfp4
 
-        cast_master_weights_to_nvfp4(
+        check = cast_master_weights_to_nvfp4(
             model_params,
             main_params,
             start_offsets,
@@ -117,9 +117,29 @@ def _make_shard_cast(original):
             fsdp_shard_model_weights=fsdp_shard_model_params,
             manual_post_all_gather_processing=True,
             amax_group=_tensor_parallel_group(model_params),
+            defer_check=True,
         )
+        if check is not None:
+            # A cast resolves its previous verdict itself: keep only the unread ones (bounded without a gather).
+            _DEFERRED_CHECKS[:] = [c for c in _DEFERRED_CHECKS if c.ok is None] + [check]
 
     return quantize_nvfp4_param_shard
+
+
+# The non-finite verdicts of the casts whose weights no post-all-gather processing has seen yet. Megatron calls
+# the cast in the middle of its optimizer step, with the optimizer's device work still queued; waiting there for
+# the verdict would leave the rest of the step's host work (its copy loop over every parameter, the param sync)
+# to run on an idle device. The verdicts are read where the weights are next handed on instead: the first
+# post-all-gather processing (in the step, or in the next forward's pre-hook with --overlap-param-gather), before
+# any layer reads a weight, on every rank (the verdict is the all-reduced one).
+_DEFERRED_CHECKS: list = []
+
+
+def resolve_cast_checks() -> None:
+    """Read the verdicts of the casts since the last call; raises ValueError naming the weight, on every rank,
+    if a cast read a non-finite fp32 master (the weights were written from it: resume from a checkpoint)."""
+    while _DEFERRED_CHECKS:
+        _DEFERRED_CHECKS.pop(0).resolve(" in the fp32 master after the optimizer step, on some rank")
 
 
 def _tensor_parallel_group(params):
@@ -136,6 +156,7 @@ def _tensor_parallel_group(params):
 
 def _make_post_all_gather(original):
     def post_all_gather_processing(model_params) -> None:
+        resolve_cast_checks()
         ours = [p for p in model_params if _tensor.is_nvfp4_tensor(p)]
         others = [p for p in model_params if not _tensor.is_nvfp4_tensor(p)]
         if ours:

@@ -221,7 +221,7 @@ def convert_to_nvfp4(model: nn.Module, config: TransformerConfig, *, numerics: s
             if attr != "_is_param":
                 setattr(new, attr, value)
         new._fp4_dist_init_value = init
-        new.fp4_dist_name = f"{name}.weight"  # how fp4_dist's errors name it
+        new.fp4_dist_name = name  # how fp4_dist's errors name it (the parameter's name)
         new.get_high_precision_init_val = types.MethodType(_get_init, new)
         new.clear_high_precision_init_val = types.MethodType(_clear_init, new)
         module.weight = new

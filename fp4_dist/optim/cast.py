@@ -8,7 +8,7 @@ One call, for any number of weights (spec section 4)::
                                    (`cast_agreement`; only inside a distributed job)
     partial_amax   -> amax buffer  [group 0: n0 tensor amaxes | tiles][group 1: ...]
     ONE MAX all-reduce of that buffer over the data-parallel group
-    one scalar read: all tensor amaxes finite?
+    one scalar read: all tensor amaxes finite? (or, with defer_check, a DeferredCheck read later)
     fused_scale    -> every weight's rowwise_scale_inv + amax (identical on every rank), encode multipliers
     partial_cast   -> the owned nibbles of each weight's rowwise_data (or of its FSDP shard)
 
@@ -40,7 +40,7 @@ from ..format import MASTER_DTYPES, byte_window, check_even_boundary, check_weig
 from ..shared_amax import group_of
 from ..tensor import NVFP4Tensor, is_nvfp4_tensor
 from .cast_agreement import CallAgreement, reject
-from .cast_core import BINDINGS, CastCore, CastPlan, make_cast_plan, shard_bytes, weight_name
+from .cast_core import BINDINGS, CastCore, CastPlan, DeferredCheck, make_cast_plan, shard_bytes, weight_name
 from .collectives import CommStats, dist_backend, in_distributed_job, rank_and_size
 
 
@@ -48,7 +48,7 @@ from .collectives import CommStats, dist_backend, in_distributed_job, rank_and_s
 def _check_weights(model_weights, master_weights, start_offsets, fsdp_shard_model_weights) -> None:
     """The call's structure: arguments of the right kinds, one entry of each per weight, NVFP4 weights.
 
-    Raised on one rank only (a rank-local bug), these still reach every rank: `_validate_and_run` joins the
+    Raised on one rank only (a rank-local bug), these still reach every rank: `_validate_and_bind` joins the
     agreement header with this rank's flag set."""
     n = len(model_weights)
     for arg, value in (("master_weights", master_weights), ("start_offsets", start_offsets)):
@@ -145,7 +145,8 @@ def cast_master_weights_to_nvfp4(
     *,
     amax_group=None,
     stats: Optional[CommStats] = None,
-) -> None:
+    defer_check: bool = False,
+) -> Optional[DeferredCheck]:
     """Cast this rank's fp32 master shards into NVFP4 weights (TransformerEngine's `quantize_master_weights`).
 
     Args:
@@ -167,6 +168,11 @@ def cast_master_weights_to_nvfp4(
             the whole weight's amax (the TP group), so every slice equals the slice of quantizing the whole
             weight. One more all-reduce of n floats.
         stats: optional `CommStats` recording the all-reduce (every tile amax of every weight: TE's payload).
+        defer_check: do not wait for the non-finite check: the weights are written whatever it finds, and the
+            verdict comes back as a `DeferredCheck` whose ``resolve()`` raises the error below, naming the weight,
+            on every rank (the verdict is the all-reduced one). Resolve it before anything reads the weights (the
+            Megatron adapter does so in `post_all_gather_processing`): the host then need not wait for the
+            optimizer's device work in the middle of the step. None when there is nothing to check.
 
     Every weight's ``rowwise_scale_inv`` and ``amax`` are written (identical on every rank) and the owned
     nibbles of ``rowwise_data``; nothing else. Inside a distributed job two MAX all-reduces per call (the
@@ -176,20 +182,20 @@ def cast_master_weights_to_nvfp4(
     (`fp4_dist.optim.sharded_cast`); this function keeps TE's full exchange because its callers (Megatron)
     rely on every rank holding every scale before the gather.
     Raises ValueError/TypeError naming the weight, with no byte written, for bad shards, offsets, dtypes,
-    devices, or non-finite master values; `fp4_dist.optim.RankMismatchError` on every rank when the ranks
+    devices, or non-finite master values (those at ``resolve()`` with `defer_check`, the weights written); `fp4_dist.optim.RankMismatchError` on every rank when the ranks
     passed different weights or shards that do not cover each weight exactly once.
     """
     key = _call_key(model_weights, master_weights, start_offsets, fsdp_shard_model_weights, group)
     bound = None if key is None else BINDINGS.get(key)
-    if bound is not None:  # the same tensors as a call that passed every check: skip the per-weight checks
-        bound.run(group, stats, amax_group)
-    else:
-        _validate_and_run(model_weights, master_weights, start_offsets, group, fsdp_shard_model_weights, key, stats,
-                          amax_group)  # fmt: skip
+    if bound is None:  # first call with these tensors: every check, then bind
+        bound = _validate_and_bind(model_weights, master_weights, start_offsets, group, fsdp_shard_model_weights,
+                                   key, stats)  # fmt: skip
+    check = bound.run(group, stats, amax_group, defer_check=defer_check)
     if not manual_post_all_gather_processing:
         mark_pending(model_weights, auto_refresh=True)
         for w in model_weights:
             w.columnwise_data = w.columnwise_scale_inv = None
+    return check
 
 
 def _call_key(model_weights, master_weights, start_offsets, fragments, group) -> Optional[tuple]:
@@ -208,10 +214,10 @@ def _call_key(model_weights, master_weights, start_offsets, fragments, group) ->
         return None
 
 
-def _validate_and_run(model_weights, master_weights, start_offsets, group, fsdp_shard_model_weights, key, stats,
-                      amax_group=None):  # fmt: skip
-    """First call with these tensors: every check, then bind (and cache) the cast, then run it. A rank whose
-    checks fail still joins the agreement header, with its flag set, so every rank raises (none hangs)."""
+def _validate_and_bind(model_weights, master_weights, start_offsets, group, fsdp_shard_model_weights, key,
+                       stats) -> "BoundCast":  # fmt: skip
+    """First call with these tensors: every check, then bind (and cache) the cast. A rank whose checks fail
+    still joins the agreement header, with its flag set, so every rank raises (none hangs)."""
     try:
         plan = _shape_plan(model_weights)
         _check_weights(model_weights, master_weights, start_offsets, fsdp_shard_model_weights)
@@ -226,7 +232,7 @@ def _validate_and_run(model_weights, master_weights, start_offsets, group, fsdp_
                       world_size=size)  # fmt: skip
     if key is not None:
         BINDINGS.put(key, bound)
-    bound.run(group, stats, amax_group)
+    return bound
 
 
 quantize_master_weights = cast_master_weights_to_nvfp4
@@ -276,9 +282,11 @@ class BoundCast:
         return kernels.bind_fused_scale(block, g.shapes, [w.rowwise_scale_inv for w in ws], [w.amax for w in ws],
                                         enc, numerics=g.numerics)  # fmt: skip
 
-    def run(self, group=None, stats: Optional[CommStats] = None, amax_group=None) -> None:
+    def run(self, group=None, stats: Optional[CommStats] = None, amax_group=None, *,
+            defer_check: bool = False) -> Optional[DeferredCheck]:  # fmt: skip
         """agreement check -> amax -> one MAX all-reduce (and one over `amax_group` of the tensor amaxes) ->
-        check (one scalar read) -> scales -> cast. Raises before any write."""
+        check (one scalar read) -> scales -> cast. Raises before any write; with `defer_check` the check is read
+        later (`cast_master_weights_to_nvfp4`), and its `DeferredCheck` is returned."""
         _, size = rank_and_size(group)
         if size != self.world_size:
             raise ValueError(f"this BoundCast was built for a group of {self.world_size} ranks but runs on a group "
@@ -287,10 +295,12 @@ class BoundCast:
             self.agreement.check(group, stats, self.core.amaxes.device)
         core = self.core
         core.local_amaxes()
-        core.exchange(group, stats, amax_group)
+        verdict = core.exchange(group, stats, amax_group, defer_check=defer_check)
+        check = core.defer(verdict) if defer_check else None
         mark_pending(self.weights)
         core.scales()
         core.cast()
+        return check
 
 
 def _join_with_error(model_weights, group, stats, error: Exception) -> None:

@@ -162,6 +162,8 @@ class CastCore:
             scale = bind_scales(g, g.block(self.amaxes), enc)
             cast = kernels.bind_partial_cast(g_shards, g_starts, g.shapes, enc, frags, round_to=g.round_to)
             self._runs.append((amax, scale, cast))
+        self._flag = self._event = None  # `defer`'s pinned verdict and the event behind its copy, made on first use
+        self._deferred: Optional[DeferredCheck] = None
 
     @property
     def launches(self) -> int:
@@ -174,7 +176,11 @@ class CastCore:
 
     # ------------------------------------------------------------------------------------------- a cast
     def local_amaxes(self) -> None:
-        """partial_amax of every weight into the local amax buffer (one launch per group)."""
+        """partial_amax of every weight into the local amax buffer (one launch per group). A deferred verdict of
+        the previous cast nobody resolved is resolved first, while the buffer still names its weight (its cast is
+        long done: no wait)."""
+        if self._deferred is not None:
+            self._deferred.resolve()
         for amax, _, _ in self._runs:
             amax()
 
@@ -210,6 +216,23 @@ class CastCore:
             self._raise()
         return None
 
+    def defer(self, ok: Optional[torch.Tensor]) -> Optional["DeferredCheck"]:
+        """The verdict `exchange(defer_check=True)` returned, on its way to the host: on CUDA a copy into pinned
+        memory behind an event (no wait now), read by `DeferredCheck.resolve`. The flag is this core's, reused:
+        `local_amaxes` resolves the verdict of the previous cast first."""
+        if ok is None:
+            return None
+        if ok.is_cuda:
+            if self._flag is None:
+                self._flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+                self._event = torch.cuda.Event()
+            self._flag.copy_(ok, non_blocking=True)
+            self._event.record()
+            self._deferred = DeferredCheck(self, self._flag, self._event)
+        else:
+            self._deferred = DeferredCheck(self, ok, None)
+        return self._deferred
+
     def _share_amaxes(self) -> None:
         """Each amax group's members get the group's MAX (every rank holds every tensor amax by now, so every rank
         computes the same; NaN stays NaN for the check)."""
@@ -242,6 +265,28 @@ class CastCore:
                 if a != a or a in (float("inf"), float("-inf")):
                     raise checks.non_finite_error(self.names[i], where, outcome)
         raise checks.non_finite_error("a master shard", " on another rank", outcome)
+
+
+class DeferredCheck:
+    """A cast's finite-amax verdict that the cast did not wait for (`CastCore.defer`). The cast wrote the weights
+    whatever it says; `resolve()` reads it (waiting, on CUDA, only for the device to pass the cast's exchange) and
+    raises the cast's error, naming the weight, if a master was not finite. Resolve before anything reads the
+    weights; resolving again is free (and raises again)."""
+
+    __slots__ = ("core", "flag", "event", "ok")
+
+    def __init__(self, core: CastCore, flag: torch.Tensor, event) -> None:
+        self.core, self.flag, self.event, self.ok = core, flag, event, None
+
+    def resolve(self, where: str = " on some rank") -> None:
+        if self.ok is None:
+            if self.event is not None:
+                self.event.synchronize()
+            self.ok = bool(self.flag)
+            if self.core._deferred is self:
+                self.core._deferred = None
+        if not self.ok:
+            self.core.raise_for(where)
 
 
 def reduce_whole_weights(buf: torch.Tensor, index: torch.Tensor, amax_group, stats) -> None:

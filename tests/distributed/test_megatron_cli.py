@@ -128,3 +128,26 @@ def test_a_users_own_megatron_script_runs_with_enable(tmp_path):
     assert out.exists(), proc.stderr[-4000:]
     rep = json.loads(out.read_text())
     assert rep["failures"] == [] and len(rep["losses"]) == 3, rep
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["param-sync-in-step", "overlap-param-gather"])
+def test_a_nan_master_stops_every_rank_before_its_weights_are_read(overlap):
+    # The adapter's cast reads its non-finite verdict at the post-all-gather processing, not in the middle of
+    # the optimizer step: the error must still reach every rank, name the weight, and come before any forward
+    # computes with the weights cast from the NaN (the step's own log line is missing with the in-step param
+    # sync; with the overlapped one the step completes and the next forward's pre-hook stops).
+    extra = ["--overlap-param-gather", "--overlap-grad-reduce"] if overlap else []
+    start = time.monotonic()
+    proc = run(2, str(REPO / "tests" / "distributed" / "megatron_nan_master.py"), "1", "3", *TINY,
+               "--global-batch-size", "8", "--train-iters", "6", "--log-interval", "1", *extra, module=False,
+               timeout=TIMEOUT_S)  # fmt: skip
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert "injected a NaN into an fp32 master at step 3" in proc.stdout
+    for rank in (0, 1):
+        # (`in`, not startswith: the ranks share the pipe, and another's warning may precede a line unfinished)
+        line = next((x for x in proc.stderr.splitlines() if f"[rank {rank}] pretrain_gpt: error:" in x), "")
+        named = ".weight master:" in line and ".weight.weight" not in line  # the parameter's name
+        assert "values are not finite" in line and named and "resume from a checkpoint" in line, proc.stderr[-3000:]
+    last = 3 if overlap else 2  # the last iteration whose forward ran on finite weights and logged
+    assert f"iter {last:>5}/" in proc.stdout and f"iter {last + 1:>5}/" not in proc.stdout, proc.stdout[-2000:]
+    assert time.monotonic() - start < 120

@@ -236,3 +236,46 @@ def test_errors_name_a_converted_weight_by_its_module_path():
     masters[1][5] = float("nan")
     with pytest.raises(ValueError, match=r"model_weights\[1\] \(16x32\) = 1\.weight master"):
         cast_master_weights_to_nvfp4(list(model.parameters()), masters, [0, 0])
+
+
+def _deferred_case(device):
+    shapes = [(40, 48), (33, 80)]
+    masters = [m.to(device) for m in masters_for(shapes, seed=3)]
+    ws = [w.to(device) for w in poisoned_weights(shapes)]
+    return ws, [m.view(-1) for m in masters], masters
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_deferred_check_writes_the_same_bytes_and_reports_a_nan_master_at_resolve(device):
+    ws, flat, masters = _deferred_case(device)
+    check = cast_master_weights_to_nvfp4(ws, flat, [0, 0], defer_check=True)
+    check.resolve()  # finite masters: nothing to report
+    for w, m in zip(ws, masters):
+        ref = fp4_dist.quantize(m.to(torch.bfloat16))
+        for f in FIELDS:
+            assert_bytes_equal(getattr(w, f), getattr(ref, f), f)
+    flat[1][77] = float("nan")
+    check = cast_master_weights_to_nvfp4(ws, flat, [0, 0], defer_check=True)  # no raise: nothing read yet
+    for _ in range(2):  # resolving again reports again
+        with pytest.raises(ValueError, match=r"model_weights\[1\] \(33x80\) master.*resume from a checkpoint"):
+            check.resolve()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_an_unresolved_deferred_check_is_resolved_by_the_next_cast_of_the_same_tensors(device):
+    # The verdict's host flag is reused by the next cast: it must not overwrite a NaN verdict nobody read.
+    ws, flat, _ = _deferred_case(device)
+    flat[0][5] = float("inf")
+    cast_master_weights_to_nvfp4(ws, flat, [0, 0], defer_check=True)
+    flat[0][5] = 1.0
+    with pytest.raises(ValueError, match=r"model_weights\[0\] \(40x48\) master"):
+        cast_master_weights_to_nvfp4(ws, flat, [0, 0], defer_check=True)
+    cast_master_weights_to_nvfp4(ws, flat, [0, 0], defer_check=True).resolve()  # reported once, then clean
+
+
+def test_without_defer_check_the_cast_returns_nothing_and_raises_at_once():
+    ws, flat, _ = _deferred_case("cpu")
+    assert cast_master_weights_to_nvfp4(ws, flat, [0, 0]) is None
+    flat[0][0] = float("nan")
+    with pytest.raises(ValueError, match="No weight, scale or amax was written"):
+        cast_master_weights_to_nvfp4(ws, flat, [0, 0])
