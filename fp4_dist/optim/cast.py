@@ -182,8 +182,9 @@ def cast_master_weights_to_nvfp4(
     (`fp4_dist.optim.sharded_cast`); this function keeps TE's full exchange because its callers (Megatron)
     rely on every rank holding every scale before the gather.
     Raises ValueError/TypeError naming the weight, with no byte written, for bad shards, offsets, dtypes,
-    devices, or non-finite master values (those at ``resolve()`` with `defer_check`, the weights written); `fp4_dist.optim.RankMismatchError` on every rank when the ranks
-    passed different weights or shards that do not cover each weight exactly once.
+    devices, or non-finite master values (those at ``resolve()`` with `defer_check`, the weights written);
+    `fp4_dist.optim.RankMismatchError` on every rank when the ranks passed different weights or shards that do not
+    cover each weight exactly once.
     """
     key = _call_key(model_weights, master_weights, start_offsets, fsdp_shard_model_weights, group)
     bound = None if key is None else BINDINGS.get(key)
