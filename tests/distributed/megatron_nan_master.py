@@ -2,6 +2,10 @@
 optimizer's update of a given step and before that step's cast (as an optimizer's own bug would leave it).
 
     torchrun --nproc_per_node 2 megatron_nan_master.py BAD_RANK BAD_STEP <pretrain_gpt arguments>
+    torchrun --nproc_per_node 2 -m fp4_dist.megatron.run megatron_nan_master.py BAD_RANK BAD_STEP SCRIPT.py <args>
+
+The first runs the project's entry point; the second a script around ``megatron.training.pretrain()`` (as
+Megatron-LM's pretrain_gpt.py) under fp4_dist's launcher.
 
 The claim tested is the adapter's: the cast does not wait for its non-finite check in the middle of Megatron's
 step, and still every rank stops with the error naming the weight before any layer reads the weights cast from
@@ -9,6 +13,7 @@ that master (at the step's post-all-gather processing, or at the next forward's 
 """
 
 import os
+import runpy
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -34,4 +39,9 @@ def copy_main_params_to_model_params(self, *args, **kwargs):
 
 
 distrib_optimizer.DistributedOptimizer._copy_main_params_to_model_params = copy_main_params_to_model_params
-sys.exit(pretrain_gpt._cli())
+if len(sys.argv) > 1 and sys.argv[1].endswith(".py"):
+    script = sys.argv.pop(1)
+    sys.argv[0] = script
+    runpy.run_path(script, run_name="__main__")
+else:
+    sys.exit(pretrain_gpt._cli())

@@ -212,3 +212,21 @@ def test_mpirun_and_plain_python_launch_the_same_script(tmp_path, data):
         assert f"on {ranks} rank(s) ({'mpi' if ranks == 2 else 'single'}, CPU)" in proc.stdout
         record = json.loads(log.read_text())
         assert [it["check"][:2] for it in record["iterations"]] == ["ok", "ok"]
+
+
+def test_a_nan_master_in_pretrain_stops_every_rank_before_the_next_forward_reads_it(tmp_path, data):
+    # fp4_dist's cast inside Megatron's optimizer step does not wait for its non-finite check; the check is read
+    # at the post-all-gather processing, here the next forward's pre-hook (--overlap-param-gather). Iteration 3
+    # casts from the NaN and completes; iteration 4's forward must not run on the weights cast from it.
+    nan = REPO / "tests" / "distributed" / "megatron_nan_master.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--monitor-interval",
+           "5", "-m", "fp4_dist.megatron.run", str(nan), "1", "3", str(SCRIPT), *MODEL, "--data-path", data,
+           "--train-iters", "6", "--eval-interval", "1000", "--fp4-param-gather", "--overlap-param-gather",
+           "--overlap-grad-reduce"]  # fmt: skip
+    env = dict(_env(), CUDA_VISIBLE_DEVICES="", CUDA_DEVICE_MAX_CONNECTIONS="1")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode != 0 and "injected a NaN into an fp32 master at step 3" in proc.stdout, proc.stdout[-2000:]
+    assert "iteration        3/" in proc.stdout and "iteration        4/" not in proc.stdout, proc.stdout[-2000:]
+    for rank in (0, 1):
+        errors = [x for x in proc.stderr.splitlines() if f"[rank{rank}]: ValueError: model_weights[" in x]
+        assert errors and ".weight master: values are not finite" in errors[0], proc.stderr[-3000:]
