@@ -50,15 +50,16 @@ def data(tmp_path_factory) -> str:
 
 
 def launch(nproc: int, args, *, log: Path = None, check: bool = True, refused: bool = False,
-           runner: tuple = ()) -> subprocess.CompletedProcess:
-    """`runner`: options of fp4_dist.megatron.run itself (before the script)."""
+           runner: tuple = (), wrapper: tuple = ()) -> subprocess.CompletedProcess:
+    """`runner`: options of fp4_dist.megatron.run itself (before the script); `wrapper`: a script and its own
+    arguments that run the script (a fault injection)."""
     opts = (["--check-every", "1"] if check else []) + list(runner)
     opts += ["--log-json", str(log)] if log else []
     # A run every rank refuses: torchrun stops the other ranks once it sees one fail (it looks every 0.1 s); looking
     # every 5 s lets each rank's own refusal reach the log, which is what these runs check.
     agent = ["--monitor-interval", "5"] if refused else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *agent,
-           "-m", "fp4_dist.megatron.run", *opts, str(SCRIPT), *MODEL, *args]  # fmt: skip
+           "-m", "fp4_dist.megatron.run", *opts, *wrapper, str(SCRIPT), *MODEL, *args]  # fmt: skip
     env = dict(_env(), CUDA_VISIBLE_DEVICES="", CUDA_DEVICE_MAX_CONNECTIONS="1")
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
 
@@ -218,13 +219,10 @@ def test_a_nan_master_in_pretrain_stops_every_rank_before_the_next_forward_reads
     # fp4_dist's cast inside Megatron's optimizer step does not wait for its non-finite check; the check is read
     # at the post-all-gather processing, here the next forward's pre-hook (--overlap-param-gather). Iteration 3
     # casts from the NaN and completes; iteration 4's forward must not run on the weights cast from it.
-    nan = REPO / "tests" / "distributed" / "megatron_nan_master.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--monitor-interval",
-           "5", "-m", "fp4_dist.megatron.run", str(nan), "1", "3", str(SCRIPT), *MODEL, "--data-path", data,
-           "--train-iters", "6", "--eval-interval", "1000", "--fp4-param-gather", "--overlap-param-gather",
-           "--overlap-grad-reduce"]  # fmt: skip
-    env = dict(_env(), CUDA_VISIBLE_DEVICES="", CUDA_DEVICE_MAX_CONNECTIONS="1")
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    nan = str(REPO / "tests" / "distributed" / "megatron_nan_master.py")
+    proc = launch(2, ["--data-path", data, "--train-iters", "6", "--eval-interval", "1000", "--fp4-param-gather",
+                      "--overlap-param-gather", "--overlap-grad-reduce"], check=False, refused=True,
+                  wrapper=(nan, "1", "3"))  # fmt: skip
     assert proc.returncode != 0 and "injected a NaN into an fp32 master at step 3" in proc.stdout, proc.stdout[-2000:]
     assert "iteration        3/" in proc.stdout and "iteration        4/" not in proc.stdout, proc.stdout[-2000:]
     for rank in (0, 1):
