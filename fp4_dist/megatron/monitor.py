@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ..tensor import is_nvfp4_tensor
 from . import parity
+from .options import current_options
 
 
 class Monitor:
@@ -122,8 +123,6 @@ class Monitor:
 
 
 def _options():
-    from .adapter import current_options
-
     return current_options()
 
 

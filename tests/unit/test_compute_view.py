@@ -15,7 +15,7 @@ from torch import nn
 
 import fp4_dist
 from fp4_dist.compute_view import NVFP4Linear, compute_view, forget
-from fp4_dist.megatron import adapter
+from fp4_dist.megatron import adapter, layers
 from fp4_dist.optim import cast_master_weights_to_nvfp4, post_all_gather_processing
 from fp4_dist.tensor import NVFP4Tensor
 from fp4_dist.testing import assert_bytes_equal, random_weight
@@ -337,7 +337,7 @@ def test_megatron_hook_passes_the_view_unless_megatrons_function_reads_the_param
     # The replacement's decision only; real Megatron layers run through it in tests/distributed/test_megatron.py.
     lin = nvfp4_linear()
     seen = []
-    impl = adapter._make_forward_impl(lambda self, input, weight, *a, **kw: seen.append(weight))
+    impl = layers.make_forward_impl(lambda self, input, weight, *a, **kw: seen.append(weight))
     impl(lin, input=x_in(), weight=lin.weight, bias=None, **kwargs)
     assert (type(seen[0]) is torch.Tensor) is passes_view
     assert passes_view or seen[0] is lin.weight

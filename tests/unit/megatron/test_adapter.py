@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from fp4_dist.megatron import adapter, cpu_compat  # noqa: E402
+from fp4_dist.megatron import adapter, cpu_compat, layers, patching  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 
@@ -19,8 +19,8 @@ def _bindings() -> dict:
     out = {}
     for hook in adapter.HOOKS:
         for module_name in hook.modules:
-            owner, attr = adapter._resolve(module_name, hook.name)
-            out[(module_name, hook.name)] = adapter._raw_attr(owner, attr)
+            owner, attr = patching._resolve(module_name, hook.name)
+            out[(module_name, hook.name)] = patching._raw_attr(owner, attr)
     return out
 
 
@@ -111,7 +111,7 @@ def test_distopt_quantized_param_check_gives_the_originals_answer_without_readin
     import fp4_dist
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    original = adapter._unwrap(adapter._raw_attr(DistributedOptimizer, "_is_distopt_quantized_param"))
+    original = patching._unwrap(patching._raw_attr(DistributedOptimizer, "_is_distopt_quantized_param"))
     param = torch.nn.Parameter(fp4_dist.quantize(torch.randn(32, 32)))
     plain = torch.nn.Parameter(torch.randn(32, 32))
     seen = dispatches
@@ -158,7 +158,7 @@ def test_apply_row_drops_the_layers_cached_view_so_a_moved_layer_still_trains():
     with pytest.raises(RuntimeError, match="swap"):  # parameter in place and poisons the view's accumulator
         forward_backward(m)
     m = layer_after_a_forward()
-    adapter._make_apply(torch.nn.Module._apply)(m, lambda t: t.to("cpu"))
+    layers.make_apply(torch.nn.Module._apply)(m, lambda t: t.to("cpu"))
     assert type(forward_backward(m)) is torch.Tensor
-    adapter._make_apply(torch.nn.Module._apply)(m, lambda t: t.to("meta"))
+    layers.make_apply(torch.nn.Module._apply)(m, lambda t: t.to("meta"))
     assert m.weight.device.type == "meta"
