@@ -48,6 +48,8 @@ _TRAINING = "megatron.training.training"
 _INIT = "megatron.training.initialize"
 _DIST_UTILS = "megatron.training.models.dist_utils"
 _DATASET_UTILS = "megatron.core.datasets.utils"
+_MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
+_MOE_DISPATCH = "megatron.core.transformer.moe.token_dispatcher"
 
 
 _GLOO = cpu_compat.GlooCoalescing()
@@ -138,6 +140,9 @@ HOOKS: tuple[Hook, ...] = (
          "hand all-gather work handles to the gloo coalescing stand-in", cpu_only=True),
     Hook((_PGB,), "dist_reduce_scatter_func", _GLOO.wrap,
          "hand reduce-scatter work handles to the gloo coalescing stand-in", cpu_only=True),
+    Hook((_MOE_UTILS, _MOE_DISPATCH), "maybe_move_tensor_to_cpu", cpu_compat.make_host_copy,
+         "the MoE all-to-all dispatcher's split sizes reach all_to_all_single as numpy arrays only from CUDA tensors "
+         "(moe_utils 1184); on a CPU rank they become numpy arrays too", cpu_only=True),
 )
 
 

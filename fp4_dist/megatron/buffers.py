@@ -7,6 +7,7 @@ import math
 
 from .. import tensor as _tensor
 from ..buffers.layout import packed_layout_of
+from . import parallel
 from .options import current_options
 
 
@@ -37,14 +38,16 @@ def make_shard_cast(original):
     def quantize_nvfp4_param_shard(
         model_params, main_params, start_offsets, data_parallel_group, fsdp_shard_model_params=None
     ) -> None:
+        if not model_params:  # an optimizer holding no NVFP4 weight (a pipeline stage or expert set of bf16 layers)
+            return None
         ours = [_tensor.is_nvfp4_tensor(p) for p in model_params]
-        if ours and not all(ours):
+        if not any(ours):
+            return original(model_params, main_params, start_offsets, data_parallel_group, fsdp_shard_model_params)
+        if not all(ours):
             raise TypeError(
                 "fp4_dist.megatron: the NVFP4 param list mixes fp4_dist NVFP4Tensor weights with other NVFP4 "
                 "types; build every NVFP4 weight with fp4_dist (fp4_dist.megatron.model) or none"
             )
-        if not any(ours):
-            return original(model_params, main_params, start_offsets, data_parallel_group, fsdp_shard_model_params)
         from ..optim import cast_master_weights_to_nvfp4
 
         check = cast_master_weights_to_nvfp4(
@@ -54,7 +57,7 @@ def make_shard_cast(original):
             data_parallel_group,
             fsdp_shard_model_weights=fsdp_shard_model_params,
             manual_post_all_gather_processing=True,
-            amax_group=_tensor_parallel_group(model_params),
+            amax_group=parallel.amax_group(model_params),
             defer_check=True,
         )
         if check is not None:
@@ -78,18 +81,6 @@ def resolve_cast_checks() -> None:
     if a cast read a non-finite fp32 master (the weights were written from it: resume from a checkpoint)."""
     while _DEFERRED_CHECKS:
         _DEFERRED_CHECKS.pop(0).resolve(" in the fp32 master after the optimizer step, on some rank")
-
-
-def _tensor_parallel_group(params):
-    """The tensor-parallel group when these weights are TP slices (Megatron's column/row-parallel linears):
-    their scales then use the whole weight's amax, as if the whole weight were quantized and then split."""
-    from megatron.core import parallel_state
-
-    if not any(getattr(p, "tensor_model_parallel", False) for p in params):
-        return None
-    if parallel_state.get_tensor_model_parallel_world_size() == 1:
-        return None
-    return parallel_state.get_tensor_model_parallel_group()
 
 
 def make_post_all_gather(original):

@@ -40,6 +40,25 @@ from torch.overrides import TorchFunctionMode
 __all__ = ["enable", "disable", "is_enabled", "GlooCoalescing"]
 
 
+class _NullEvent:
+    """Stand-in for ``torch.cuda.Event``: CPU work is done when the call that queued it returns."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, *args: Any) -> None:
+        pass
+
+    def wait(self, *args: Any) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
 class _NullStream:
     """Stand-in for ``torch.cuda.Stream``: CPU work is ordered by program order already."""
 
@@ -52,8 +71,8 @@ class _NullStream:
     def wait_event(self, *args: Any) -> None:
         pass
 
-    def record_event(self, *args: Any) -> None:
-        return None
+    def record_event(self, *args: Any) -> _NullEvent:
+        return _NullEvent()  # the MoE all-to-all dispatcher synchronizes on it
 
     def synchronize(self) -> None:
         pass
@@ -233,3 +252,17 @@ class _WorkList:
         works, self.works = self.works, []
         for work in works:
             work.wait()
+
+
+def make_host_copy(original):
+    """Megatron's MoE all-to-all dispatcher copies its split sizes to the host as numpy arrays
+    (``maybe_move_tensor_to_cpu(..., as_numpy=True)``), which ``all_to_all_single`` takes as sequences of ints; the
+    helper copies only CUDA tensors, so on a CPU rank the sizes stay tensors, which it refuses. Host tensors become
+    numpy arrays the same way."""
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return maybe_move_tensor_to_cpu

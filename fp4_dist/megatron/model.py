@@ -28,17 +28,17 @@ from torch.nn.utils import parametrize
 from ..format import TILE
 from ..quantize import quantize
 from ..tensor import is_nvfp4_tensor
+from .parallel import reduce_whole_amaxes, tensor_parallel_group
 
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
-__all__ = ["WEIGHT_MODES", "NVFP4_LINEARS", "build_gpt_model", "nvfp4_weight_names", "convert_to_nvfp4",
+__all__ = ["WEIGHT_MODES", "build_gpt_model", "nvfp4_weight_names", "convert_to_nvfp4",
            "apply_fake_quant", "nvfp4_parameters"]
 
 WEIGHT_MODES = ("bf16", "nvfp4", "fake-nvfp4")
-NVFP4_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 
 
 def build_gpt_model(
@@ -112,18 +112,19 @@ def _gpt(model: nn.Module) -> GPTModel:
 
 def _check_supported(gpt: GPTModel, config: TransformerConfig) -> None:
     """Refuse the model parts whose weights fp4_dist cannot make NVFP4 parameters, before any is converted."""
-    if getattr(config, "num_moe_experts", None):
-        raise ValueError(
-            f"fp4_dist.megatron: --fp4-param-gather with MoE layers (num_moe_experts={config.num_moe_experts}) is "
-            "not supported: the experts' grouped weights are not NVFP4 parameters here. Drop --num-experts or "
-            "--fp4-param-gather")
-    layer = gpt.decoder.layers[0] if len(gpt.decoder.layers) else None
-    linear = getattr(getattr(layer, "self_attention", None), "linear_qkv", None)
-    if linear is not None and type(linear).__module__.startswith("megatron.core.extensions.transformer_engine"):
-        raise ValueError(
-            "fp4_dist.megatron: --fp4-param-gather needs Megatron's local transformer layers (--transformer-impl "
-            f"local); this model's linears are TransformerEngine modules ({type(linear).__name__}), whose own NVFP4 "
-            "path needs a Blackwell GPU")
+    for name, module in gpt.named_modules():
+        kind = type(module)
+        if kind.__module__.startswith("megatron.core.extensions.transformer_engine"):
+            raise ValueError(
+                "fp4_dist.megatron: --fp4-param-gather needs Megatron's local transformer layers (--transformer-impl "
+                f"local); {name} is a TransformerEngine module ({kind.__name__}), whose own NVFP4 path needs a "
+                "Blackwell GPU")
+        if kind.__name__ in ("GroupedMLP", "TEGroupedMLP"):
+            raise ValueError(
+                f"fp4_dist.megatron: --fp4-param-gather with grouped-GEMM experts ({name}: {kind.__name__}, "
+                "--moe-grouped-gemm) is not supported: their weights are one tensor for all local experts. Drop "
+                "--moe-grouped-gemm: each expert is then its own linear layers (SequentialMLP), whose weights are "
+                "NVFP4")
     for name, p in gpt.named_parameters():
         if hasattr(p, "main_grad"):
             raise ValueError(
@@ -139,26 +140,30 @@ def _bf16_layer(layer_number: int, config: TransformerConfig) -> bool:
             or layer_number > config.num_layers - config.num_layers_at_end_in_bf16)
 
 
+def _layer_linears(layer: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name within the layer, module) of the layer's Megatron parallel linears with a weight: attention and MLP
+    projections, and in MoE layers every local expert's and the shared experts' (the router is not one: it stays
+    in high precision, as do norms)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    return [(name, m) for name, m in layer.named_modules()
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and getattr(m, "weight", None) is not None]
+
+
 def nvfp4_weight_names(model: nn.Module, config: TransformerConfig) -> list[str]:
-    """Names (relative to the GPTModel) of the linear weights that become NVFP4, in layer order."""
-    gpt = _gpt(model)
-    names = []
-    for i, layer in enumerate(gpt.decoder.layers):
-        if _bf16_layer(layer.layer_number, config):
-            continue
-        names += [f"decoder.layers.{i}.{linear}.weight" for linear in NVFP4_LINEARS]
-    return names
+    """Names (relative to the GPTModel) of the linear weights that become NVFP4, in layer order. Layers kept in bf16
+    by ``--first-last-layers-bf16`` are chosen by their global layer number (``layer.layer_number``, which counts
+    across pipeline stages and virtual stages), as Megatron counts them."""
+    return [name for name, _ in _linear_modules(model, config)]
 
 
 def _linear_modules(model: nn.Module, config: TransformerConfig) -> list[tuple[str, nn.Module]]:
     gpt = _gpt(model)
-    modules = dict(gpt.named_modules())
     found = []
-    for name in nvfp4_weight_names(model, config):
-        module = modules.get(name.rsplit(".", 1)[0])
-        if module is None or getattr(module, "weight", None) is None:
-            raise ValueError(f"{name}: no such linear weight in this GPTModel (layer spec changed?)")
-        found.append((name, module))
+    for i, layer in enumerate(gpt.decoder.layers):
+        if _bf16_layer(layer.layer_number, config):
+            continue
+        found += [(f"decoder.layers.{i}.{name}.weight", m) for name, m in _layer_linears(layer)]
     return found
 
 
@@ -166,8 +171,7 @@ def _check_k(named: Iterable[tuple[str, nn.Module]]) -> None:
     named = list(named)
     bad = [f"{name} [{w.shape[0]} x {w.shape[1]}]" for name, m in named for w in [m.weight] if w.shape[1] % TILE]
     split = [f"{name} [{w.shape[0]} x {w.shape[1]}]" for name, m in named for w in [m.weight]
-             if getattr(w, "tensor_model_parallel", False) and getattr(w, "partition_dim", 1) == 0 and
-             w.shape[0] % TILE and _tp_size() > 1]  # fmt: skip
+             if getattr(w, "partition_dim", 1) == 0 and w.shape[0] % TILE and tensor_parallel_group(w) is not None]
     if split:
         raise ValueError(
             "--fp4-param-gather with tensor parallelism: each rank's slice of a column-parallel NVFP4 weight needs "
@@ -182,12 +186,6 @@ def _check_k(named: Iterable[tuple[str, nn.Module]]) -> None:
         )
 
 
-def _tp_size() -> int:
-    from megatron.core import parallel_state
-
-    return parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
-
-
 def _get_init(self) -> torch.Tensor:
     return self._fp4_dist_init_value
 
@@ -198,23 +196,34 @@ def _clear_init(self) -> None:
 
 
 def convert_to_nvfp4(model: nn.Module, config: TransformerConfig, *, numerics: str = "te",
-                     compute_copy: bool = True) -> list[str]:  # fmt: skip
+                     compute_copy: bool = True, device: Optional[torch.device] = None) -> list[str]:  # fmt: skip
     """Replace the NVFP4-eligible linear weights by ``nn.Parameter(NVFP4Tensor)`` in place; returns names.
 
     Call it after ``.cuda()`` and Float16Module and before DistributedDataParallel (a DDP-wrapped model is
     refused); weights that are NVFP4 already are left as they are, so a second call changes nothing. Each new
     parameter keeps the old one's Python attributes and serves its bf16 value through
     ``get_high_precision_init_val``, so the distributed optimizer's fp32 master starts from the bf16 init.
-    Raises for models and layers fp4_dist does not convert (not a GPTModel, MoE, TransformerEngine linears),
-    before any weight is converted.
+
+    A tensor-parallel slice is quantized with the whole weight's amax (one MAX all-reduce over each tensor-parallel
+    group involved: a collective, call it on every rank), the rule every cast after an optimizer step follows, so the
+    weights equal the slices of quantizing each whole weight from the first step on.
+
+    Args:
+        device: where the NVFP4 weights are made (default: where each weight is). Megatron's
+            ``--use-cpu-initialization`` leaves the model on the host until DDP moves every parameter into its
+            device buffers; NVFP4 weights are made on that device at once.
+    Raises for models and layers fp4_dist does not convert (not a GPTModel, grouped-GEMM experts,
+    TransformerEngine linears) and for shapes NVFP4 cannot tile, before any weight is converted.
     """
     _check_supported(_gpt(model), config)
     named = [(n, m) for n, m in _linear_modules(model, config) if not is_nvfp4_tensor(m.weight)]
     _check_k(named)
-    for name, module in named:
-        old = module.weight
-        init = old.detach().to(config.params_dtype)
-        q = quantize(init, numerics=numerics, dtype=config.params_dtype, name=name)
+    olds = [m.weight for _, m in named]
+    inits = [w.detach().to(device=device or w.device, dtype=config.params_dtype) for w in olds]
+    amaxes = reduce_whole_amaxes(olds, _slice_amaxes(inits))
+    for (name, module), old, init, amax in zip(named, olds, inits, amaxes):
+        q = quantize(init, numerics=numerics, dtype=config.params_dtype, name=name,
+                     amax=amax.reshape(1).to(init.device))  # fmt: skip
         q.compute_copy = compute_copy
         new = nn.Parameter(q, requires_grad=old.requires_grad)
         for attr, value in vars(old).items():  # Megatron's TP / DDP attributes (tensor_model_parallel, ...)
@@ -226,6 +235,14 @@ def convert_to_nvfp4(model: nn.Module, config: TransformerConfig, *, numerics: s
         new.clear_high_precision_init_val = types.MethodType(_clear_init, new)
         module.weight = new
     return [name for name, _ in named]
+
+
+def _slice_amaxes(inits: list[torch.Tensor]) -> torch.Tensor:
+    """fp32 [n]: max|x| of each weight (already in its model dtype) on the device of the first, where the
+    tensor-parallel all-reduce runs (the process group's device)."""
+    if not inits:
+        return torch.zeros(0, dtype=torch.float32)
+    return torch.stack([w.abs().max().to(device=inits[0].device, dtype=torch.float32) for w in inits])
 
 
 class _FakeQuant(torch.autograd.Function):

@@ -4,9 +4,10 @@ Two adapter rows hand Megatron's ``setup_model_and_optimizer`` and ``train_step`
 unless the run asks (`AdapterOptions.check_every`, `AdapterOptions.log_json`; the launcher's ``--check-every`` and
 ``--log-json``):
 
-- every N iterations, on every rank, the gathered NVFP4 weights are compared with ``quantize(full fp32 master)``
-  (`parity.check_nvfp4_weights`, after a forced param sync so that an overlapped all-gather has landed); a
-  mismatch on any rank stops the run with an error on every rank;
+- after setup (always, in a run with ``--fp4-param-gather``: a start-up cost) and every N iterations, on every rank,
+  the gathered NVFP4 weights are compared with ``quantize(full fp32 master)`` (`parity.check_nvfp4_weights`, after
+  a forced param sync so that an overlapped all-gather has landed); a mismatch on any rank stops the run with an
+  error on every rank, naming the weights, before a step trains on them;
 - rank 0 writes a JSON record after setup and after every iteration: the digest of every full fp32 master after
   setup (a fresh run's equals a bf16 run's init; a resumed run's equals the saved masters), each iteration's
   loss, grad norm and check, and the masters' digest at the last iteration.
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from ..tensor import is_nvfp4_tensor
 from . import parity
 from .options import current_options
+from .parallel import collective_device
 
 
 class Monitor:
@@ -47,7 +49,9 @@ class Monitor:
             options = _options()
             if optimizer is None:
                 return out
-            if options.check_every:  # the weights set up (from the init, or loaded from a checkpoint) too
+            from megatron.training.global_vars import get_args
+
+            if getattr(get_args(), "fp4_param_gather", False):  # the weights set up (converted, or loaded)
                 self.record["check_after_setup"] = self.check(0)
             if options.log_json:
                 self.record["nvfp4_weights"] = sum(is_nvfp4_tensor(p) for m in self.model for p in m.parameters())
@@ -67,7 +71,7 @@ class Monitor:
 
             iteration = kwargs.get("iteration")
             iteration = (get_args().curr_iteration if iteration is None else iteration) + 1  # the one just done
-            entry: dict[str, Any] = {"iteration": iteration, "loss": _loss(out[0]), "skipped": bool(out[1]),
+            entry: dict[str, Any] = {"iteration": iteration, "loss": _last_stage_loss(out[0]), "skipped": bool(out[1]),
                                      "grad_norm": _float(out[5])}  # fmt: skip
             if options.check_every and iteration % options.check_every == 0:
                 entry["check"] = self.check(iteration)
@@ -93,14 +97,14 @@ class Monitor:
             report.weights += part.weights
             report.bytes_checked += part.bytes_checked
             report.mismatches += part.mismatches
+        when = f"iteration {iteration}" if iteration else "after setup"
         if not parity.all_ranks_ok(report):  # over the whole job
             mine = "; ".join(report.mismatches[:3]) or "this rank matched; see the other ranks"
-            raise RuntimeError(f"fp4_dist: iteration {iteration}: the gathered NVFP4 weights differ from "
-                               f"quantize(full fp32 master) on some rank (rank {dist.get_rank()}: {mine})")
+            raise RuntimeError(f"fp4_dist: {when}: the gathered NVFP4 weights differ from quantize(full fp32 master) "
+                               f"on some rank (rank {dist.get_rank()}: {mine})")
         summary = f"ok ({report.weights} weights, {report.bytes_checked} bytes on rank {dist.get_rank()})"
         if dist.get_rank() == 0:
-            print(f"fp4_dist: {f'iteration {iteration}' if iteration else 'after setup'}: gathered NVFP4 weights == quantize(master) on every rank: "
-                  f"{summary}", flush=True)
+            print(f"fp4_dist: {when}: gathered NVFP4 weights == quantize(master) on every rank: {summary}", flush=True)
         return summary
 
     def master_digest(self) -> str:
@@ -108,10 +112,15 @@ class Monitor:
         same for the same masters at any data-parallel size."""
         from megatron.core import parallel_state
 
-        local = "".join(parity.master_digest(chunk, self.optimizer) for chunk in self.model)
+        # Dense weights are whole on each data-parallel group's rank 0 (one per tensor and pipeline rank), MoE experts
+        # on each expert-data-parallel group's rank 0 (one per expert-parallel rank too).
+        dense = "".join(parity.master_digest(chunk, self.optimizer, experts=False) for chunk in self.model)
+        experts = "".join(parity.master_digest(chunk, self.optimizer, experts=True) for chunk in self.model)
+        mine = (parallel_state.get_data_parallel_rank(), parallel_state.get_expert_data_parallel_rank(), dense, experts)
         every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, (parallel_state.get_data_parallel_rank(), local))
-        return hashlib.sha256("".join(d for dp_rank, d in every if dp_rank == 0).encode()).hexdigest()
+        dist.all_gather_object(every, mine)
+        text = "".join(d for dp, _, d, _ in every if dp == 0) + "".join(e for _, edp, _, e in every if edp == 0)
+        return hashlib.sha256(text.encode()).hexdigest()
 
     def _write(self, path: str) -> None:
         if dist.get_rank() != 0:
@@ -130,6 +139,20 @@ def _float(x) -> Optional[float]:
     if x is None:
         return None
     return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
+
+
+def _last_stage_loss(loss_dict) -> Optional[float]:
+    """The iteration's loss as the last pipeline stage computed it, on every rank (a collective over the pipeline
+    group when there are several stages: only the last holds the loss)."""
+    from megatron.core import parallel_state
+
+    loss = _loss(loss_dict)
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return loss
+    value = torch.tensor([float("nan") if loss is None else loss], dtype=torch.float64, device=collective_device())
+    dist.broadcast(value, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                   group=parallel_state.get_pipeline_model_parallel_group())  # fmt: skip
+    return None if value.isnan().item() else float(value.item())
 
 
 def _loss(loss_dict) -> Optional[float]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,7 @@ from ..format import TILE, ceil_div, packed_bytes
 from ..quantize import quantize
 from ..tensor import is_nvfp4_tensor
 from ..compare import bytes_mismatch
+from .parallel import is_expert, tensor_parallel_group
 
 
 @dataclass
@@ -39,19 +41,28 @@ def _distributed_optimizers(optimizer) -> list:
     return [o for o in inner if hasattr(o, "_get_model_param_range_map")]
 
 
-def full_master(param, optimizers, group) -> torch.Tensor:
-    """fp32 [M, K] master of ``param`` assembled from every rank's shard (a collective: call on all ranks)."""
+def _buffer_of(param, optimizers):
+    """(distributed optimizer, DDP buffer) holding `param` (Megatron keeps dense and expert weights, and each model
+    chunk's, in buffers and optimizers of their own), or (None, None)."""
+    for opt in optimizers:
+        for buffer in opt.buffers:
+            if param in buffer.param_index_map:
+                return opt, buffer
+    return None, None
+
+
+def full_master(param, optimizers, group=None) -> torch.Tensor:
+    """fp32 [M, K] master of ``param`` assembled from every rank's shard (a collective over the data-parallel group
+    that shards it: `group`, by default its buffer's, i.e. the expert-data-parallel group for experts)."""
     device = param.rowwise_data.device if is_nvfp4_tensor(param) else param.device
     full = torch.zeros(param.numel(), dtype=torch.float32, device=device)
+    owner, buffer = _buffer_of(param, optimizers)
     shard = getattr(param, "main_param", None)
-    if shard is not None:
-        for opt in optimizers:
-            try:
-                span = opt._get_model_param_range_map(param)["param"]
-            except KeyError:
-                continue
-            full[span.start:span.end] = shard
-            break
+    if shard is not None and param in getattr(owner, "model_param_gbuf_map", ()):  # this rank holds a shard
+        span = owner._get_model_param_range_map(param)["param"]
+        full[span.start:span.end] = shard
+    if group is None and buffer is not None:
+        group = buffer.data_parallel_group
     dist.all_reduce(full, group=group)
     return full.view(param.shape)
 
@@ -61,31 +72,21 @@ def canonical_name(name: str) -> str:
     return name.replace(".parametrizations.weight.original", ".weight")
 
 
-def master_digest(model: torch.nn.Module, optimizer, group=None) -> str:
+def master_digest(model: torch.nn.Module, optimizer, group=None, *, experts: Optional[bool] = None) -> str:
     """sha256 over every parameter's full fp32 master, in canonical-name order (a collective).
 
     Equal digests mean bit-identical masters; used to compare an NVFP4 run with its fake-quant reference and
-    two runs with each other.
+    two runs with each other. `experts`: only MoE expert parameters (True), only the others (False), or all.
     """
     optimizers = _distributed_optimizers(optimizer)
-    group, _ = _groups(group, None)
     h = hashlib.sha256()
     for name, p in sorted(model.named_parameters(), key=lambda np_: canonical_name(np_[0])):
+        if experts is not None and is_expert(p) != experts:
+            continue
         full = full_master(p, optimizers, group)
         h.update(canonical_name(name).encode())
         h.update(full.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
-
-
-def _groups(group, tp_group):
-    """(data-parallel group, tensor-parallel group or None) of Megatron's parallel state unless given."""
-    from megatron.core import parallel_state
-
-    if group is None and parallel_state.model_parallel_is_initialized():
-        group = parallel_state.get_data_parallel_group()
-        if tp_group is None and parallel_state.get_tensor_model_parallel_world_size() > 1:
-            tp_group = parallel_state.get_tensor_model_parallel_group()
-    return group, tp_group
 
 
 def _reference(name: str, p, master: torch.Tensor, tp_group):
@@ -109,14 +110,16 @@ def _reference(name: str, p, master: torch.Tensor, tp_group):
 
 def check_nvfp4_weights(model: torch.nn.Module, optimizer, group=None, tp_group=None) -> ParityReport:
     """Compare every NVFP4 parameter of ``model`` with ``quantize`` of its full master (collective); under
-    tensor parallelism with this rank's slice of quantizing the whole weight (scales from its whole amax)."""
+    tensor parallelism with this rank's slice of quantizing the whole weight (scales from its whole amax).
+    `group` / `tp_group`: the data- and tensor-parallel groups, by default each weight's own (`full_master`,
+    `parallel.tensor_parallel_group`: expert weights follow the expert groups)."""
     report = ParityReport()
     optimizers = _distributed_optimizers(optimizer)
-    group, tp_group = _groups(group, tp_group)
     for name, p in model.named_parameters():
         if not is_nvfp4_tensor(p):
             continue
-        ref = _reference(name, p, full_master(p, optimizers, group), tp_group)
+        master = full_master(p, optimizers, group)
+        ref = _reference(name, p, master, tp_group if tp_group is not None else tensor_parallel_group(p))
         pairs = [("rowwise_data", p.rowwise_data, ref.rowwise_data),
                  ("rowwise_scale_inv", p.rowwise_scale_inv, ref.rowwise_scale_inv),
                  ("amax", p.amax, ref.amax)]

@@ -27,6 +27,7 @@ import os
 import runpy
 import sys
 import time
+import traceback
 from typing import Optional, Sequence
 
 from .. import launch
@@ -130,13 +131,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return _main(argv)
     except Exception as e:
-        # One line per rank naming it, above the traceback: what stopped the job is read on every rank alike. A short
-        # grace before exiting: a launcher stops every rank once one exits, and a peer refusing the same run a moment
-        # later should still get its line into the log.
+        # One line per rank naming it: what stopped the job is read on every rank alike. A refusal or failed check
+        # (raised by fp4_dist itself, or Megatron's own argument checks) is that line and nothing more; anything
+        # else also prints its traceback, which a bug report needs. A short grace before exiting: a launcher stops
+        # every rank once one exits, and a peer refusing the same run a moment later should still get its line in.
         print(f"fp4_dist.megatron.run: rank {os.environ.get('RANK', '?')}: {type(e).__name__}: {e}", file=sys.stderr,
               flush=True)  # fmt: skip
+        if not deliberate(e):
+            traceback.print_exc()
         time.sleep(ERROR_GRACE_S)
-        raise
+        return 1
+
+
+def deliberate(error: BaseException) -> bool:
+    """Whether `error` is a message meant for the user: raised by fp4_dist's own code (a refusal, a failed parity or
+    non-finite check), or an assertion of Megatron's argument and config validation."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return False
+    where = frames[-1].filename.replace(os.sep, "/")
+    if isinstance(error, AssertionError):  # megatron.training's argument checks and the configs' own
+        return where.endswith(("megatron/training/arguments.py", "megatron/training/argument_utils.py",
+                               "_config.py")) and "/megatron/" in where  # fmt: skip
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))).replace(os.sep, "/")
+    return where.startswith(package + "/")
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:

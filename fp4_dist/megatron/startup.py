@@ -13,6 +13,7 @@ import torch
 from .. import tensor as _tensor
 from .buffers import is_any_nvfp4
 from .options import current_options
+from .parallel import collective_device
 
 
 def hiding_fp4_param_gather(original):
@@ -65,8 +66,9 @@ def refuse_unsupported_args(args) -> None:
             f"saying {step}) and --load that")
     if getattr(args, "fp4_param_gather", False):
         unsupported = [
-            (getattr(args, "pipeline_model_parallel_size", 1) > 1, "--pipeline-model-parallel-size > 1"),
-            (bool(getattr(args, "num_experts", None)), "--num-experts (MoE)"),
+            (bool(getattr(args, "num_experts", None)) and getattr(args, "moe_grouped_gemm", False),
+             "--moe-grouped-gemm (one weight tensor for all local experts; drop it: each expert is then its own "
+             "linear layers, whose weights are NVFP4)"),
             (getattr(args, "transformer_impl", "local") == "transformer_engine",
              "--transformer-impl transformer_engine (use --transformer-impl local)"),
             (getattr(args, "fp16", False), "--fp16 (loss-scaled fp16 is not tested with NVFP4 weights; use --bf16)"),
@@ -112,7 +114,10 @@ def _have_te_or_apex() -> bool:
 
 def make_ddp_init(original):
     def __init__(self, config, ddp_config, module, *args, **kwargs):
-        if ddp_config.fp4_param_gather and not any(is_any_nvfp4(p) for p in module.parameters()):
+        # With several pipeline stages one stage may hold only bf16 layers; `_convert_before_ddp` refuses a model with
+        # no NVFP4 weight on any stage.
+        if (ddp_config.fp4_param_gather and not any(is_any_nvfp4(p) for p in module.parameters())
+                and _pipeline_stages() == 1):  # fmt: skip
             raise ValueError(
                 "fp4_dist.megatron: the DDP config asks for fp4_param_gather but the model has no NVFP4 weight, so "
                 "the distributed optimizer would fail at its first step asking for TransformerEngine. Either no "
@@ -151,13 +156,33 @@ def _convert_before_ddp(chunks, ddp_config, data_parallel: str) -> None:
     from .model import convert_to_nvfp4
 
     options = current_options()
+    # --use-cpu-initialization leaves the model on the host until DDP moves each parameter into its device buffer;
+    # NVFP4 weights are made on that device at once (their bytes alias the buffer).
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     converted = 0
     for chunk in chunks:
         converted += len(convert_to_nvfp4(chunk, get_model_config(chunk), numerics=options.numerics,
-                                          compute_copy=options.compute_copy))  # fmt: skip
-    if converted and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
-        print(f"fp4_dist: {converted} linear weights converted to NVFP4 before DDP (their fp32 masters start "
-              "from the bf16 init)", flush=True)
+                                          compute_copy=options.compute_copy, device=device))  # fmt: skip
+    anywhere = converted
+    if torch.distributed.is_initialized() and _pipeline_stages() > 1:
+        count = torch.tensor([converted], device=collective_device())
+        torch.distributed.all_reduce(count)
+        anywhere = int(count.item())
+    if not anywhere:
+        raise ValueError(
+            "fp4_dist.megatron: --fp4-param-gather but the model has no NVFP4 weight on any rank: every transformer "
+            "layer is kept in bf16 (e.g. by --first-last-layers-bf16); drop --fp4-param-gather")
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(f"fp4_dist: {converted} linear weights converted to NVFP4 before DDP on rank 0 (their fp32 masters "
+              "start from the bf16 init)", flush=True)
+
+
+def _pipeline_stages() -> int:
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 1
+    return parallel_state.get_pipeline_model_parallel_world_size()
 
 
 def converting_before_ddp(chunks: str, data_parallel: Callable[[dict], str]):
