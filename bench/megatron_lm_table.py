@@ -2,6 +2,7 @@
 side (losses from the launcher's run records, step times from Megatron's own log lines).
 
     python bench/megatron_lm_table.py OUT NAME [--check-every N]     # reads OUT/NAME-{bf16,fp4}.{json,log}
+    python bench/megatron_lm_table.py OUT NAME NAME ... --summary     # one row per NAME (parallel layouts)
 """
 
 from __future__ import annotations
@@ -25,9 +26,13 @@ def step_times(log: Path, check_every: int) -> dict[int, float]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path)
-    p.add_argument("name")
+    p.add_argument("names", nargs="+", metavar="name")
     p.add_argument("--check-every", type=int, default=0, help="steps that ran the check (left out of the medians)")
+    p.add_argument("--summary", action="store_true", help="one row per name: final losses, median steps, checks")
     a = p.parse_args(argv)
+    if a.summary:
+        return summary(a.out, a.names, a.check_every)
+    a.name = a.names[0]
     runs = {mode: json.loads((a.out / f"{a.name}-{mode}.json").read_text()) for mode in ("bf16", "fp4")}
     loss = {mode: {it["iteration"]: it["loss"] for it in r["iterations"]} for mode, r in runs.items()}
     last = max(loss["bf16"])
@@ -61,6 +66,41 @@ def main(argv=None) -> int:
     ok = same_init and checks and all(c.startswith("ok") for c in checks) and abs(gap) <= 1.0
     print(f"verdict: {'PASS' if ok else 'FAIL'} (same init, every check, final gap within 1%)")
     return 0 if ok else 1
+
+
+def summary(out: Path, names: list[str], check_every: int) -> int:
+    """One row per run pair: the mean loss of each mode over the last 10 iterations (one batch's loss moves by
+    several percent from step to step), the median step of each, the fp4 run's checks (after setup and every
+    `check_every` iterations). PASS: the fp32 masters start from the bf16 run's init and every check passed (the
+    gathered bytes equal quantize(full master) on every rank); the loss gap is shown, not judged: a 100-iteration run
+    of a small model moves by a percent or two with any change of the weights' values (a convergence study is where
+    NVFP4 training is judged).
+    """
+    print("| layout | NVFP4 weights (rank 0) | loss bf16 | loss fp4 | fp4 - bf16 | median step bf16 (ms) | "
+          "median step fp4 (ms) | fp4 / bf16 | checks passed | verdict |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---|")
+    failed = 0
+    for name in names:
+        paths = {mode: out / f"{name}-{mode}.json" for mode in ("bf16", "fp4")}
+        if not all(p.exists() for p in paths.values()):
+            print(f"| {name} | - | - | - | - | - | - | - | - | FAIL (no run record) |")
+            failed += 1
+            continue
+        runs = {mode: json.loads(p.read_text()) for mode, p in paths.items()}
+        loss = {m: {it["iteration"]: it["loss"] for it in r["iterations"]} for m, r in runs.items()}
+        tail = [i for i in loss["bf16"] if i > max(loss["bf16"]) - 10]
+        b, f = (statistics.fmean(loss[m][i] for i in tail) for m in ("bf16", "fp4"))
+        med = {m: statistics.median(step_times(out / f"{name}-{m}.log", check_every).values()) for m in runs}
+        checks = [runs["fp4"].get("check_after_setup", "")] + [it["check"] for it in runs["fp4"]["iterations"]
+                                                              if "check" in it]  # fmt: skip
+        passed = sum(c.startswith("ok") for c in checks)
+        same_init = runs["fp4"]["master_digest_after_setup"] == runs["bf16"]["master_digest_after_setup"]
+        ok = same_init and passed == len(checks)
+        failed += not ok
+        print(f"| {name} | {runs['fp4']['nvfp4_weights']} | {b:.4f} | {f:.4f} | {100 * (f - b) / b:+.2f}% | "
+              f"{med['bf16']:.1f} | {med['fp4']:.1f} | {med['fp4'] / med['bf16']:.3f} | {passed}/{len(checks)} | "
+              f"{'PASS' if ok else 'FAIL'}{'' if same_init else ' (init differs)'} |")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

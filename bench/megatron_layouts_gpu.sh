@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Megatron-LM's own pretrain_gpt.py through fp4_dist.megatron.run on 4 GPUs (NCCL), plain bf16 against
+# --fp4-param-gather (same seed, data and arguments), in the parallel layouts users train with: TP 2 x DP 2,
+# PP 2 x DP 2, TP 2 x PP 2, MoE (4 experts) EP 2 x DP 2 (alltoall dispatcher) and EP 4 (allgather dispatcher).
+# Every fp4 run checks gathered == quantize(full fp32 master) after setup and every $CHECK iterations.
+#   MEGATRON_LM=/path/to/Megatron-LM bash bench/megatron_layouts_gpu.sh [LAYOUT ...]
+# MEGATRON_LM: a Megatron-LM core_r0.19.0 checkout, or a folder holding its pretrain_gpt.py, gpt_builders.py and
+# model_provider.py (megatron itself then comes from the installed megatron-core). Logs, run records and the table
+# under ${OUT:-bench/out}. GPT 4 layers x 512, seq 512, micro-batch 4, global batch 16, byte tokens of TEXT (default:
+# this Python's standard library sources).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+OUT=${OUT:-bench/out}
+ITERS=${ITERS:-100}
+CHECK=${CHECK:-10}
+NPROC=${NPROC:-4}
+: "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout (core_r0.19.0)}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONWARNINGS=ignore
+if [[ ! -f "$OUT/data/corpus.idx" ]]; then
+  TEXT=${TEXT:-$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')}
+  "$PY" -m examples.megatron_preprocess --input $(find "$TEXT" -maxdepth 1 -name '*.py' | sort | head -300) \
+    --output-prefix "$OUT/data/corpus" || exit 1
+fi
+ARGS="--num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 512 --max-position-embeddings 512
+  --micro-batch-size 4 --global-batch-size 16 --train-iters $ITERS --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine
+  --lr-warmup-iters 10 --clip-grad 1.0 --bf16 --use-distributed-optimizer --tokenizer-type NullTokenizer
+  --vocab-size 256 --data-path $OUT/data/corpus --split 98,1,1 --log-interval 1 --eval-interval 100000
+  --eval-iters 1 --seed 1234 --no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-persist-layer-norm
+  --no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion --distributed-timeout-minutes 2"
+MOE="--num-experts 4 --moe-router-topk 2"
+declare -A LAYOUT=(
+  [tp2-dp2]="--tensor-model-parallel-size 2"
+  [pp2-dp2]="--pipeline-model-parallel-size 2"
+  [tp2-pp2]="--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2"
+  [moe-ep2-dp2]="$MOE --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"
+  [moe-ep4]="$MOE --expert-model-parallel-size 4 --moe-token-dispatcher-type allgather"
+)
+ORDER=(tp2-dp2 pp2-dp2 tp2-pp2 moe-ep2-dp2 moe-ep4)
+(( $# )) && ORDER=("$@")
+status=0
+run() {  # run NAME LAYOUT-ARGS [--fp4-param-gather]
+  local name=$1 layout=$2; shift 2
+  local opts=(--log-json "$OUT/$name.json")
+  [[ " $* " == *" --fp4-param-gather "* ]] && opts+=(--check-every "$CHECK")
+  echo "=== $name: $layout $*"
+  timeout 400 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -m fp4_dist.megatron.run \
+    "${opts[@]}" "$MEGATRON_LM/pretrain_gpt.py" $ARGS $layout "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name: exit $rc"; [[ $rc -eq 0 ]] || { status=1; grep "fp4_dist\|Error" "$OUT/$name.log" | tail -8; }
+}
+for l in "${ORDER[@]}"; do
+  run "$l-bf16" "${LAYOUT[$l]}"
+  run "$l-fp4" "${LAYOUT[$l]}" --fp4-param-gather
+done
+"$PY" bench/megatron_lm_table.py "$OUT" "${ORDER[@]}" --check-every "$CHECK" --summary | tee "$OUT/layouts.md" || status=1
+exit $status
