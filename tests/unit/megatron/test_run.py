@@ -51,8 +51,7 @@ def _args(**kw):
 
 
 @pytest.mark.parametrize("change, named", [
-    (dict(pipeline_model_parallel_size=2), "--pipeline-model-parallel-size"),
-    (dict(num_experts=4), "--num-experts"),
+    (dict(num_experts=4, moe_grouped_gemm=True), "--moe-grouped-gemm"),
     (dict(transformer_impl="transformer_engine"), "--transformer-impl transformer_engine"),
     (dict(fp16=True), "--fp16"),
     (dict(use_torch_fsdp2=True), "--use-torch-fsdp2"),
@@ -65,3 +64,8 @@ def test_each_unsupported_fp4_run_is_refused_naming_the_flag(change, named):
     with pytest.raises(ValueError, match=named.replace("-", r"\-")):
         refuse_unsupported_args(_args(**change))
     refuse_unsupported_args(_args(**change, fp4_param_gather=False))  # bf16 runs are not fp4_dist's to refuse
+
+
+def test_pipeline_and_expert_parallel_runs_pass_the_start_up_checks():
+    pytest.importorskip("megatron.core")
+    refuse_unsupported_args(_args(pipeline_model_parallel_size=2, num_experts=4, moe_grouped_gemm=False))
