@@ -46,7 +46,8 @@ import torch
 import torch.distributed as dist
 
 from fp4_dist.launch import export_mpi_env, shutdown
-from fp4_dist.megatron import adapter
+from fp4_dist.megatron import adapter, defaults
+from fp4_dist.megatron.defaults import Default
 from .megatron_data import VOCAB_SIZE, BatchPlan, load_indexed, load_tokens, microbatches, split_stream
 
 UNSUPPORTED_BACKEND_FLAGS = ("--fp4-format", "--fp4-recipe")
@@ -117,25 +118,21 @@ def add_fp4_dist_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
 
 def _platform_defaults(argv: Sequence[str]) -> list[str]:
-    """Flags this entry point needs unless the user set them (it has no TE, no apex and a byte vocabulary).
+    """Flags this entry point needs unless the user set them: what the machine needs (the launcher's
+    `fp4_dist.megatron.defaults.PLATFORM_DEFAULTS`, one definition), and its own: a byte vocabulary, and on CPU the
+    whole-weight initialization on the host.
 
     The bias-activation / bias-dropout / RoPE fusions are Megatron's ``jit_fuser`` (``torch.compile``): they
     would compile at the first step (tens of seconds per process, and a Triton/C toolchain on the machine);
     their unfused paths compute the same expressions eagerly.
     """
-    given = {a.split("=")[0] for a in argv if a.startswith("--")}
-    defaults = [("--transformer-impl", ["local"]), ("--tokenizer-type", ["NullTokenizer"]),
-                ("--vocab-size", [str(VOCAB_SIZE)]), ("--no-gradient-accumulation-fusion", []),
-                ("--no-masked-softmax-fusion", []), ("--no-persist-layer-norm", []),
-                ("--no-bias-gelu-fusion", []), ("--no-bias-swiglu-fusion", []), ("--no-bias-dropout-fusion", []),
-                ("--no-rope-fusion", [])]
-    if not torch.cuda.is_available():
-        defaults += [("--use-cpu-initialization", []), ("--distributed-backend", ["gloo"])]
-    out = []
-    for flag, values in defaults:
-        if flag not in given:
-            out += [flag, *values]
-    return out
+    on = lambda m: True  # noqa: E731
+    own = (Default("--tokenizer-type", ("NullTokenizer",), on, "token ids are bytes"),
+           Default("--vocab-size", (str(VOCAB_SIZE),), on, "token ids are bytes"),
+           *(Default(flag, (), on, "torch.compile at the first step") for flag in (
+               "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion")),
+           Default("--use-cpu-initialization", (), lambda m: not m.cuda, "CPU ranks"))  # fmt: skip
+    return defaults.as_arguments(defaults.missing(argv, defaults.probe(), defaults.PLATFORM_DEFAULTS + own))
 
 
 def check_fp4_args(args: argparse.Namespace) -> None:

@@ -12,9 +12,11 @@ The script runs unmodified (Megatron-LM's own ``pretrain_gpt.py``, or any script
   TransformerEngine; Hopper GPUs and CPU ranks), the linear weights become NVFP4 parameters inside Megatron's own
   build path (after ``.cuda()`` and Float16Module, before DDP), and what fp4_dist does not serve is refused at
   start-up;
-- on a machine without CUDA, adds ``--distributed-backend gloo`` and runs Megatron on CPU ranks through fp4_dist's
-  CPU layer; without TransformerEngine, adds ``--transformer-impl local`` (each addition is printed, and a value
-  given on the command line wins).
+- adds the Megatron flags this machine needs that the command line does not give (`defaults.LAUNCHER_DEFAULTS`:
+  ``--distributed-backend gloo`` on a machine without CUDA, which then runs Megatron on CPU ranks through fp4_dist's
+  CPU layer; ``--transformer-impl local`` without TransformerEngine; the fusions that need apex or Megatron's
+  fused kernels off when those are missing; an ``--eval-interval``); each addition is printed with its reason, and
+  a value given on the command line wins.
 
 Options before the script path are the launcher's (``--help``); everything after it goes to the script.
 """
@@ -22,7 +24,6 @@ Options before the script path are the launcher's (``--help``); everything after
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import runpy
 import sys
@@ -31,6 +32,7 @@ import traceback
 from typing import Optional, Sequence
 
 from .. import launch
+from . import defaults
 
 ERROR_GRACE_S = 3.0
 USAGE = "python -m fp4_dist.megatron.run [launcher options] SCRIPT.py [script arguments]"
@@ -108,17 +110,6 @@ def _given(args: Sequence[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
-def platform_arguments(script_args: Sequence[str], *, cuda: bool, have_te: bool) -> list[str]:
-    """Megatron flags this machine needs that the command line does not give (what each is for: the module
-    docstring)."""
-    added = []
-    if not cuda and not _given(script_args, "--distributed-backend"):
-        added += ["--distributed-backend", "gloo"]
-    if not have_te and not _given(script_args, "--transformer-impl"):
-        added += ["--transformer-impl", "local"]
-    return added
-
-
 def refuse_launch(script_args: Sequence[str]) -> None:
     """What this launcher refuses whatever the run: the checkpoint worker Megatron spawns for --async-save is a
     fresh interpreter that fp4_dist's set-up (the adapter, the Python 3.11 shim, the CPU layer) never reaches."""
@@ -162,18 +153,17 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     script = opts.script
     if not os.path.isfile(script):
         raise SystemExit(f"fp4_dist.megatron.run: no such script: {script}\nusage: {USAGE}")
-    import torch
-
     launcher = export_rank_environment()
     rank0 = os.environ["RANK"] == "0"
     refuse_launch(opts.script_args)
-    cuda = torch.cuda.is_available()
-    have_te = importlib.util.find_spec("transformer_engine") is not None
-    added = platform_arguments(opts.script_args, cuda=cuda, have_te=have_te)
+    machine = defaults.probe()
+    missing = defaults.missing(opts.script_args, machine)
+    added = defaults.as_arguments(missing)
     if rank0:
-        note = f"; added {' '.join(added)}" if added else ""
         print(f"fp4_dist.megatron.run: {script} on {os.environ['WORLD_SIZE']} rank(s) ({launcher}, "
-              f"{'CUDA' if cuda else 'CPU'}){note}", flush=True)
+              f"{'CUDA' if machine.cuda else 'CPU'})", flush=True)
+        for d in missing:
+            print(f"fp4_dist.megatron.run: added {' '.join((d.flag, *d.values))} ({d.why})", flush=True)
 
     from . import adapter, enable
 

@@ -35,11 +35,20 @@ def test_launches_it_cannot_serve_are_refused_with_the_remedy():
 
 
 def test_platform_flags_are_added_only_when_needed_and_never_over_the_users():
-    assert run.platform_arguments([], cuda=False, have_te=False) == ["--distributed-backend", "gloo",
-                                                                     "--transformer-impl", "local"]
-    assert run.platform_arguments(["--distributed-backend=gloo", "--transformer-impl", "local"], cuda=False,
-                                  have_te=False) == []
-    assert run.platform_arguments([], cuda=True, have_te=True) == []
+    from fp4_dist.megatron import defaults as D
+
+    def added(argv, machine):
+        return D.as_arguments(D.missing(argv, machine))
+
+    bare = D.Machine(cuda=False)
+    assert added([], bare) == ["--distributed-backend", "gloo", "--transformer-impl", "local", "--no-persist-layer-norm",
+                               "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+                               "--eval-interval", "1000000000"]  # fmt: skip
+    given = ["--distributed-backend=gloo", "--transformer-impl", "local", "--no-persist-layer-norm",
+             "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--eval-interval", "5"]
+    assert added(given, bare) == []
+    full = D.Machine(cuda=True, te=True, apex=True, fused_softmax=True, fused_wgrad=True)
+    assert added([], full) == ["--eval-interval", "1000000000"]
 
 
 def _args(**kw):
