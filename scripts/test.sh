@@ -5,4 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONUNBUFFERED=1
-exec .venv/bin/python -m pytest tests -ra --durations=15 "$@"
+# The whole suite unless the arguments name test paths of their own (e.g. `bash scripts/test.sh tests/unit -x`).
+where=(tests)
+for a in "$@"; do [[ "$a" != -* && -e "${a%%::*}" ]] && where=(); done
+exec .venv/bin/python -m pytest "${where[@]}" -ra --durations=15 "$@"

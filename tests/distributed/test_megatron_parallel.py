@@ -38,7 +38,7 @@ SLICE_AMAX = str(REPO / "tests" / "distributed" / "megatron_slice_amax.py")
 # an MoE layer has linear_qkv, linear_proj and 2 of the 4 experts' linear_fc1 / linear_fc2 per expert-parallel rank.
 LAYOUTS = {
     "tp2-dp2": (TP, 8),
-    "tp2-pp2": (TP + PP, 4),
+    "pp2-dp2": (PP, 4),
     "pp2-vpp2-dp2": (PP + ("--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"), 8),
 }
 
@@ -74,8 +74,8 @@ def _save_and_resume(tmp_path: Path, data: str, args, weights: int) -> tuple[dic
     return fp4, same, at2
 
 
-def test_pipeline_stages_save_and_resume_bitwise(tmp_path, data):
-    _save_and_resume(tmp_path, data, PP, 4)
+def test_tensor_by_pipeline_parallel_saves_and_resumes_bitwise(tmp_path, data):
+    _save_and_resume(tmp_path, data, TP + PP, 4)
 
 
 def test_experts_save_resume_at_another_data_parallel_size_and_the_alltoall_dispatcher(tmp_path, data):

@@ -155,6 +155,34 @@ def test_lean_compute_in_pretrain_trains_bitwise_like_kept_copies(tmp_path, data
     assert all(it["check"].startswith("ok") for it in lean["iterations"])
 
 
+def documented_command(path: Path) -> list[str]:
+    """The ``torchrun ...`` command in a file's docstring, its continuation lines joined, as an argument list."""
+    import shlex
+
+    lines = path.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith("torchrun "))
+    command = []
+    for line in lines[start:]:
+        command.append(line.strip().rstrip("\\").strip())
+        if not line.rstrip().endswith("\\"):
+            break
+    return shlex.split(" ".join(command))
+
+
+def test_the_documented_launch_line_trains_as_written(tmp_path, data):
+    # examples/pretrain_gpt.py's docstring, with only its data placeholder filled in: the launcher adds what a
+    # machine without TransformerEngine, apex or Megatron's fused kernels needs (and says so).
+    cmd = [data if a == "DATA_PREFIX" else a for a in documented_command(SCRIPT)]
+    assert cmd[0] == "torchrun" and "--fp4-param-gather" in cmd
+    env = dict(_env(), CUDA_VISIBLE_DEVICES="", CUDA_DEVICE_MAX_CONNECTIONS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", *cmd[1:]], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "added --no-persist-layer-norm" in proc.stdout and "added --eval-interval" in proc.stdout
+    assert "after setup: gathered NVFP4 weights == quantize(master) on every rank: ok" in proc.stdout
+    assert "validation loss at iteration 20" in proc.stdout
+
+
 def test_unsupported_runs_are_refused_at_start_up_on_every_rank(tmp_path, data):
     old = tmp_path / "old"
     old.mkdir()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -162,3 +163,10 @@ def test_apply_row_drops_the_layers_cached_view_so_a_moved_layer_still_trains():
     assert type(forward_backward(m)) is torch.Tensor
     layers.make_apply(torch.nn.Module._apply)(m, lambda t: t.to("meta"))
     assert m.weight.device.type == "meta"
+
+
+def test_every_hook_row_is_in_the_docs_table():
+    doc = (Path(__file__).parents[3] / "docs" / "megatron.md").read_text()
+    table = [line for line in doc.splitlines() if line.startswith("| `")]
+    missing = [h.name for h in adapter.HOOKS if not any(f"`{h.name}`" in row for row in table)]
+    assert not missing, f"docs/megatron.md's hook table lacks {missing}"
