@@ -188,9 +188,14 @@ def install(*, cpu: Optional[bool] = None, allow_untested_version: bool = False,
         if unknown:
             raise ValueError(f"exclude names rows that are not in the hook table: {sorted(unknown)}")
         rows = [h for h in HOOKS if (cpu or not h.cpu_only) and h.name not in exclude]
-        done = patch(rows)
         if cpu:
-            cpu_compat.enable()
+            cpu_compat.enable()  # raises where CUDA is available, before anything is patched
+        try:
+            done = patch(rows)
+        except BaseException:
+            if cpu:
+                cpu_compat.disable()
+            raise
         _installed = done
         set_options(options)
         MONITOR.reset()
