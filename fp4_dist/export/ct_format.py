@@ -151,30 +151,63 @@ def _shards(tensors: Mapping[str, torch.Tensor], limit: int) -> Iterator[dict]:
         yield shard
 
 
+class DamagedCheckpointError(ValueError):
+    """A checkpoint file that is missing, truncated or corrupt; the message names the file, and nothing was loaded."""
+
+
+def _read_file(path: Path, read):
+    """`read(path)`, with any failure to read a checkpoint file (safetensors' header and size errors, bad JSON, an
+    unreadable file) raised as `DamagedCheckpointError` naming the file."""
+    try:
+        return read(path)
+    except Exception as e:  # safetensors' SafetensorError, OSError, JSON and UTF-8 errors
+        if isinstance(e, DamagedCheckpointError):
+            raise
+        raise DamagedCheckpointError(f"{path}: cannot be read ({type(e).__name__}: {e}); the file is truncated or "
+                                     "corrupt. Nothing was loaded") from e
+
+
 def read_side_fields(folder) -> dict[str, torch.Tensor]:
     """`SIDE_FILE`'s {weight.field: tensor}, empty when absent."""
     path = Path(folder) / SIDE_FILE
-    return _require_safetensors().load_file(str(path)) if path.is_file() else {}
+    return _read_file(path, lambda p: _require_safetensors().load_file(str(p))) if path.is_file() else {}
+
+
+def _read_shard(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        meta = handle.metadata() or {}
+    amaxes = {w: float.fromhex(h) for w, h in json.loads(meta.get(AMAX_METADATA, "{}")).items()}
+    return _require_safetensors().load_file(str(path)), amaxes
 
 
 def read_checkpoint(folder) -> tuple[dict[str, torch.Tensor], dict[str, float], dict]:
-    """(tensors by name, fp4_dist amaxes by weight name (empty for other writers), config.json as a dict)."""
-    st = _require_safetensors()
-    from safetensors import safe_open
+    """(tensors by name, fp4_dist amaxes by weight name (empty for other writers), config.json as a dict).
 
+    Raises FileNotFoundError when the folder holds no checkpoint or its index names a shard that is not there, and
+    `DamagedCheckpointError` naming a file that cannot be read; every file is read before anything is returned."""
+    _require_safetensors()
     folder = Path(folder)
     files = _checkpoint_files(folder)
+    index = folder / INDEX_FILE
+    if index.is_file():
+        named = sorted(set(_read_file(index, lambda p: json.loads(p.read_text())["weight_map"].values())))
+        absent = [n for n in named if not (folder / n).is_file()]
+        if absent:
+            raise FileNotFoundError(f"{folder}: {INDEX_FILE} names shard(s) that are not there: {', '.join(absent)}; "
+                                    "nothing was loaded")
+        files = [folder / n for n in named]
     if not files:
         raise FileNotFoundError(f"{folder}: no model*.safetensors file (a compressed-tensors checkpoint folder was "
                                 "expected)")
     tensors, amaxes = {}, {}
     for f in files:
-        with safe_open(str(f), framework="pt") as handle:
-            meta = handle.metadata() or {}
-        amaxes.update({w: float.fromhex(h) for w, h in json.loads(meta.get(AMAX_METADATA, "{}")).items()})
-        tensors.update(st.load_file(str(f)))
+        shard, shard_amaxes = _read_file(f, _read_shard)
+        tensors.update(shard)
+        amaxes.update(shard_amaxes)
     cfg_path = folder / CONFIG_FILE
-    config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    config = _read_file(cfg_path, lambda p: json.loads(p.read_text())) if cfg_path.is_file() else {}
     return tensors, amaxes, config
 
 

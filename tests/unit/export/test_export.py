@@ -302,3 +302,26 @@ def test_an_export_from_cuda_weights_equals_the_cpu_export(tmp_path):
     for name, p in nvfp4_params(model).items():
         q = back.get_parameter(name)
         assert q.rowwise_data.is_cuda and all(torch.equal(getattr(q, f), getattr(p, f)) for f in FIELDS)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupted-header", "missing-shard", "bad-config"])
+def test_a_damaged_checkpoint_is_refused_naming_the_file_and_nothing_is_loaded(tmp_path, damage):
+    export_compressed_tensors(llama(seed=5), tmp_path, max_shard_bytes=40_000)
+    shard = sorted(tmp_path.glob("model-*.safetensors"))[1]
+    if damage == "truncated":
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    elif damage == "corrupted-header":
+        data = bytearray(shard.read_bytes())
+        data[8:24] = b"\xff" * 16  # inside the JSON header: invalid UTF-8
+        shard.write_bytes(bytes(data))
+    elif damage == "missing-shard":
+        shard.unlink()
+    else:
+        shard = tmp_path / "config.json"
+        shard.write_text(shard.read_text()[:-20])
+    model = llama(seed=6)
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    with pytest.raises((ct_format.DamagedCheckpointError, FileNotFoundError)) as e:
+        load_compressed_tensors(model, tmp_path)
+    assert shard.name in str(e.value) and "othing was loaded" in str(e.value), str(e.value)
+    assert all(torch.equal(model.state_dict()[n], t) for n, t in before.items())
