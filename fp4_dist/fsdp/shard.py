@@ -104,7 +104,11 @@ def fully_shard_nvfp4(
     if isinstance(model, FSDPModule) or any(isinstance(p, DTensor) for p in model.parameters()):
         raise ValueError("fully_shard_nvfp4: this model is already sharded (DTensor parameters); call "
                          "fp4_dist.fsdp.fully_shard_nvfp4 on the unsharded model instead of torch's fully_shard")
-    world = mesh.size(mesh.ndim - 1) if mesh is not None else (dist.get_world_size() if dist.is_initialized() else 1)
+    if mesh is None and not dist.is_initialized():
+        # What torch's fully_shard does without a mesh (it makes the default process group from the launcher's
+        # environment), done first: the NVFP4 layout needs the world size the weights are sharded over.
+        dist.init_process_group()
+    world = mesh.size(mesh.ndim - 1) if mesh is not None else dist.get_world_size()
     report = FSDPReport(world_size=world)
     patterns = check_patterns(shared_amax) if shared_amax else ()
     states, groups = {}, {}

@@ -33,7 +33,9 @@ def local_tiles(shape: tuple[int, int], row0: int, rows: int) -> tuple[int, int]
     """Flat tiles [a, b) this rank holds of a weight: its whole bands [row0, row0 + rows)."""
     if not whole_bands(row0, rows):
         raise ValueError(f"rows [{row0}, {row0 + rows}) of a {list(shape)} weight are not whole {TILE}-row tile "
-                         "bands; such a weight is gathered in bf16 (\"bf16\" mode)")
+                         "bands, but the weight was set up to gather NVFP4 tile bands: it is sharded over more ranks "
+                         "than fully_shard_nvfp4 was told (pass the mesh FSDP2 shards over, or create the process "
+                         "group before calling it); weights whose shards are not whole bands are gathered in bf16")
     return band_tiles(row0, rows, shape[1])
 
 
