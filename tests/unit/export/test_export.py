@@ -325,3 +325,32 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file_and_nothing_is_loaded(t
         load_compressed_tensors(model, tmp_path)
     assert shard.name in str(e.value) and "othing was loaded" in str(e.value), str(e.value)
     assert all(torch.equal(model.state_dict()[n], t) for n, t in before.items())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_what_transformers_and_load_compressed_tensors_return_for_each_model_dtype(tmp_path, dtype):
+    """docs/export.md's table: compressed-tensors decodes NVFP4 into bf16 for every model dtype."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(llama_config(layers=1), dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fp4_dist.convert_linear_weights(model, skip=("lm_head",))
+        export_compressed_tensors(model, tmp_path)
+        loaded = AutoModelForCausalLM.from_pretrained(
+            tmp_path, dtype=dtype, quantization_config=CompressedTensorsConfig(dequantize=True))
+        lazy = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype)
+        fresh = AutoModelForCausalLM.from_config(llama_config(layers=1), dtype=dtype)
+        load_compressed_tensors(fresh, tmp_path)
+    for name, p in nvfp4_params(model).items():
+        got = loaded.state_dict()[name]
+        assert got.dtype == dtype
+        assert torch.equal(got, p.dequantize(torch.bfloat16).to(dtype)), name  # the bf16 rounding, every dtype
+        assert torch.equal(got, p.dequantize(dtype)) == (dtype == torch.bfloat16), name
+        for f in FIELDS:
+            assert torch.equal(getattr(fresh.get_parameter(name), f), getattr(p, f)), f"{name}.{f}"
+    if dtype == torch.bfloat16:
+        with torch.no_grad():
+            lazy(torch.zeros(1, 2, dtype=torch.long))
+    else:
+        with pytest.raises(RuntimeError, match="same dtype"), torch.no_grad():
+            lazy(torch.zeros(1, 2, dtype=torch.long))
