@@ -348,7 +348,10 @@ class Zero1Optimizer(torch.optim.Optimizer):
         Raises:
             ValueError naming the parameters whose reduced gradients hold inf or NaN, on every rank, before the
             inner optimizer runs (masters, optimizer state and weights unchanged), unless
-            ``Zero1Config.nonfinite_grads="skip"``: then the step is skipped with a warning.
+            ``Zero1Config.nonfinite_grads="skip"``: then the step is skipped with a warning. ValueError naming the
+            weight, on every rank, when the inner optimizer made a master non-finite from finite gradients (the
+            weights were cast from it in this step: resume from a checkpoint); raised by this call, so no forward
+            reads those weights.
         """
         if closure is not None:
             raise ValueError("Zero1Optimizer.step does not take a closure; run forward/backward before step()")
@@ -368,7 +371,12 @@ class Zero1Optimizer(torch.optim.Optimizer):
         finally:
             for p, g in zip(pieces, grads):
                 p.grad = g
-        self._check.cast_verdict = self._publish_params(defer_check=True)
+        verdict = self._publish_params(defer_check=True)
+        # Read once the gathers are queued (the device keeps working through the read), and before this call
+        # returns: the caller's next forward must never read weights cast from a non-finite master.
+        if verdict is not None and not bool(verdict):
+            self._cast.core.raise_for(" after this optimizer step, from finite gradients: the inner optimizer made "
+                                      "them (check its hyperparameters)")
 
     def _reduce_all_grads(self) -> None:
         if not self._grads_reduced:
@@ -447,8 +455,6 @@ class Zero1Optimizer(torch.optim.Optimizer):
         cast's deferred verdict with `defer_check` (see `ShardedCast.cast`)."""
         fp4 = self._fp4_section()
         verdict = None
-        if not defer_check:
-            self._check.cast_verdict = None  # checked here: nothing is left for the next step to report
         if fp4:
             verdict = self._cast.cast(self.group, self.stats, defer_check=defer_check)
             self._cast.gather_scales(self.group, self.stats)
@@ -559,23 +565,22 @@ def _refuse_torch_state_dict_api(name: str) -> None:
 class _GradCheck:
     """The step's check of its reduced gradients, in one MAX all-reduce and one read of::
 
-        [ gradient present, per parameter | gradient shard not finite, per buffer | last cast bad ]
+        [ gradient present, per parameter | gradient shard not finite, per buffer ]
 
     A present flag is 1 where the rank has a gradient for the parameter; the MAX says whether any rank has. A
     buffer's flag is 1 where this rank's reduced shard of it holds inf or NaN (the reduce-scatter carries any
-    rank's into the owner's shard). The last slot carries the previous step's cast verdict (read here, not there:
-    the step reads the device once); with gradients checked, only the inner optimizer can have made a master
-    non-finite. Naming the parameters behind a bad flag takes a second all-reduce, on the error path only.
+    rank's into the owner's shard). With gradients checked, only the inner optimizer can make a master non-finite;
+    the step reads the cast's verdict at its end. Naming the parameters behind a bad flag takes a second
+    all-reduce, on the error path only.
     """
 
     def __init__(self, opt: "Zero1Optimizer"):
         self.opt = opt
         n, dev = len(opt.params), opt._device()
-        self.flags = torch.zeros(n + len(opt._sections) + 1, dtype=torch.float32, device=dev)
+        self.flags = torch.zeros(n + len(opt._sections), dtype=torch.float32, device=dev)
         self.presence = torch.zeros(n, dtype=torch.float32, device=dev)
         self._pattern: Optional[list] = None
         self._staging = None  # the pinned source of the last presence upload, alive until it lands
-        self.cast_verdict: Optional[torch.Tensor] = None
 
     def _upload_presence(self, present: list) -> None:
         """Presence changes rarely (a frozen layer, an unused branch): upload it only when it does."""
@@ -589,24 +594,15 @@ class _GradCheck:
 
     def run(self) -> Optional[List[int]]:
         """The parameters to leave out of this step (no rank has a gradient), or None to skip the step; raises
-        for non-finite gradients (the default) and for masters made non-finite by the previous step."""
+        for non-finite gradients (the default)."""
         opt, n, sections = self.opt, len(self.opt.params), self.opt._sections
         self._upload_presence(opt._present)
         flags = self.flags
         flags[:n].copy_(self.presence)
         for k, sec in enumerate(sections):
             torch.logical_not(torch.isfinite(sec.buf.grad_shard).all(), out=flags[n + k])
-        last = flags[n + len(sections):]
-        if self.cast_verdict is not None:
-            torch.logical_not(self.cast_verdict, out=last.view(()))
-        else:
-            last.zero_()
         all_reduce_max_(flags, opt.group, opt.stats)
-        values = flags.tolist()  # the step's one device-to-host read
-        if values[-1]:
-            self.cast_verdict = None
-            opt._cast.core.raise_for(" after the previous optimizer step, from finite gradients: the inner "
-                                     "optimizer made them (check its hyperparameters)")
+        values = flags.tolist()  # the step's read of its gradients' state
         if any(values[n:n + len(sections)]):
             return self._nonfinite(self._bad_parameters())
         return [i for i in range(n) if not values[i]]
