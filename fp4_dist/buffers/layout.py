@@ -151,6 +151,15 @@ class BufferLayout:
             out.append(ShardPiece(slot.index, slot.bucket, own.shift(slot.span.start), master_offset))
         return tuple(out)
 
+    def select(self, indices: Sequence[int]) -> "BufferLayout":
+        """The layout of some of the weights, where they are (same buckets and shards): weight j of the result is
+        weight ``indices[j]`` of this one. A cast of part of a buffer's weights works on it."""
+        slots = tuple(WeightSlot(j, self.weights[i].span, self.weights[i].bucket) for j, i in enumerate(indices))
+        keep = {i: j for j, i in enumerate(indices)}
+        buckets = tuple(Bucket(b.index, b.span, tuple(keep[w] for w in b.weights if w in keep), b.shard_numel)
+                        for b in self.buckets)  # fmt: skip
+        return BufferLayout(tuple(self.numels[i] for i in indices), self.dp_size, self.align, slots, buckets)
+
     def cuts(self, weight: int) -> Tuple[int, ...]:
         """Weight-local element offsets where ownership changes rank (strictly inside the weight)."""
         slot = self.weights[weight]

@@ -87,6 +87,14 @@ class ShardedCast:
         """The cast of the weights stored in ``buf`` (a packed `ShardBuffer`), as Zero1Optimizer builds it."""
         return cls(weights, buf.layout, buf.rank, buf.master_pieces(), buf.start_offsets(), columnwise=columnwise)
 
+    def subset(self, indices: Sequence[int]) -> "ShardedCast":
+        """The cast of some of these weights only (`indices` into `weights`, each shared-amax group whole): the others
+        keep their bytes, scales and compute copies. Built anew: cache it."""
+        weights, layout, rank, masters, starts, columnwise = self._args
+        pick = lambda xs: [xs[i] for i in indices]  # noqa: E731
+        return ShardedCast(pick(weights), layout.select(indices), rank, pick(masters), pick(starts),
+                           columnwise=columnwise)  # fmt: skip
+
     # ----------------------------------------------------------------------------------------- binding
     def _exchanged_entries(self) -> List[int]:
         """Positions in the amax buffer of every tensor amax and every cut tile."""

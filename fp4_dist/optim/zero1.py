@@ -29,7 +29,7 @@ from __future__ import annotations
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 
@@ -228,6 +228,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
                     w.set_rowwise_storage(fp4.buf.param_view(j))
                 # Built once: plans, bound launches (views into the buffers), the amax and scale exchange buffers.
                 self._cast = ShardedCast.from_buffer(self.nvfp4_params, fp4.buf, columnwise=config.columnwise)
+                self._subset_casts: Dict[tuple, ShardedCast] = {}  # casts of the weights some steps change
             self._bind_dense_params()
             self._publish_params()
         except BaseException:
@@ -371,7 +372,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         finally:
             for p, g in zip(pieces, grads):
                 p.grad = g
-        verdict = self._publish_params(defer_check=True)
+        verdict = self._publish_params(defer_check=True, cast=self._cast_of_stepped(absent))
         # Read once the gathers are queued (the device keeps working through the read), and before this call
         # returns: the caller's next forward must never read weights cast from a non-finite master.
         if verdict is not None and not bool(verdict):
@@ -450,21 +451,49 @@ class Zero1Optimizer(torch.optim.Optimizer):
         if self.config.average_grads and self.world_size > 1:
             buf.grad_shard.div_(self.world_size)
 
-    def _publish_params(self, *, defer_check: bool = False) -> Optional[torch.Tensor]:
-        """Masters -> model params on every rank: NVFP4 cast + packed gather, dense copy + gather. Returns the
-        cast's deferred verdict with `defer_check` (see `ShardedCast.cast`)."""
+    def _cast_of_stepped(self, absent: List[int]) -> Optional[ShardedCast]:
+        """The cast of the NVFP4 weights this step changes: all of them (the bound `_cast`), none (None), or those
+        some rank has a gradient for, with every shared-amax group whole (a cast built once per such set). A weight
+        no rank has a gradient for keeps its bytes: its master did not change, and casting it again would only
+        turn its -0 codes into +0 (the spec's code for a zero)."""
         fp4 = self._fp4_section()
+        if fp4 is None:
+            return None
+        frozen = set(absent)
+        stepped = [j for j, i in enumerate(fp4.indices) if i not in frozen]
+        if len(stepped) == len(fp4.indices):
+            return self._cast
+        groups = {group_of(self.nvfp4_params[j]) for j in stepped} - {None}
+        changed = set(stepped)
+        stepped = [j for j, w in enumerate(self.nvfp4_params) if j in changed or group_of(w) in groups]
+        if not stepped:
+            return None
+        key = tuple(stepped)
+        if key not in self._subset_casts:
+            self._subset_casts[key] = self._cast.subset(stepped)
+        return self._subset_casts[key]
+
+    def _publish_params(self, *, defer_check: bool = False, cast: Union[ShardedCast, None, str] = "all"
+                        ) -> Optional[torch.Tensor]:  # fmt: skip
+        """Masters -> model params on every rank: NVFP4 cast + packed gather, dense copy + gather. `cast`: the cast
+        to run ("all": every NVFP4 weight; None: none, and the packed bytes, unchanged, are not gathered). Returns
+        the cast's deferred verdict with `defer_check` (see `ShardedCast.cast`)."""
+        fp4 = self._fp4_section()
+        if isinstance(cast, str):  # "all"
+            cast = self._cast if fp4 else None
         verdict = None
-        if fp4:
-            verdict = self._cast.cast(self.group, self.stats, defer_check=defer_check)
-            self._cast.gather_scales(self.group, self.stats)
+        if cast is not None:
+            verdict = cast.cast(self.group, self.stats, defer_check=defer_check)
+            cast.gather_scales(self.group, self.stats)
         for sec in self._sections:
+            if sec.packed and cast is None:
+                continue
             for b in range(len(sec.buf.layout.buckets)):
                 if not sec.packed:
                     sec.buf.shard_param_view(b).copy_(sec.buf.bucket_master(b))
                 all_gather_inplace(sec.buf.bucket_param(b), self.group, self.stats)
-        if fp4:
-            self._cast.after_gather()
+        if cast is not None:
+            cast.after_gather()
         return verdict
 
     # ---------------------------------------------------------------------------------------- reporting

@@ -152,13 +152,26 @@ def case_zero1_gradient_on_one_rank_only(rank, size):
     changed = [not torch.equal(a, b) for a, b in zip(after, before)]
     if not all(changed):
         raise AssertionError(f"parameters not stepped: {[i for i, c in enumerate(changed) if not c]}")
-    opt.zero_grad()
-    net[2].weight.requires_grad_(False)
-    frozen = opt.full_masters()[4].clone()
-    net[2](net[1](net[0](x))).float().square().mean().backward()
-    opt.step()
-    if not torch.equal(opt.full_masters()[4], frozen):
-        raise AssertionError("a frozen weight changed")
+    # A weight no rank has a gradient for is left out of the cast and keeps its bytes; the others (weight 1 is cut
+    # between the ranks mid-tile) still equal quantize(full master). Then the cut weight is the frozen one.
+    for frozen_layer, master_index in ((2, 4), (1, 2)):
+        opt.zero_grad()
+        for i, layer in enumerate(net):
+            layer.weight.requires_grad_(i != frozen_layer)
+        frozen = opt.full_masters()[master_index].clone()
+        frozen_bytes = net[frozen_layer].weight.rowwise_data.clone()
+        net[2](net[1](net[0](x))).float().square().mean().backward()
+        opt.step()
+        if not torch.equal(opt.full_masters()[master_index], frozen):
+            raise AssertionError("a frozen weight's master changed")
+        if not torch.equal(net[frozen_layer].weight.rowwise_data, frozen_bytes):
+            raise AssertionError(f"frozen layer {frozen_layer}: its bytes changed")
+        masters = opt.full_masters()
+        for i, layer in enumerate(net):
+            want = fp4_dist.quantize(masters[2 * i].to(torch.bfloat16))
+            for field in ("rowwise_data", "rowwise_scale_inv", "amax"):
+                if not torch.equal(getattr(layer.weight, field), getattr(want, field)):
+                    raise AssertionError(f"frozen layer {frozen_layer}: layer {i} {field} != quantize(full master)")
 
 
 def case_zero1_dcp_fresh_load(rank, size):

@@ -436,3 +436,40 @@ def test_torchs_get_state_dict_gives_our_error_with_the_remedy_and_changes_nothi
     with pytest.raises(TypeError, match=r"does not support Zero1Optimizer.*dcp.save\({\"model\""):
         get_state_dict(model, opt)
     assert _same(_state(opt), before), "torch's helper stepped the optimizer before our error"
+
+
+def _fields(w):
+    return [getattr(w, f).clone() for f in ("rowwise_data", "rowwise_scale_inv", "amax")]
+
+
+def test_a_weight_no_rank_has_a_gradient_for_keeps_its_bytes_and_is_not_cast():
+    # Its master does not change, so a cast would only cost time (and turn -0 codes into +0): none runs.
+    model, _ = mlp(seed=4)
+    frozen, trained = model[0].weight, model[2].weight
+    frozen.requires_grad_(False)
+    opt = Zero1Optimizer(model.parameters(), lambda g: torch.optim.AdamW(g, lr=1e-2))
+    before, trained_before = _fields(frozen), _fields(trained)
+    written = [frozen.rowwise_data._version, frozen.amax._version]  # every in-place write bumps these
+    for step in range(3):
+        loss_of(model, data(step)).backward()
+        opt.step()
+        opt.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(_fields(frozen), before)), "the frozen weight's bytes changed"
+    assert [frozen.rowwise_data._version, frozen.amax._version] == written, "the frozen weight was cast again"
+    assert not torch.equal(trained.rowwise_data, trained_before[0]), "the trained weight did not train"
+    x = data(9)  # its compute copy is still its value
+    want = torch.nn.functional.linear(x, frozen.dequantize(torch.bfloat16), model[0].bias)
+    assert torch.equal(model[0](x), want)
+
+
+def test_a_re_cast_of_an_unchanged_master_changes_no_value_only_the_sign_of_zero():
+    torch.manual_seed(5)
+    q = fp4_dist.quantize(torch.randn(64, 96) * (torch.rand(64, 96) > 0.5))
+    again = fp4_dist.quantize(q.dequantize(torch.float32))
+    assert torch.equal(again.dequantize(torch.float32), q.dequantize(torch.float32))
+    lo, hi = q.rowwise_data & 0x0F, q.rowwise_data >> 4
+    lo2, hi2 = again.rowwise_data & 0x0F, again.rowwise_data >> 4
+    for a, b in ((lo, lo2), (hi, hi2)):
+        differ = a != b
+        assert bool(((a[differ] == 0x8) & (b[differ] == 0x0)).all()), "a code other than -0 changed"
+    assert torch.equal(again.rowwise_scale_inv, q.rowwise_scale_inv) and torch.equal(again.amax, q.amax)
