@@ -200,8 +200,8 @@ def report_step(say, opt, stats: CommStats, steps: int, seconds: float, first: f
     say(f"param memory per rank: NVFP4 gather buffer {mem['nvfp4']:.1f} KiB + dense params {mem['dense']:.1f} KiB; "
         f"bf16 compute copies of the NVFP4 weights {mem['compute_copies']:.1f} KiB")
     calls = {k: v / steps for k, v in stats.calls.items() if k != "all_reduce"}
-    say(f"collectives per step: {calls} + {stats.calls['all_reduce'] / steps:.0f} amax all-reduce "
-        f"({stats.bytes['all_reduce'] / steps / 1024:.2f} KiB)")
+    say(f"collectives per step: {calls} + {stats.calls['all_reduce'] / steps:.0f} all-reduces (the gradient check "
+        f"and the amaxes; {stats.bytes['all_reduce'] / steps / 1024:.2f} KiB)")
 
 
 def finish(say, model, opt, info) -> int:

@@ -1,7 +1,8 @@
 """python -m fp4_dist.export megatron SAVE_DIR OUT_DIR [--iteration N] [--max-shard-bytes B]
 
-Export the NVFP4 weights of a checkpoint written by fp4_dist's Megatron entry point (``--save SAVE_DIR``) as a
-compressed-tensors checkpoint folder (docs/export.md), and print the report."""
+Export the NVFP4 weights of a Megatron checkpoint (written with --save SAVE_DIR --ckpt-format torch by a run through
+fp4_dist.megatron.run or the example trainer) as a compressed-tensors checkpoint folder that vLLM serves and
+transformers loads (docs/export.md), and print the report."""
 
 from __future__ import annotations
 
@@ -13,13 +14,20 @@ from .save import export_megatron_checkpoint
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fp4_dist.export", description=__doc__.split("\n\n")[1])
-    sub = p.add_subparsers(dest="source", required=True)
-    meg = sub.add_parser("megatron", help="a Megatron checkpoint folder of fp4_dist's entry point")
-    meg.add_argument("save_dir")
-    meg.add_argument("out_dir")
-    meg.add_argument("--iteration", type=int, default=None, help="default: the latest")
-    meg.add_argument("--max-shard-bytes", type=int, default=DEFAULT_SHARD_BYTES)
+    p = argparse.ArgumentParser(prog="python -m fp4_dist.export", usage="%(prog)s SOURCE ...",
+                                description=__doc__.split("\n\n")[1])  # fmt: skip
+    sub = p.add_subparsers(dest="source", required=True, metavar="SOURCE",
+                           help="what wrote the checkpoint; `megatron`: a Megatron checkpoint folder")  # fmt: skip
+    meg = sub.add_parser("megatron", prog="python -m fp4_dist.export megatron", description=__doc__.split("\n\n")[1],
+                         help="a Megatron checkpoint folder (--save of a Megatron run with fp4_dist)")  # fmt: skip
+    meg.add_argument("save_dir", metavar="SAVE_DIR", help="the run's --save folder (holds "
+                     "latest_checkpointed_iteration.txt and iter_*/ folders)")
+    meg.add_argument("out_dir", metavar="OUT_DIR", help="the compressed-tensors folder to write (created if missing; "
+                     "a checkpoint already there is replaced)")
+    meg.add_argument("--iteration", type=int, default=None, metavar="N",
+                     help="the iteration to export (default: the latest)")
+    meg.add_argument("--max-shard-bytes", type=int, default=DEFAULT_SHARD_BYTES, metavar="B",
+                     help=f"largest safetensors shard in bytes (default {DEFAULT_SHARD_BYTES})")
     args = p.parse_args(argv)
     report = export_megatron_checkpoint(args.save_dir, args.out_dir, iteration=args.iteration,
                                         max_shard_bytes=args.max_shard_bytes)  # fmt: skip
