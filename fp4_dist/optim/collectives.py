@@ -10,6 +10,8 @@ tools can print "bytes all-gathered" without wrapping torch.distributed themselv
 
 from __future__ import annotations
 
+import os
+
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Tuple
@@ -48,11 +50,19 @@ def in_distributed_job() -> bool:
 
 
 def rank_and_size(group=None) -> Tuple[int, int]:
-    """(rank in ``group``, size of ``group``); (0, 1) when torch.distributed is not initialised."""
+    """(rank in ``group``, size of ``group``); (0, 1) when torch.distributed is not initialised in a process that
+    runs alone. Raises ValueError for a process a launcher started as one of several ranks (``WORLD_SIZE`` > 1)
+    without a process group: alone, each rank would train (and write checkpoints) on its own."""
     if not in_distributed_job():
         if group is not None:
             raise ValueError("a process group was passed but torch.distributed is not initialised; "
                              "call fp4_dist.launch.init_distributed() (or dist.init_process_group) first")
+        launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        if launched > 1:
+            raise ValueError(f"this process is rank {os.environ.get('RANK', '?')} of {launched} (WORLD_SIZE, set by "
+                             "the launcher) but torch.distributed is not initialised: call "
+                             "torch.distributed.init_process_group() (or fp4_dist.launch.init_distributed()) first; "
+                             "without it every rank would train and write on its own")
         return 0, 1
     rank = dist.get_rank(group)
     if rank < 0:

@@ -55,3 +55,33 @@ def test_the_fsdp2_snippet_runs_as_written_on_two_ranks(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stdout.count("SNIPPET DONE") == 2
     assert "FSDP world size 2" in proc.stdout and "FSDP world size 1" not in proc.stdout, proc.stdout[-2000:]
+
+
+EXPORT_PREAMBLE = '''
+from transformers import LlamaConfig
+config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+'''
+
+
+def _torchrun(script, cwd) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    return subprocess.run(cmd, env=_env(), cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def test_the_export_snippet_runs_as_written_on_two_ranks_and_without_its_process_group_is_refused(tmp_path):
+    pytest.importorskip("compressed_tensors")
+    snippet = python_block("export.md")
+    script = tmp_path / "export_snippet.py"
+    script.write_text(EXPORT_PREAMBLE + snippet)
+    proc = _torchrun(script, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert (tmp_path / "out" / "llama-nvfp4" / "model.safetensors").is_file()
+    # The same snippet without its init_process_group line: every rank is refused, naming the remedy.
+    lines = snippet.splitlines()
+    at = next(i for i, line in enumerate(lines) if "init_process_group" in line)
+    alone = tmp_path / "alone.py"
+    alone.write_text(EXPORT_PREAMBLE + "\n".join(lines[:at - 1] + lines[at + 1:]))
+    proc = _torchrun(alone, tmp_path)
+    assert proc.returncode != 0
+    assert proc.stderr.count("but torch.distributed is not initialised: call torch.distributed.init_process_group()") >= 2
