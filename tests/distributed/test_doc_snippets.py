@@ -85,3 +85,25 @@ def test_the_export_snippet_runs_as_written_on_two_ranks_and_without_its_process
     proc = _torchrun(alone, tmp_path)
     assert proc.returncode != 0
     assert proc.stderr.count("but torch.distributed is not initialised: call torch.distributed.init_process_group()") >= 2
+
+
+ZERO_PREAMBLE = '''
+import types
+import torch
+torch.manual_seed(0)
+class MyModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+    def forward(self, x):
+        return types.SimpleNamespace(loss=self.fc2(torch.relu(self.fc1(x))).float().pow(2).mean())
+loader = [torch.randn(4, 32, dtype=torch.bfloat16) for _ in range(3)]
+'''
+
+
+def test_the_zero1_snippet_runs_as_written_on_two_ranks(tmp_path):
+    script = tmp_path / "zero_snippet.py"
+    script.write_text(ZERO_PREAMBLE + python_block("zero.md") + "\nprint(\"SNIPPET DONE\", flush=True)\n")
+    proc = _torchrun(script, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("SNIPPET DONE") == 2
