@@ -44,7 +44,8 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, batch["loss_mask"])
 
 
-def train_valid_test_datasets_provider(train_val_test_num_samples):
+def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
+    # vp_stage: Megatron asks for it with virtual pipeline stages; every stage reads the same datasets here.
     args = get_args()
     config = GPTDatasetConfig(
         random_seed=args.seed,
