@@ -75,8 +75,8 @@ HOOKS: tuple[Hook, ...] = (
          "dp is a multiple of 128; DO 542-550)"),
     Hook((_ARGS,), "validate_args", startup.make_validate_args,
          "--fp4-param-gather selects fp4_dist here, not TransformerEngine: validate_args would demand --fp4-format "
-         "(TE >= 2.7); the flag is hidden from it and restored, then what fp4_dist does not serve is refused at "
-         "start-up (refuse_unsupported_args)"),
+         "(TE >= 2.7); what fp4_dist does not serve is refused first (refuse_unsupported_args), then the flag is "
+         "hidden from it and restored"),
     Hook((_ARGU, _ARGS), "core_transformer_config_from_args", startup.hiding_fp4_param_gather,
          "the TransformerConfig's fp4_param would ask TE for NVFP4 model init (and refuses it without --fp4-format); "
          "fp4_dist converts the weights itself. Bound in argument_utils (its home, and gpt_config_from_args's) and "

@@ -37,9 +37,10 @@ def make_validate_args(original):
     hidden = hiding_fp4_param_gather(original)
 
     def validate_args(args, *rest, **kwargs):
-        out = hidden(args, *rest, **kwargs)
+        # Before Megatron's own checks: the flags refused here are read as parsed, and Megatron's checks of some of
+        # them fail on a CPU rank with an unrelated message (--moe-grouped-gemm asks torch for CUDA).
         refuse_unsupported_args(args)
-        return out
+        return hidden(args, *rest, **kwargs)
 
     return validate_args
 
