@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Megatron-LM's own pretrain_gpt.py through fp4_dist.megatron.run on 4 GPUs (NCCL), plain bf16 against
 # --fp4-param-gather (same seed, data and arguments), in the parallel layouts users train with: TP 2 x DP 2,
-# PP 2 x DP 2, TP 2 x PP 2, MoE (4 experts) EP 2 x DP 2 (alltoall dispatcher) and EP 4 (allgather dispatcher).
+# PP 2 x DP 2, TP 2 x PP 2, MoE (4 experts) EP 2 x DP 2 (alltoall dispatcher) and EP 4 (allgather dispatcher);
+# by name also tp2-dp2-cpu-init (Megatron's --use-cpu-initialization on GPUs).
 # Every fp4 run checks gathered == quantize(full fp32 master) after setup and every $CHECK iterations.
 #   MEGATRON_LM=/path/to/Megatron-LM bash bench/megatron_layouts_gpu.sh [LAYOUT ...]
 # MEGATRON_LM: a Megatron-LM core_r0.19.0 checkout, or a folder holding its pretrain_gpt.py, gpt_builders.py and
@@ -32,6 +33,7 @@ ARGS="--num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 512 
 MOE="--num-experts 4 --moe-router-topk 2"
 declare -A LAYOUT=(
   [tp2-dp2]="--tensor-model-parallel-size 2"
+  [tp2-dp2-cpu-init]="--tensor-model-parallel-size 2 --use-cpu-initialization"
   [pp2-dp2]="--pipeline-model-parallel-size 2"
   [tp2-pp2]="--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2"
   [moe-ep2-dp2]="$MOE --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"
