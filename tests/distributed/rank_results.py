@@ -13,7 +13,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 def run_ranks(script: Path, args: list, ranks: int, timeout_s: float) -> dict[int, str]:
     """{rank: outcome} of `script args...` on `ranks` gloo ranks; asserts that every rank reported."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", str(script),
            *map(str, args)]  # fmt: skip
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)

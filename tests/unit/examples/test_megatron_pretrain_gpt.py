@@ -45,7 +45,8 @@ def test_a_weight_with_k_not_multiple_of_16_stops_the_run_at_start_up_naming_it(
     corpus = tmp_path / "c.txt"
     corpus.write_text("a small corpus for the start-up check. " * 50)
     argv = [a if a != "48" else "40" for a in TINY]  # hidden 40: qkv, fc1 have K = 40
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env.pop("MASTER_ADDR", None)
     proc = subprocess.run(
         [sys.executable, "-m", "fp4_dist.megatron.pretrain_gpt", *argv, "--use-distributed-optimizer",
