@@ -1,7 +1,7 @@
 """Run Megatron-Core's real DDP / DistributedOptimizer / GPTModel code on CPU ranks (gloo).
 
 Megatron-Core 0.19.2 assumes CUDA in a handful of places on the path we use (facts checked by running,
-file:line in /work/shared/notes/megatron-core.md section 4):
+file:line of megatron-core 0.19.2, as the project's megatron-core reference notes list them in their section 4):
 
 - buffers and flags are allocated with ``device=torch.cuda.current_device()`` or ``device='cuda'``
   (param_and_grad_buffer.py:1180-1186, optimizer.py:690-702, clip_grads.py:96-231, utils.py:1332);
