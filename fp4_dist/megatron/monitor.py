@@ -1,8 +1,8 @@
 """What fp4_dist watches inside ``megatron.training``'s own loop: the parity check and the run record.
 
-Two adapter rows hand Megatron's ``setup_model_and_optimizer`` and ``train_step`` to `Monitor`, which does nothing
-unless the run asks (`AdapterOptions.check_every`, `AdapterOptions.log_json`; the launcher's ``--check-every`` and
-``--log-json``):
+Two adapter rows hand Megatron's ``setup_model_and_optimizer`` and ``train_step`` to `Monitor`, which checks the
+weights after setup in every ``--fp4-param-gather`` run and does the rest when the run asks
+(`AdapterOptions.check_every`, `AdapterOptions.log_json`; the launcher's ``--check-every`` and ``--log-json``):
 
 - after setup (always, in a run with ``--fp4-param-gather``: a start-up cost) and every N iterations, on every rank,
   the gathered NVFP4 weights are compared with ``quantize(full fp32 master)`` (`parity.check_nvfp4_weights`, after
@@ -46,7 +46,7 @@ class Monitor:
             out = original(*args, **kwargs)
             model, optimizer = out[0], out[1]
             self.model, self.optimizer = (model if isinstance(model, list) else [model]), optimizer
-            options = _options()
+            options = current_options()
             if optimizer is None:
                 return out
             from megatron.training.global_vars import get_args
@@ -64,15 +64,15 @@ class Monitor:
     def wrap_train_step(self, original):
         def train_step(*args, **kwargs):
             out = original(*args, **kwargs)
-            options = _options()
+            options = current_options()
             if not (options.check_every or options.log_json) or self.optimizer is None:
                 return out
             from megatron.training.global_vars import get_args
 
             iteration = kwargs.get("iteration")
             iteration = (get_args().curr_iteration if iteration is None else iteration) + 1  # the one just done
-            entry: dict[str, Any] = {"iteration": iteration, "loss": _last_stage_loss(out[0]), "skipped": bool(out[1]),
-                                     "grad_norm": _float(out[5])}  # fmt: skip
+            entry: dict[str, Any] = {"iteration": iteration, "loss": _last_stage_loss(out[0]),
+                                     "skipped": bool(out[1]), "grad_norm": _float(out[5])}  # fmt: skip
             if options.check_every and iteration % options.check_every == 0:
                 entry["check"] = self.check(iteration)
             last = iteration == get_args().train_iters
@@ -129,10 +129,6 @@ class Monitor:
         with open(tmp, "w") as f:
             json.dump(self.record, f, indent=1)
         os.replace(tmp, path)
-
-
-def _options():
-    return current_options()
 
 
 def _float(x) -> Optional[float]:

@@ -84,7 +84,8 @@ def test_the_export_snippet_runs_as_written_on_two_ranks_and_without_its_process
     alone.write_text(EXPORT_PREAMBLE + "\n".join(lines[:at - 1] + lines[at + 1:]))
     proc = _torchrun(alone, tmp_path)
     assert proc.returncode != 0
-    assert proc.stderr.count("but torch.distributed is not initialised: call torch.distributed.init_process_group()") >= 2
+    refusal = "but torch.distributed is not initialised: call torch.distributed.init_process_group()"
+    assert proc.stderr.count(refusal) >= 2
 
 
 ZERO_PREAMBLE = '''
