@@ -8,8 +8,8 @@ weights after setup in every ``--fp4-param-gather`` run and does the rest when t
   the gathered NVFP4 weights are compared with ``quantize(full fp32 master)`` (`parity.check_nvfp4_weights`, after
   a forced param sync so that an overlapped all-gather has landed); a mismatch on any rank stops the run with an
   error on every rank, naming the weights, before a step trains on them;
-- rank 0 writes a JSON record after setup and after every iteration: the digest of every full fp32 master after
-  setup (a fresh run's equals a bf16 run's init; a resumed run's equals the saved masters), each iteration's
+- rank 0 writes a JSON record after setup and after every iteration: the NVFP4 weights of each rank, the digest of
+  every full fp32 master after setup (a fresh run's equals a bf16 run's init; a resumed run's equals the saved masters), each iteration's
   loss, grad norm and check, and the masters' digest at the last iteration.
 """
 
@@ -54,7 +54,10 @@ class Monitor:
             if getattr(get_args(), "fp4_param_gather", False):  # the weights set up (converted, or loaded)
                 self.record["check_after_setup"] = self.check(0)
             if options.log_json:
-                self.record["nvfp4_weights"] = sum(is_nvfp4_tensor(p) for m in self.model for p in m.parameters())
+                mine = sum(is_nvfp4_tensor(p) for m in self.model for p in m.parameters())
+                every = [None] * dist.get_world_size()
+                dist.all_gather_object(every, mine)
+                self.record["nvfp4_weights"], self.record["nvfp4_weights_per_rank"] = mine, every
                 self.record["master_digest_after_setup"] = self.master_digest()
                 self._write(options.log_json)
             return out

@@ -95,6 +95,17 @@ def test_experts_save_resume_at_another_data_parallel_size_and_the_alltoall_disp
         assert abs(a["loss"] - b["loss"]) <= LOSS_RTOL * b["loss"], (a, b)
 
 
+def test_first_and_last_bf16_layers_are_chosen_by_global_layer_number_across_pipeline_stages(tmp_path, data):
+    # 6 layers on 2 stages, the first one and the last two in bf16: stage 0 (layers 1-3) converts layers 2 and 3,
+    # stage 1 (layers 4-6) layer 4 only. Counting layers per stage would convert two on each.
+    args = PP + ("--num-layers", "6", "--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "1",
+                 "--num-layers-at-end-in-bf16", "2", "--train-iters", "1")  # fmt: skip
+    record = _run(tmp_path, data, "fp4", args)
+    assert record["nvfp4_weights_per_rank"] == [8, 8, 4, 4]  # ranks 0-1: stage 0; 2-3: stage 1 (4 linears a layer)
+    assert record["check_after_setup"].startswith("ok") and all(it["check"].startswith("ok")
+                                                                for it in record["iterations"])  # fmt: skip
+
+
 def test_a_per_slice_conversion_stops_every_rank_after_setup_naming_the_weight(tmp_path, data):
     # The check after setup runs without --check-every: the first step must never train on such bytes.
     proc = launch(4, ["--data-path", data, *COMMON, *TP, "--fp4-param-gather"], check=False, refused=True,
