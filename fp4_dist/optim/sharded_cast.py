@@ -53,12 +53,14 @@ class ShardedCast:
         masters, starts: per weight this rank's flat fp32 master piece (None where it owns nothing) and its first
             element (`ShardBuffer.master_pieces()` / `start_offsets()`; `from_buffer` passes them).
         columnwise: also build the columnwise copies in `after_gather` (weights with an odd M stay rowwise-only).
+        positions: how errors number the weights (default 0..n-1; a `subset` keeps the full list's numbers).
     Built once; bound to these tensors (do not replace a weight's buffers afterwards).
     """
 
     def __init__(self, weights: Sequence[NVFP4Tensor], layout: BufferLayout, rank: int,
                  masters: Sequence[Optional[torch.Tensor]], starts: Sequence[Optional[int]], *,
-                 columnwise: bool = True):  # fmt: skip
+                 columnwise: bool = True, positions: Optional[Sequence[int]] = None):  # fmt: skip
+        self._positions = list(range(len(weights)) if positions is None else positions)
         self._bind_all(weights, layout, rank, masters, starts, columnwise)
 
     def _bind_all(self, weights, layout, rank, masters, starts, columnwise) -> None:
@@ -73,10 +75,10 @@ class ShardedCast:
         self.gathered = torch.zeros(layout.dp_size * self.exchange.cap, dtype=torch.uint8, device=dev)
         self._rank, self._compact_off = rank, 0
         starts = [s or 0 for s in starts]
+        names = [f"{weight_name(i, w)} master" for i, w in zip(self._positions, weights)]
         self.core = CastCore(self.plan, masters, starts,
                              [shard_bytes(w.rowwise_data, m, s) for w, m, s in zip(self.weights, masters, starts)],
-                             self._bind_scales, names=[f"{weight_name(i, w)} master" for i, w in enumerate(weights)],
-                             exchanged=self._exchanged_entries(), device=dev)  # fmt: skip
+                             self._bind_scales, names=names, exchanged=self._exchanged_entries(), device=dev)  # fmt: skip
         self._expand = kernels.bind_expand_scales(self.gathered, shapes, self.exchange.sources,
                                                   [w.rowwise_scale_inv for w in self.weights])
         self._columnwise = bind_columnwise(self.weights) if columnwise else []
@@ -93,7 +95,7 @@ class ShardedCast:
         weights, layout, rank, masters, starts, columnwise = self._args
         pick = lambda xs: [xs[i] for i in indices]  # noqa: E731
         return ShardedCast(pick(weights), layout.select(indices), rank, pick(masters), pick(starts),
-                           columnwise=columnwise)  # fmt: skip
+                           columnwise=columnwise, positions=pick(self._positions))  # fmt: skip
 
     # ----------------------------------------------------------------------------------------- binding
     def _exchanged_entries(self) -> List[int]:

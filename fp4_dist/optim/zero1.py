@@ -29,7 +29,7 @@ from __future__ import annotations
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
@@ -222,13 +222,14 @@ class Zero1Optimizer(torch.optim.Optimizer):
         fp4 = self._fp4_section()
         self.nvfp4_params = [self.params[i] for i in fp4.indices] if fp4 else []
         saved = _ParamStorage(self.params)  # a construction that raises leaves every parameter as it was
+        self._cast: Optional[ShardedCast] = None
+        self._subset_casts: Dict[tuple, ShardedCast] = {}  # casts of the weights some steps change
         try:
             if fp4:
                 for j, w in enumerate(self.nvfp4_params):
                     w.set_rowwise_storage(fp4.buf.param_view(j))
                 # Built once: plans, bound launches (views into the buffers), the amax and scale exchange buffers.
                 self._cast = ShardedCast.from_buffer(self.nvfp4_params, fp4.buf, columnwise=config.columnwise)
-                self._subset_casts: Dict[tuple, ShardedCast] = {}  # casts of the weights some steps change
             self._bind_dense_params()
             self._publish_params()
         except BaseException:
@@ -358,7 +359,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
             raise ValueError("Zero1Optimizer.step does not take a closure; run forward/backward before step()")
         self._reduce_all_grads()
         self._grads_reduced = False
-        absent = self._check.run()  # the step's one device-to-host read
+        absent = self._check.run()  # the step's read of its gradients' state
         self.last_step_skipped = absent is None
         if absent is None:
             return
@@ -372,12 +373,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         finally:
             for p, g in zip(pieces, grads):
                 p.grad = g
-        verdict = self._publish_params(defer_check=True, cast=self._cast_of_stepped(absent))
-        # Read once the gathers are queued (the device keeps working through the read), and before this call
-        # returns: the caller's next forward must never read weights cast from a non-finite master.
-        if verdict is not None and not bool(verdict):
-            self._cast.core.raise_for(" after this optimizer step, from finite gradients: the inner optimizer made "
-                                      "them (check its hyperparameters)")
+        self._publish_params(frozen=absent, after_step=True)
 
     def _reduce_all_grads(self) -> None:
         if not self._grads_reduced:
@@ -451,15 +447,15 @@ class Zero1Optimizer(torch.optim.Optimizer):
         if self.config.average_grads and self.world_size > 1:
             buf.grad_shard.div_(self.world_size)
 
-    def _cast_of_stepped(self, absent: List[int]) -> Optional[ShardedCast]:
-        """The cast of the NVFP4 weights this step changes: all of them (the bound `_cast`), none (None), or those
-        some rank has a gradient for, with every shared-amax group whole (a cast built once per such set). A weight
-        no rank has a gradient for keeps its bytes: its master did not change, and casting it again would only
-        turn its -0 codes into +0 (the spec's code for a zero)."""
+    def _cast_of(self, frozen: Sequence[int]) -> Optional[ShardedCast]:
+        """The cast of the NVFP4 weights whose masters may have changed: all but the parameters in `frozen` (those
+        no rank had a gradient for in a step), with every shared-amax group whole. All of them: the bound `_cast`;
+        none: None; others: a cast built once per such set. A frozen weight keeps its bytes: its master did not
+        change, and casting it again would only turn its -0 codes into +0 (the spec's code for a zero)."""
         fp4 = self._fp4_section()
         if fp4 is None:
             return None
-        frozen = set(absent)
+        frozen = set(frozen)
         stepped = [j for j, i in enumerate(fp4.indices) if i not in frozen]
         if len(stepped) == len(fp4.indices):
             return self._cast
@@ -473,17 +469,17 @@ class Zero1Optimizer(torch.optim.Optimizer):
             self._subset_casts[key] = self._cast.subset(stepped)
         return self._subset_casts[key]
 
-    def _publish_params(self, *, defer_check: bool = False, cast: Union[ShardedCast, None, str] = "all"
-                        ) -> Optional[torch.Tensor]:  # fmt: skip
-        """Masters -> model params on every rank: NVFP4 cast + packed gather, dense copy + gather. `cast`: the cast
-        to run ("all": every NVFP4 weight; None: none, and the packed bytes, unchanged, are not gathered). Returns
-        the cast's deferred verdict with `defer_check` (see `ShardedCast.cast`)."""
-        fp4 = self._fp4_section()
-        if isinstance(cast, str):  # "all"
-            cast = self._cast if fp4 else None
+    def _publish_params(self, *, frozen: Sequence[int] = (), after_step: bool = False) -> None:
+        """Masters -> model params on every rank: the cast of the NVFP4 weights not `frozen` (`_cast_of`) + packed
+        gather (none when nothing is cast: the packed bytes did not change), dense copy + gather.
+
+        The cast's finite-master verdict: read before any byte is written, or `after_step` once the gathers are
+        queued (the device keeps working through the read) and before this returns, so the caller's next forward
+        never reads weights cast from a non-finite master; it raises naming the weight."""
+        cast = self._cast_of(frozen)
         verdict = None
         if cast is not None:
-            verdict = cast.cast(self.group, self.stats, defer_check=defer_check)
+            verdict = cast.cast(self.group, self.stats, defer_check=after_step)
             cast.gather_scales(self.group, self.stats)
         for sec in self._sections:
             if sec.packed and cast is None:
@@ -494,7 +490,9 @@ class Zero1Optimizer(torch.optim.Optimizer):
                 all_gather_inplace(sec.buf.bucket_param(b), self.group, self.stats)
         if cast is not None:
             cast.after_gather()
-        return verdict
+        if verdict is not None and not bool(verdict):
+            cast.core.raise_for(" after this optimizer step, from finite gradients: the inner optimizer made them "
+                                "(check its hyperparameters)")
 
     # ---------------------------------------------------------------------------------------- reporting
     def gathered_bytes_per_step(self) -> Dict[str, int]:

@@ -473,3 +473,13 @@ def test_a_re_cast_of_an_unchanged_master_changes_no_value_only_the_sign_of_zero
         differ = a != b
         assert bool(((a[differ] == 0x8) & (b[differ] == 0x0)).all()), "a code other than -0 changed"
     assert torch.equal(again.rowwise_scale_inv, q.rowwise_scale_inv) and torch.equal(again.amax, q.amax)
+
+
+def test_a_master_made_non_finite_while_another_weight_is_frozen_is_named_by_its_own_number():
+    # The step casts the changed weights only; the error still names the weight as the full list numbers it.
+    model, init = mlp()
+    model[0].weight.requires_grad_(False)
+    opt = Zero1Optimizer(model.parameters(), lambda g: _Overflowing(g, lr=1e-2), master_init=init)
+    loss_of(model, data(0)).backward()
+    with pytest.raises(ValueError, match=r"model_weights\[1\] \(40x80\) = 2\.weight master.*after this optimizer step"):
+        opt.step()
