@@ -31,11 +31,15 @@ def is_expert(param) -> bool:
 
 def tensor_parallel_group(param):
     """The group over which `param` is one slice of a whole weight, or None (not sliced, or one rank)."""
+    return _group_of_kind(bool(getattr(param, "tensor_model_parallel", False)), is_expert(param))
+
+
+def _group_of_kind(sliced: bool, expert: bool):
     from megatron.core import parallel_state
 
-    if not getattr(param, "tensor_model_parallel", False) or not parallel_state.model_parallel_is_initialized():
+    if not sliced or not parallel_state.model_parallel_is_initialized():
         return None
-    if is_expert(param):
+    if expert:
         group = parallel_state.get_expert_tensor_parallel_group(check_initialized=False)
     else:
         group = parallel_state.get_tensor_model_parallel_group(check_initialized=False)
@@ -45,8 +49,10 @@ def tensor_parallel_group(param):
 def amax_group(params: Iterable) -> Optional[object]:
     """The one tensor-parallel group of a cast's weights (see `tensor_parallel_group`), or None. Raises ValueError
     when the weights span different groups (dense and expert weights in one cast): one MAX all-reduce serves a
-    cast, so its weights must be slices over one group."""
-    groups = {id(g): g for g in (tensor_parallel_group(p) for p in params) if g is not None}
+    cast, so its weights must be slices over one group. Called every optimizer step: the groups are looked up once
+    per kind of weight, not per weight."""
+    kinds = {(bool(getattr(p, "tensor_model_parallel", False)), is_expert(p)) for p in params}
+    groups = {id(g): g for g in (_group_of_kind(*kind) for kind in kinds) if g is not None}
     if len(groups) > 1:
         raise ValueError("fp4_dist.megatron: one NVFP4 cast holds tensor-parallel slices over different groups "
                          "(dense and expert weights together); Megatron keeps expert weights in buffers of their "
