@@ -161,8 +161,6 @@ def _read_file(path: Path, read):
     try:
         return read(path)
     except Exception as e:  # safetensors' SafetensorError, OSError, JSON and UTF-8 errors
-        if isinstance(e, DamagedCheckpointError):
-            raise
         raise DamagedCheckpointError(f"{path}: cannot be read ({type(e).__name__}: {e}); the file is truncated or "
                                      "corrupt. Nothing was loaded") from e
 

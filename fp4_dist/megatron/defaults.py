@@ -63,10 +63,15 @@ LAUNCHER_DEFAULTS = PLATFORM_DEFAULTS + (
 """What ``fp4_dist.megatron.run`` adds to Megatron-LM's own scripts."""
 
 
+def given(argv: Sequence[str]) -> set[str]:
+    """The flags `argv` gives (``--flag`` or ``--flag=value``)."""
+    return {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+
+
 def missing(argv: Sequence[str], machine: Machine, defaults: Sequence[Default] = LAUNCHER_DEFAULTS) -> list[Default]:
-    """The defaults this machine needs whose flag `argv` does not give (``--flag`` or ``--flag=value``)."""
-    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
-    return [d for d in defaults if d.needed(machine) and d.flag not in given]
+    """The defaults this machine needs whose flag `argv` does not give."""
+    flags = given(argv)
+    return [d for d in defaults if d.needed(machine) and d.flag not in flags]
 
 
 def as_arguments(defaults: Sequence[Default]) -> list[str]:

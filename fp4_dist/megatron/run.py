@@ -106,14 +106,10 @@ def _export_slurm(environ) -> str:
 
 
 # --------------------------------------------------------------------------------------- script arguments
-def _given(args: Sequence[str], flag: str) -> bool:
-    return any(a == flag or a.startswith(flag + "=") for a in args)
-
-
 def refuse_launch(script_args: Sequence[str]) -> None:
     """What this launcher refuses whatever the run: the checkpoint worker Megatron spawns for --async-save is a
     fresh interpreter that fp4_dist's set-up (the adapter, the Python 3.11 shim, the CPU layer) never reaches."""
-    if _given(script_args, "--async-save"):
+    if "--async-save" in defaults.given(script_args):
         raise RuntimeError("fp4_dist.megatron.run: --async-save is not supported: Megatron's checkpoint worker "
                            "process starts without fp4_dist. Drop it (saves then block the step while they write)")
 
