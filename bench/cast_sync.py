@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from fp4_dist.optim import cast as cast_mod
+from fp4_dist.cast import master_weights as cast_mod
 from fp4_dist.tensor import NVFP4Tensor
 
 

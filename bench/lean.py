@@ -1,6 +1,6 @@
 """Memory and step time of a GPT-like stack trained with Zero1Optimizer on one GPU: plain bf16 weights, NVFP4
 weights with kept compute copies (the default), and lean NVFP4 weights (compute_copy=False: a copy only around
-each use, `fp4_dist.lean`).
+each use, `fp4_dist.compute.lean`).
 
     python bench/lean.py [--hidden 2048] [--layers 8] [--seq 1024] [--micro-batch 4] [--steps 15] [--rounds 2]
 
@@ -86,7 +86,7 @@ def run_mode(mode: str, args) -> dict:
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
-    weights = dict(opt.param_memory_bytes(), lean_pool=fp4_dist.lean.pool_bytes())
+    weights = dict(opt.param_memory_bytes(), lean_pool=fp4_dist.compute.pool_bytes())
     return {"mode": mode, "peak_MiB": torch.cuda.max_memory_allocated() / 2**20, "step_ms": statistics.median(times),
             "weights_MiB": {k: v / 2**20 for k, v in weights.items()}}  # fmt: skip
 

@@ -1,4 +1,4 @@
-"""Host time per use of a linear weight: plain bf16, NVFP4 with a kept compute copy, lean NVFP4 (fp4_dist.lean),
+"""Host time per use of a linear weight: plain bf16, NVFP4 with a kept compute copy, lean NVFP4 (fp4_dist.compute.lean),
 and the dequantize launch itself, bound (a direct driver launch) and through the call form (CuPy's generic call).
 The weight does not change between the calls, so a lean use finds its copy made and launches nothing
 (`bench/lean_percall.py` times a lean use that launches).

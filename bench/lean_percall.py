@@ -1,4 +1,4 @@
-"""Host microseconds per call of each piece of a lean use (fp4_dist.lean) against a kept copy's lookup, on the
+"""Host microseconds per call of each piece of a lean use (fp4_dist.compute.lean) against a kept copy's lookup, on the
 device the step runs on (a step's host time is these calls times 4 x layers x weights x 2 per microbatch).
 
     python bench/lean_percall.py [--size 2048] [--calls 20000]
@@ -17,8 +17,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fp4_dist  # noqa: E402
-from fp4_dist import lean  # noqa: E402
-from fp4_dist.compute_view import compute_view  # noqa: E402
+from fp4_dist.compute import lean  # noqa: E402
+from fp4_dist.compute.view import compute_view  # noqa: E402
 from bench.lean_host import per_call  # noqa: E402
 
 

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 import fp4_dist
-from fp4_dist.compute_copy import refresh_compute_copies
+from fp4_dist.compute.copy import refresh_compute_copies
 from fp4_dist.kernels import reference
 
 DEV = torch.device("cuda")

@@ -49,7 +49,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from examples import megatron_pretrain_gpt as pretrain_gpt  # noqa: E402
 from fp4_dist.launch import shutdown  # noqa: E402
-from fp4_dist.lean import pool_stats  # noqa: E402
+from fp4_dist.compute import pool_stats  # noqa: E402
 
 MODELS = {
     "gpt256": ("--num-layers 4 --hidden-size 256 --num-attention-heads 4 --ffn-hidden-size 1024 "
@@ -326,7 +326,7 @@ def timed(phases: dict, calls: dict, label: str, fn, per_op: bool = False):
 def _lean_diagnostic(kind) -> tuple[dict, dict]:
     """Patch the lean mode for `--lean-diagnostic` (see its help); returns ({name: seconds}, {name: calls}),
     filled as the patched calls run."""
-    from fp4_dist import lean
+    from fp4_dist.compute import lean
     from fp4_dist.megatron import adapter
 
     seconds, calls = {}, {}

@@ -125,7 +125,7 @@ def _timing(optimizer, phases: dict, calls: dict):
     """Wall time and call count per phase (`phases`, `calls`) of the wrapped functions inside the block."""
     import megatron.core.pipeline_parallel as pipeline
     from fp4_dist import optim
-    from fp4_dist.optim import cast
+    from fp4_dist.cast import master_weights as cast
     from fp4_dist.tensor import NVFP4Tensor
 
     targets = [(optimizer, "step", "optimizer step"),

@@ -46,9 +46,9 @@ from fp4_dist.format import columnwise_scale_shape, num_tiles, rowwise_scale_sha
 from fp4_dist.kernels import _launch
 from fp4_dist.kernels import reference as R
 from fp4_dist.launch import init_distributed
-from fp4_dist.optim.cast import cast_master_weights_to_nvfp4
-from fp4_dist.optim.collectives import CommStats, all_gather_inplace, all_reduce_max_
-from fp4_dist.optim.sharded_cast import ShardedCast
+from fp4_dist.cast.master_weights import cast_master_weights_to_nvfp4
+from fp4_dist.cast.collectives import CommStats, all_gather_inplace, all_reduce_max_
+from fp4_dist.cast.sharded import ShardedCast
 from fp4_dist.tensor import NVFP4Tensor
 
 MODELS = {"gpt-h2048-l24": (2048, 24), "gpt-h4096-l32": (4096, 32)}

@@ -46,7 +46,7 @@ def main() -> None:
     leaves = {"plain bf16": plain, "do-nothing subclass": nothing, "NVFP4Tensor": nvfp4}
     fp4_dist.post_all_gather_processing([nvfp4])  # its compute copy, which compute_alias aliases
     links = {"an expand view": lambda w: w.expand(n, n),
-             "clone's node": lambda w: fp4_dist.compute_view.compute_alias(w) if w is nvfp4 else w.clone()}
+             "clone's node": lambda w: fp4_dist.compute.view.compute_alias(w) if w is nvfp4 else w.clone()}
     views = {(name, how): link(w) for name, w in leaves.items() for how, link in links.items()}
     assert all(type(v) is torch.Tensor for v in views.values())  # plain tensors: no dispatch when used
 

@@ -12,7 +12,7 @@ every torch.distributed collective of one step, by wrapping (not mocking) torch.
     fsdp2     one forward + backward of a fully_shard_nvfp4 model and the AdamW step
 
 Bytes are those of the largest tensor argument of each call (the all-reduce buffer, the all-gather output, the
-reduce-scatter input): the logical message, as fp4_dist.optim.collectives.CommStats counts it.
+reduce-scatter input): the logical message, as fp4_dist.cast.collectives.CommStats counts it.
 The amax exchange is reported on its own line (all_reduce): it must stay the boundary-tile exchange for zero1
 and the tensor-amax exchange for fsdp2.
 """

@@ -544,7 +544,7 @@ def train(args, model, optimizer, scheduler, device, start_iteration: int) -> Ru
         from fp4_dist.megatron.parity import master_digest
 
         result.master_digest = master_digest(model.module, optimizer)
-    from fp4_dist.compute_copy import compute_copy_bytes
+    from fp4_dist.compute.copy import compute_copy_bytes
 
     result.compute_copy_bytes = compute_copy_bytes(model.module)
     if device.type == "cuda":
@@ -609,7 +609,7 @@ def _summary(args, result: RunResult) -> str:
     losses = result.losses
     mib = {k: f"{v / 2**20:.3f} MiB" for k, v in result.buffer_bytes.items()}
     mib["nvfp4 compute copies"] = f"{result.compute_copy_bytes / 2**20:.3f} MiB"
-    from fp4_dist.lean import pool_stats
+    from fp4_dist.compute import pool_stats
 
     lean = pool_stats()
     if lean["bytes"]:  # the lean copies' buffers (one per weight shape), and launches per use

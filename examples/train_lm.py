@@ -24,8 +24,9 @@ import torch
 import fp4_dist
 from examples.model import TinyLMConfig, build_model
 from fp4_dist.launch import init_distributed, shutdown
-from fp4_dist.optim import CommStats, Zero1Config, Zero1Optimizer
-from fp4_dist.optim.collectives import all_reduce_sum_
+from fp4_dist.optim import Zero1Config, Zero1Optimizer
+from fp4_dist.cast import CommStats
+from fp4_dist.cast.collectives import all_reduce_sum_
 
 DATA = Path(__file__).resolve().parent / "data" / "tiny_corpus.txt"
 

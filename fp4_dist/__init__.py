@@ -1,34 +1,64 @@
-"""fp4_dist: NVFP4 weights for ZeRO / Megatron-Core training, with a 4-bit parameter all-gather.
+"""fp4_dist: NVFP4 weights for ZeRO, FSDP2 and Megatron-Core training, all-gathered in 4 bits.
 
-Public API (everything else is internal and may change)::
+Entry points (everything else is internal and may change)::
 
-    format      NVFP4Tensor, quantize, is_nvfp4_tensor, convert_linear_weights
-    compute     NVFP4Linear (fp4_dist.compute_view: a layer's cached alias of its weight's compute copy)
-    zero        cast_master_weights_to_nvfp4 (= quantize_master_weights), post_all_gather_processing
-    export      fp4_dist.export: export_compressed_tensors, load_compressed_tensors, VLLM_FUSED (imported on use:
-                it needs safetensors)
+    one tensor      NVFP4Tensor, quantize, is_nvfp4_tensor
+    a model         convert_linear_weights (-> ConversionReport), NVFP4Linear
+    ZeRO cast       cast_master_weights_to_nvfp4 (= quantize_master_weights), post_all_gather_processing:
+                    TransformerEngine's signature and semantics (fp4_dist.cast)
+    ZeRO-1          Zero1Optimizer, Zero1Config (fp4_dist.optim; checkpoints: fp4_dist.optim.load_checkpoint)
+    FSDP2           fully_shard_nvfp4 (fp4_dist.fsdp)
+    Megatron-Core   python -m fp4_dist.megatron.run <script> ... --fp4-param-gather, or fp4_dist.megatron.enable()
+    export          export_compressed_tensors, load_compressed_tensors, VLLM_FUSED (fp4_dist.export; loaded on first
+                    use: it needs safetensors)
+    processes       fp4_dist.launch.init_distributed / shutdown (torchrun, mpirun or a single process)
+
+The numeric contract is the spec (docs/); `format.DEFAULT_NUMERICS` is the block-scale formula used unless told.
 """
 
+from __future__ import annotations
+
+import importlib
+
 from . import launch  # noqa: F401 - first, so that a process group made after `import fp4_dist` can be freed
-from .compute_view import NVFP4Linear
+from .cast import cast_master_weights_to_nvfp4, post_all_gather_processing, quantize_master_weights
+from .compute.linear import NVFP4Linear
 from .convert import ConversionReport, convert_linear_weights
-from .optim import cast_master_weights_to_nvfp4, post_all_gather_processing, quantize_master_weights
+from .fsdp import fully_shard_nvfp4
+from .optim import Zero1Config, Zero1Optimizer
 from .quantize import quantize
 from .tensor import NVFP4Tensor, is_nvfp4_tensor
 
+_LAZY = {"export_compressed_tensors": "export", "load_compressed_tensors": "export", "VLLM_FUSED": "export"}
+
 __all__ = [
-    # format and single-tensor quantization
+    # one tensor
     "NVFP4Tensor",
     "quantize",
     "is_nvfp4_tensor",
+    # a model
     "convert_linear_weights",
     "ConversionReport",
-    # computing with NVFP4 weights
     "NVFP4Linear",
     # ZeRO partial cast (TransformerEngine's quantize_master_weights signature)
     "cast_master_weights_to_nvfp4",
     "quantize_master_weights",
     "post_all_gather_processing",
+    # trainers
+    "Zero1Optimizer",
+    "Zero1Config",
+    "fully_shard_nvfp4",
+    # export (loaded on first use)
+    "export_compressed_tensors",
+    "load_compressed_tensors",
+    "VLLM_FUSED",
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fp4_dist' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

@@ -9,8 +9,8 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from .compute_view import NVFP4Linear
-from .format import MODEL_DTYPES, TILE
+from .compute.linear import NVFP4Linear
+from .format import DEFAULT_NUMERICS, MODEL_DTYPES, TILE
 from .quantize import quantize
 from .shared_amax import ATTR as AMAX_GROUP_ATTR
 from .shared_amax import check_patterns, group_amax, sibling_groups
@@ -41,7 +41,7 @@ class ConversionReport:
 def convert_linear_weights(
     model: nn.Module,
     *,
-    numerics: str = "te",
+    numerics: str = DEFAULT_NUMERICS,
     dtype: Optional[torch.dtype] = None,
     skip: tuple[str, ...] = (),
     compute_copy: bool = True,
@@ -51,7 +51,7 @@ def convert_linear_weights(
     """Replace every eligible nn.Linear weight (2D, K % 16 == 0) by an NVFP4 parameter, in place.
 
     A converted layer whose class is nn.Linear itself becomes an `NVFP4Linear` (an nn.Linear whose forward
-    computes with a cached plain alias of the weight's compute copy, `fp4_dist.compute_view`: the host cost of a
+    computes with a cached plain alias of the weight's compute copy, `fp4_dist.compute.view`: the host cost of a
     bf16 forward); subclasses keep their class and forward and compute through the weight's dispatch, with the
     same values. A weight shared by several modules (tied embeddings) becomes one NVFP4 parameter that every owner
     holds. Weights that are NVFP4 already are left as they are, so a second call changes nothing.

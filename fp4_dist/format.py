@@ -29,6 +29,9 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 NUMERICS = ("te", "te-2.14")
 """`te`: TransformerEngine main, d_t = a_t * (S * fp32(1/6)); `te-2.14`: d_t = (a_t / 6) * S."""
 
+DEFAULT_NUMERICS = "te"
+"""The block-scale formula every entry point uses unless told otherwise (the one place that says so)."""
+
 MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 """What an NVFP4 weight computes in: values are rounded to it before quantization, and dequantize writes it."""
 

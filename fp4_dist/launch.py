@@ -36,6 +36,9 @@ if dist.is_available():
 _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "MPI_LOCALRANKID", "PMIX_RANK")
 
 
+__all__ = ["init_distributed", "shutdown", "DistInfo", "launched_by", "export_mpi_env"]
+
+
 @dataclass(frozen=True)
 class DistInfo:
     """Where this process sits in the job."""

@@ -6,14 +6,14 @@ from typing import Optional
 
 import torch
 
-from .format import check_numerics, rowwise_data_shape, rowwise_scale_shape
+from .format import DEFAULT_NUMERICS, check_numerics, rowwise_data_shape, rowwise_scale_shape
 from .kernels import checks, quantize_rowwise
 from .format import MODEL_DTYPES
 from .tensor import NVFP4Tensor
 
 
 def quantize(
-    x: torch.Tensor, numerics: str = "te", dtype: Optional[torch.dtype] = None, *, name: str = "input",
+    x: torch.Tensor, numerics: str = DEFAULT_NUMERICS, dtype: Optional[torch.dtype] = None, *, name: str = "input",
     amax: Optional[torch.Tensor] = None,
 ) -> NVFP4Tensor:
     """Quantize a 2D tensor [M, K] (K % 16 == 0) on any device to an NVFP4Tensor, bit-exact to the spec.

@@ -82,23 +82,3 @@ def check_patterns(patterns) -> tuple[tuple[str, ...], ...]:
 def group_amax(values: Sequence[torch.Tensor], round_to: torch.dtype) -> torch.Tensor:
     """The shared amax of whole weights: the largest max|x| of their values rounded to the model dtype."""
     return torch.stack([v.detach().to(round_to).abs().max().to(torch.float32) for v in values]).max().reshape(1)
-
-
-def quantize_members(items: dict, device=None) -> dict:
-    """{name: NVFP4Tensor on the host} of whole weights {name: (full master, FSDP2 `WeightState`)}, each group with
-    its shared amax: the bytes FSDP2's shard cast writes. Each weight is quantized on `device` (default: where its
-    master is), one at a time."""
-    from .quantize import quantize
-
-    out, shared_of = {}, {}
-    for name, (master, st) in items.items():
-        g = st.amax_group
-        shared = None
-        if g is not None:
-            if g not in shared_of:
-                shared_of[g] = group_amax([items[m][0] for m in g.members], st.model_dtype)
-            shared = shared_of[g]
-        q = quantize(master.to(device or master.device), st.numerics, st.model_dtype, name=name,
-                     amax=None if shared is None else shared.to(device or master.device))  # fmt: skip
-        out[name] = q if q.rowwise_data.device.type == "cpu" else q.to("cpu")
-    return out

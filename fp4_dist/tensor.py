@@ -8,7 +8,7 @@ It reports the logical shape [M, K] and the model dtype (bf16 by default) and ho
   may be a view into a data-parallel all-gather buffer);
 - in-place ops that would reinterpret or mutate the packed bytes: NotImplementedError naming the op;
 - everything else (linear, matmul, t, ...): runs on the weight's value in the model dtype, so autograd hands a
-  plain [M, K] gradient to the parameter. That value is the weight's compute copy (`fp4_dist.compute_copy`):
+  plain [M, K] gradient to the parameter. That value is the weight's compute copy (`fp4_dist.compute.copy`):
   dequantized once per change of the bytes, not once per use.
 """
 
@@ -19,8 +19,9 @@ from typing import Callable, Optional
 import torch
 
 from . import kernels
-from .compute_copy import ComputeCopy, refresh_compute_copies
+from .compute.copy import ComputeCopy, refresh_compute_copies
 from .format import (
+    DEFAULT_NUMERICS,
     MODEL_DTYPES,
     check_numerics,
     check_weight_shape,
@@ -32,6 +33,7 @@ from .format import (
     rowwise_scale_shape,
 )
 from .shared_amax import group_amax, group_of
+from .tensor_ops import NO_KWARGS, OPS, compute, refuse
 
 aten = torch.ops.aten
 
@@ -72,7 +74,7 @@ class NVFP4Tensor(torch.Tensor):
         amax: torch.Tensor,
         columnwise_data: Optional[torch.Tensor] = None,
         columnwise_scale_inv: Optional[torch.Tensor] = None,
-        numerics: str = "te",
+        numerics: str = DEFAULT_NUMERICS,
         requires_grad: bool = False,
         compute_copy=True,
     ):
@@ -101,7 +103,7 @@ class NVFP4Tensor(torch.Tensor):
 
     # ----------------------------------------------------------------------------------------------- build
     @classmethod
-    def empty(cls, shape, *, device=None, dtype: torch.dtype = torch.bfloat16, numerics: str = "te"):
+    def empty(cls, shape, *, device=None, dtype: torch.dtype = torch.bfloat16, numerics: str = DEFAULT_NUMERICS):
         """An all-zero NVFP4 weight (every field written, so nothing uninitialised can leak into a gather)."""
         m, k = check_weight_shape(shape)
         z = lambda s, dt: torch.zeros(s, dtype=dt, device=device)  # noqa: E731
@@ -137,6 +139,21 @@ class NVFP4Tensor(torch.Tensor):
         new.__dict__.pop("_is_param", None)
         return new
 
+    def _carry_attributes(self, dst: "NVFP4Tensor") -> "NVFP4Tensor":
+        """Give `dst` the Python attributes this weight carries beside its NVFP4 state (Megatron's tensor-parallel
+        attributes, `get_high_precision_init_val`, a user's own).
+
+        `nn.Module._apply` (`.cuda()`, `.to(device)`, `.bfloat16()`, Megatron's Float16Module) moves a
+        tensor-subclass parameter by `swap_tensors(param, nn.Parameter(fn(param)))`, which swaps the objects'
+        `__dict__`s: the parameter keeps exactly the attributes of `nn.Parameter(fn(param))`, a detach of
+        `fn(param)`. So both the device move and the alias (detach, `.data`) carry them, as `param.data = ...`
+        keeps them for a plain tensor.
+        """
+        extra = {k: v for k, v in self.__dict__.items() if k not in ALIAS_STATE and k != "_is_param"}
+        if extra:
+            dst.__dict__.update(extra)
+        return dst
+
     # ------------------------------------------------------------------------------------------- numerics
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A new plain [M, K] tensor: e2m1_value * ((float(s_t) * amax) * fp32(1/2688)) rounded to `dtype`.
@@ -152,7 +169,7 @@ class NVFP4Tensor(torch.Tensor):
 
     @property
     def copy_state(self) -> ComputeCopy:
-        """The state of this weight's compute copy, shared by its aliases (`fp4_dist.compute_copy` keeps it)."""
+        """The state of this weight's compute copy, shared by its aliases (`fp4_dist.compute.copy` keeps it)."""
         return self._compute_copy
 
     @property
@@ -295,7 +312,7 @@ class NVFP4Tensor(torch.Tensor):
         handler = OPS.get(func)
         if handler is None:
             handler = OPS[func] = refuse if func._schema.is_mutable or func.__name__.endswith("_") else compute
-        return handler(func, args, kwargs or NO_KWARGS)
+        return handler(cls, func, args, kwargs or NO_KWARGS)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -322,6 +339,3 @@ def _check_field(name: str, t: torch.Tensor, dtype: torch.dtype, shape) -> None:
 def is_nvfp4_tensor(t) -> bool:
     return isinstance(t, NVFP4Tensor)
 
-
-# The op table registers its handlers against the class above, so it is imported after it.
-from .tensor_ops import NO_KWARGS, OPS, compute, refuse  # noqa: E402

@@ -13,24 +13,21 @@ Three kinds of handler (the tensor module's docstring says why):
 from __future__ import annotations
 
 import sys
-import threading
 
 import torch
 from torch.utils._pytree import tree_map
 
-from .tensor import ALIAS_STATE, NVFP4Tensor
-
 aten = torch.ops.aten
 
 
-def compute(func, args, kwargs):
+def compute(cls, func, args, kwargs):
     """Any op not in the table that leaves its inputs alone: run it on the weights' compute values."""
     if kwargs:
-        return func(*_values(args), **dict(zip(kwargs, _values(kwargs.values()))))
-    return func(*_values(args))
+        return func(*_values(cls, args), **dict(zip(kwargs, _values(cls, kwargs.values()))))
+    return func(*_values(cls, args))
 
 
-def refuse(func, args, kwargs):
+def refuse(cls, func, args, kwargs):
     raise NotImplementedError(
         f"{func} would mutate the packed bytes of an NVFP4Tensor in place. NVFP4 weights train through fp32 "
         "masters: use fp4_dist.optim.Zero1Optimizer (wraps any torch.optim optimizer), fp4_dist.fsdp."
@@ -39,23 +36,24 @@ def refuse(func, args, kwargs):
     )
 
 
-def _values(args) -> list:
-    """Arguments of a compute op with every NVFP4Tensor replaced by its compute value. Ops run in every forward
-    and backward, so the usual shapes (flat arguments, a list of tensors) avoid pytree's generic walk."""
+def _values(cls, args) -> list:
+    """Arguments of a compute op with every weight (an instance of `cls`) replaced by its compute value. Ops run
+    in every forward and backward, so the usual shapes (flat arguments, a list of tensors) avoid pytree's generic
+    walk."""
     out = []
     for a in args:
-        if isinstance(a, NVFP4Tensor):
+        if isinstance(a, cls):
             a = a.compute_value()
         elif isinstance(a, (list, tuple)):
-            a = type(a)(_values(a)) if not hasattr(a, "_fields") else tree_map(_value, a)
+            a = type(a)(_values(cls, a)) if not hasattr(a, "_fields") else tree_map(lambda t: _value(cls, t), a)
         elif isinstance(a, dict):
-            a = tree_map(_value, a)
+            a = tree_map(lambda t: _value(cls, t), a)
         out.append(a)
     return out
 
 
-def _value(t):
-    return t.compute_value() if isinstance(t, NVFP4Tensor) else t
+def _value(cls, t):
+    return t.compute_value() if isinstance(t, cls) else t
 
 
 # ------------------------------------------------------------------------------------------------ op table
@@ -73,60 +71,41 @@ def _implements(*ops):
 
 
 @_implements(aten.t.default)
-def _t(func, args, kwargs):
+def _t(cls, func, args, kwargs):
     # The one op on a weight in every forward (F.linear, Megatron's matmul(x, w.t())): straight to the value's
     # own method, without the generic argument walk and the OpOverload call (~4 us of host time per use).
     return args[0].compute_value().t()
 
 
 @_implements(aten.mm.default)
-def _mm(func, args, kwargs):
+def _mm(cls, func, args, kwargs):
     # The op of every backward that reads the weight (x.grad = dy @ W, Megatron's grad_output.matmul(weight)).
     a, b = args
-    return torch.mm(_value(a), _value(b))
+    return torch.mm(_value(cls, a), _value(cls, b))
 
 
 @_implements(aten.detach.default, aten.alias.default)
-def _alias(func, args, kwargs):
+def _alias(cls, func, args, kwargs):
     return args[0]._alias()
 
 
-_ALIAS_REQUEST = threading.local()
-
-
-def clone_value(w: NVFP4Tensor) -> torch.Tensor:
-    """``w.clone()`` as a plain tensor on `w`'s current compute copy, linked to `w` by clone's autograd node (see
-    `fp4_dist.compute_view.compute_alias`, its caller). A thread-local request tells the clone handler."""
-    return _clone_onto(w, True)
-
-
-def alias_of(w: NVFP4Tensor, memory: torch.Tensor) -> torch.Tensor:
-    """``w.clone()`` as a plain tensor on `memory` (a plain [M, K] tensor of `w`'s dtype, which the caller fills
-    with `w`'s values before each use), linked to `w` by clone's autograd node (`fp4_dist.lean`'s pool buffers)."""
-    return _clone_onto(w, memory)
-
-
-def _clone_onto(w: NVFP4Tensor, request) -> torch.Tensor:
-    _ALIAS_REQUEST.on = request
-    try:
-        return w.clone()
-    finally:
-        _ALIAS_REQUEST.on = False
+ALIAS_FORMAT = torch.channels_last_3d
+"""The memory format that asks ``clone`` of an NVFP4 weight for a placeholder instead of a copy: a 5-D layout no
+2-D tensor can have (torch refuses it for plain ones), passed only by `fp4_dist.compute.alias.alias_onto`, which
+binds the placeholder to memory holding the weight's values. What it needs of clone is the autograd node alone."""
 
 
 @_implements(aten.clone.default)
-def _clone(func, args, kwargs):
-    request = getattr(_ALIAS_REQUEST, "on", False)
-    if request is not False:
-        _ALIAS_REQUEST.on = False  # this one call only
-        value = args[0].compute_value() if request is True else request
-        return value.view(value.shape)  # a new tensor on that memory (never the tensor itself: autograd gives the
-        # returned tensor its grad_fn)
-    return args[0]._with_fields(lambda t: t.clone())
+def _clone(cls, func, args, kwargs):
+    w = args[0]
+    if kwargs.get("memory_format") is ALIAS_FORMAT:
+        # Zero strides: one element of storage, which alias_onto replaces at once.
+        return torch.empty_strided(tuple(w.shape), (0, 0), dtype=w.dtype, device=w.device)
+    return w._with_fields(lambda t: t.clone())
 
 
 @_implements(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
-def _view(func, args, kwargs):
+def _view(cls, func, args, kwargs):
     src, shape = args[0], list(args[1])
     if shape == list(src.shape):
         return src._alias()
@@ -135,11 +114,11 @@ def _view(func, args, kwargs):
 
 
 @_implements(aten.split.Tensor, aten.split_with_sizes.default, aten.new_zeros.default)
-def _shard_op(func, args, kwargs):
+def _shard_op(cls, func, args, kwargs):
     # The ops torch's FSDP shards a parameter with: on an NVFP4Tensor they would shard (and all-gather) its bf16
     # value, silently dropping the NVFP4 form. Model code may still split a weight (a fused QKV, say).
     _refuse_fsdp(func)
-    return compute(func, args, kwargs)
+    return compute(cls, func, args, kwargs)
 
 
 def _refuse_fsdp(func) -> None:
@@ -156,37 +135,22 @@ def _refuse_fsdp(func) -> None:
 
 
 @_implements(aten._to_copy.default)
-def _to_copy(func, args, kwargs):
+def _to_copy(cls, func, args, kwargs):
     src = args[0]
     dtype = kwargs.get("dtype", src.dtype)
     device = kwargs.get("device", src.device)
     if dtype != src.dtype:  # w.float(), w.to(torch.float32): the value, not the container
         return src.dequantize(dtype).to(device)
-    return _carry_attributes(src, src._with_fields(lambda t: t.to(device=device, copy=True)))
-
-
-def _carry_attributes(src: NVFP4Tensor, dst: NVFP4Tensor) -> NVFP4Tensor:
-    """Give `dst` the Python attributes `src` carries beside its NVFP4 state (Megatron's tensor-parallel
-    attributes, `get_high_precision_init_val`, a user's own).
-
-    `nn.Module._apply` (`.cuda()`, `.to(device)`, `.bfloat16()`, Megatron's Float16Module) moves a tensor-subclass
-    parameter by `swap_tensors(param, nn.Parameter(fn(param)))`, which swaps the objects' `__dict__`s: the
-    parameter keeps exactly the attributes of `nn.Parameter(fn(param))`, a detach of `fn(param)`. So both the
-    device move and the alias (detach, `.data`) carry them, as `param.data = ...` keeps them for a plain tensor.
-    """
-    extra = {k: v for k, v in src.__dict__.items() if k not in ALIAS_STATE and k != "_is_param"}
-    if extra:
-        dst.__dict__.update(extra)
-    return dst
+    return src._carry_attributes(src._with_fields(lambda t: t.to(device=device, copy=True)))
 
 
 @_implements(aten.copy_.default)
-def _copy(func, args, kwargs):
+def _copy(cls, func, args, kwargs):
     dst, src = args[0], args[1]
-    if isinstance(dst, NVFP4Tensor):
+    if isinstance(dst, cls):
         if tuple(src.shape) != tuple(dst.shape):
             raise ValueError(f"copy_ into NVFP4Tensor {list(dst.shape)} from a tensor of shape {list(src.shape)}")
-        if isinstance(src, NVFP4Tensor):
+        if isinstance(src, cls):
             for f in ("rowwise_data", "rowwise_scale_inv", "amax"):
                 getattr(dst, f).copy_(getattr(src, f))
             if dst.columnwise_data is not None:
@@ -197,7 +161,7 @@ def _copy(func, args, kwargs):
 
 
 @_implements(aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default)
-def _like(func, args, kwargs):
+def _like(cls, func, args, kwargs):
     # Optimizer state and grad buffers shaped like a weight are plain high-precision tensors.
     src = args[0]
     kwargs = dict(kwargs)

@@ -8,6 +8,7 @@
 docs/export.md has the commands and the exactness bound.
 """
 
+from .ct_format import DamagedCheckpointError
 from .global_scale import GlobalScale, choose_global_scale
 from .load import LoadReport, load_compressed_tensors
 from .save import VLLM_FUSED, ExportReport, export_compressed_tensors, export_megatron_checkpoint
@@ -21,4 +22,5 @@ __all__ = [
     "GlobalScale",
     "choose_global_scale",
     "VLLM_FUSED",
+    "DamagedCheckpointError",
 ]

@@ -18,7 +18,7 @@ from torch import nn
 
 from .._user import user_stacklevel
 from ..convert import install_nvfp4, model_dtype_of
-from ..format import TILE, ceil_div, check_weight_shape
+from ..format import DEFAULT_NUMERICS, TILE, ceil_div, check_weight_shape
 from ..kernels.reference import dequantize as reference_dequantize
 from ..kernels.reference import expand_rowwise_scales
 from ..tensor import NVFP4Tensor, is_nvfp4_tensor
@@ -119,7 +119,7 @@ def _nvfp4_fields(model: nn.Module, module_name: str, tensors, amax: Optional[fl
     if amax is None:
         amax, differ = amax_for_global_scale(g, compact)
         report.derived_amax[name] = differ
-    dtype, numerics = (current.dtype, current.numerics) if is_nvfp4_tensor(current) else (model_dtype_of(current), "te")
+    dtype, numerics = (current.dtype, current.numerics) if is_nvfp4_tensor(current) else (model_dtype_of(current), DEFAULT_NUMERICS)
     return dict(shape=(m, k), dtype=dtype, numerics=numerics, device=current.device,
                 rowwise_data=packed.contiguous(), rowwise_scale_inv=expand_rowwise_scales(compact, m, k),
                 amax=torch.tensor([amax], dtype=torch.float32))  # fmt: skip

@@ -21,8 +21,9 @@ from torch import nn
 
 from ..convert import weight_owners
 from ..kernels import reference
-from ..optim.collectives import in_distributed_job, rank_and_size
-from ..shared_amax import sibling_groups
+from ..cast.collectives import in_distributed_job, rank_and_size
+from ..quantize import quantize
+from ..shared_amax import group_amax, sibling_groups
 from ..tensor import is_nvfp4_tensor
 from . import ct_format
 from .global_scale import GlobalScale, choose_global_scale, ct_decode
@@ -242,7 +243,6 @@ def _fsdp_entries(model: nn.Module, registry, dense_dtype, writer: bool):
     group at a time on the model's device."""
     from torch.distributed.tensor import DTensor
 
-    from ..shared_amax import quantize_members
 
     states = registry.states
     model_dtype = next(iter(states.values())).model_dtype if states else None
@@ -308,3 +308,21 @@ def _fused_mismatches(scales: dict[str, GlobalScale]) -> list[tuple[str, ...]]:
     """The groups vLLM fuses among the exported weights whose global scales differ."""
     groups = sibling_groups([ct_format.module_of(n) for n in scales], VLLM_FUSED)
     return [g.members for g in groups if len({scales[m].value for m in g.members}) > 1]
+
+
+def quantize_members(items: dict, device=None) -> dict:
+    """{name: NVFP4Tensor on the host} of whole weights {name: (full master, FSDP2 `WeightState`)}, each group with
+    its shared amax: the bytes FSDP2's shard cast writes. Each weight is quantized on `device` (default: where its
+    master is), one at a time."""
+    out, shared_of = {}, {}
+    for name, (master, st) in items.items():
+        g = st.amax_group
+        shared = None
+        if g is not None:
+            if g not in shared_of:
+                shared_of[g] = group_amax([items[m][0] for m in g.members], st.model_dtype)
+            shared = shared_of[g]
+        q = quantize(master.to(device or master.device), st.numerics, st.model_dtype, name=name,
+                     amax=None if shared is None else shared.to(device or master.device))  # fmt: skip
+        out[name] = q if q.rowwise_data.device.type == "cpu" else q.to("cpu")
+    return out

@@ -27,7 +27,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import kernels
-from ..format import is_tile_grid, rowwise_data_shape, rowwise_scale_shape
+from ..format import DEFAULT_NUMERICS, is_tile_grid, rowwise_data_shape, rowwise_scale_shape
 from ..tensor import NVFP4Tensor
 from . import wire
 
@@ -47,7 +47,7 @@ class WeightState:
     """"nvfp4": packed bytes + tile scales are gathered; "bf16": bf16 values are gathered, quantized after."""
     model_dtype: torch.dtype
     """Dtype the masters are rounded to before quantization and that the forward computes in."""
-    numerics: str = "te"
+    numerics: str = DEFAULT_NUMERICS
     amax_group: Any = None
     """The `fp4_dist.shared_amax.AmaxGroup` whose one amax this weight's scales use, or None."""
     # --- filled by precompute.ShardCast before each gather ("nvfp4" mode)
@@ -105,6 +105,16 @@ class NVFP4Master(torch.Tensor):
         self._data = data
         self._state = state
         return self
+
+    @property
+    def state(self) -> "WeightState":
+        """What fp4_dist knows of the weight: its shape, mode, numerics, amax group and the last cast and gather."""
+        return self._state
+
+    @property
+    def fp32(self) -> torch.Tensor:
+        """The wrapped plain fp32 tensor (this rank's master values): what the casts read."""
+        return self._data
 
     def __repr__(self, *, tensor_contents=None) -> str:
         return f"NVFP4Master({self._state.fqn or 'weight'}, shape={list(self.shape)}, mode={self._state.mode})"

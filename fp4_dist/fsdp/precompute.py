@@ -9,7 +9,7 @@ that holds the tile and only the n tensor amaxes cross ranks::
     owner_scales     local tile scale bytes (the all-gather's second input), encode multipliers, amax
     partial_cast     local packed bytes (the all-gather's first input)
 
-The stages, the exchange and the check are `fp4_dist.optim.cast_core.CastCore`'s, as for every other cast of
+The stages, the exchange and the check are `fp4_dist.cast.core.CastCore`'s, as for every other cast of
 this package, so the gathered bytes are those of `fp4_dist.quantize(full master)`. What a rank sends is
 `wire`'s. Bound once per set of master tensors; a call is a few launches.
 """
@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from .. import kernels
-from ..optim.cast_core import CastCore, make_cast_plan
+from ..cast.core import CastCore, make_cast_plan
 from . import wire
 from .master import NVFP4Master, WeightState, local_master
 
@@ -68,8 +68,8 @@ class ShardCast:
         self.group = None
         for _, p in params:
             local, row0 = _local(p)
-            if local._state.mode == "nvfp4":
-                self.weights.append(_Weight(local._state, local._data, row0))
+            if local.state.mode == "nvfp4":
+                self.weights.append(_Weight(local.state, local.fp32, row0))
                 self.group = shard_group(p)
         self._sources = [w.master for w in self.weights]
         self._bind()
@@ -104,7 +104,7 @@ class ShardCast:
     def current_for(self, params) -> bool:
         """Whether this binding still points at the model's master tensors."""
         locals_ = [local_master(p) for _, p in params]
-        now = [t._data for t in locals_ if t._state.mode == "nvfp4"]
+        now = [t.fp32 for t in locals_ if t.state.mode == "nvfp4"]
         return len(now) == len(self._sources) and all(a is b for a, b in zip(now, self._sources))
 
     def stale(self) -> bool:

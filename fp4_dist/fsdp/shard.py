@@ -21,8 +21,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from ..format import TILE, check_numerics, whole_bands
-from ..optim.collectives import reduce_scatter_ordered
+from ..format import DEFAULT_NUMERICS, TILE, check_numerics, whole_bands
+from ..cast.collectives import reduce_scatter_ordered
 from ..shared_amax import check_patterns, group_of, sibling_groups
 from ..tensor import NVFP4Tensor
 from . import wire
@@ -71,7 +71,7 @@ def fully_shard_nvfp4(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     shard_modules: Iterable[nn.Module] = (),
     reshard_after_forward: bool = True,
-    numerics: str = "te",
+    numerics: str = DEFAULT_NUMERICS,
     skip: Sequence[str] = (),
     ordered_grad_reduction: bool = False,
     shared_amax: Sequence[Sequence[str]] = (),
@@ -185,7 +185,7 @@ class _Registry:
 
     def __init__(self, model: nn.Module):
         self.owners = [(fqn, module) for fqn, module in _weight_owners(model)]
-        self.states = {fqn: local_master(module.weight)._state for fqn, module in self.owners}
+        self.states = {fqn: local_master(module.weight).state for fqn, module in self.owners}
         self.cast: Optional[ShardCast] = None
 
     def masters(self) -> list[tuple[str, torch.Tensor]]:
@@ -226,7 +226,7 @@ def _unwrap_state_dict(module, state_dict, prefix, local_metadata) -> None:
     p = state_dict.get(key)
     local = local_master(p)
     if local is not None:
-        data = local._data
+        data = local.fp32
         if isinstance(p, DTensor):
             data = DTensor.from_local(data, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                       stride=p.stride())  # fmt: skip
@@ -265,7 +265,7 @@ def _allocated(t: torch.Tensor) -> bool:
 
 class OrderedReduceScatter:
     """FSDP2 reduce-scatter as an all-to-all and a sum in rank order (`set_custom_reduce_scatter`): the same bits
-    for every world size and backend, like `fp4_dist.optim.collectives.reduce_scatter_ordered`."""
+    for every world size and backend, like `fp4_dist.cast.collectives.reduce_scatter_ordered`."""
 
     def allocate(self, size, *, dtype, device):
         return torch.empty(*size, dtype=dtype, device=device)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from ..format import (
+    DEFAULT_NUMERICS,
     has_columnwise,
     E2M1_VALUES,
     E4M3_MAX,
@@ -116,7 +117,7 @@ def e4m3_to_float(bits: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float8_e4m3fn).to(torch.float32)
 
 
-def tile_scales(tile_amax: torch.Tensor, amax: torch.Tensor, numerics: str = "te") -> torch.Tensor:
+def tile_scales(tile_amax: torch.Tensor, amax: torch.Tensor, numerics: str = DEFAULT_NUMERICS) -> torch.Tensor:
     """E4M3 tile scale bytes s_t (uint8, shape of `tile_amax`) from tile amaxes and the tensor amax."""
     s = global_encode_scale(amax.reshape(1))
     if check_numerics(numerics) == "te":
@@ -211,7 +212,7 @@ def transpose_scales(rowwise_scale_inv: torch.Tensor, m: int, k: int) -> torch.T
     return out
 
 
-def quantize(x: torch.Tensor, numerics: str = "te", round_to: torch.dtype = torch.bfloat16):
+def quantize(x: torch.Tensor, numerics: str = DEFAULT_NUMERICS, round_to: torch.dtype = torch.bfloat16):
     """Quantize a whole 2D weight: (rowwise_data [M, K/2], rowwise_scale_inv, amax [1], tile scales [tm, tk])."""
     m, k = x.shape
     flat = x.reshape(-1)

@@ -7,7 +7,7 @@ in the order a ZeRO step runs them (spec section 4, `docs/nvfp4_spec.md`)::
     partial_amax  ->  (MAX all-reduce of the amax buffer)  ->  fused_scale  ->  partial_cast
     (byte all-gather)  ->  nibble_transpose + scale_transpose
 
-or, exchanging only the amaxes of tiles cut by rank boundaries (`fp4_dist.optim.sharded_cast`)::
+or, exchanging only the amaxes of tiles cut by rank boundaries (`fp4_dist.cast.sharded`)::
 
     partial_amax  ->  (MAX all-reduce of tensor + cut-tile amaxes)  ->  owner_scales  ->  partial_cast
     (byte all-gather + all-gather of the owners' compact scale bytes)  ->  expand_scales  ->  transposes
@@ -25,7 +25,7 @@ Two forms per stage:
   tensors and are never cached here.
 
 Every stage bumps the version counters of the tensors it writes, as a torch op would: autograd then refuses a
-stale saved tensor, and compute copies (`fp4_dist.compute_copy`) see that bytes changed.
+stale saved tensor, and compute copies (`fp4_dist.compute.copy`) see that bytes changed.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..format import byte_window, check_numerics, num_tiles, tile_grid, tile_offsets
+from ..format import DEFAULT_NUMERICS, byte_window, check_numerics, num_tiles, tile_grid, tile_offsets
 from . import _launch, checks, cuda_plans, reference
 
 Shape = tuple[int, int]
@@ -224,7 +224,7 @@ def _cpu_amax(shards, starts, shapes, round_to, out: torch.Tensor) -> None:
 
 # -------------------------------------------------------------------------------------------- fused_scale
 def fused_scale(amaxes: torch.Tensor, shapes: Sequence[Shape], scale_invs: Sequence[torch.Tensor],
-                amax_outs: Sequence[torch.Tensor], *, numerics: str = "te") -> torch.Tensor:  # fmt: skip
+                amax_outs: Sequence[torch.Tensor], *, numerics: str = DEFAULT_NUMERICS) -> torch.Tensor:  # fmt: skip
     """From reduced amaxes: every rowwise_scale_inv (padding zeroed), every amax, and the encode multipliers.
 
     Returns:
@@ -249,7 +249,7 @@ def fused_scale(amaxes: torch.Tensor, shapes: Sequence[Shape], scale_invs: Seque
 
 
 def bind_fused_scale(amaxes: torch.Tensor, shapes, scale_invs, amax_outs, enc: torch.Tensor, *,
-                     numerics: str = "te") -> Bound:  # fmt: skip
+                     numerics: str = DEFAULT_NUMERICS) -> Bound:  # fmt: skip
     """`fused_scale(amaxes, shapes, scale_invs, amax_outs, numerics=numerics)` writing its multipliers to `enc`."""
     shapes = checks.scale_args(amaxes, shapes, scale_invs, amax_outs, numerics, enc)
     scale_invs, amax_outs = list(scale_invs), list(amax_outs)
@@ -322,7 +322,7 @@ def _cpu_cast(shards, starts, shapes, enc, fragments, round_to) -> None:
 # ------------------------------------------------------------------------- owner_scales / expand_scales
 def owner_scales(amaxes: torch.Tensor, shapes: Sequence[Shape], enc_ranges: Sequence[tuple[int, int]],
                  own_ranges: Sequence[tuple[int, int]], compact: torch.Tensor, enc: torch.Tensor,
-                 amax_outs: Sequence[torch.Tensor], *, numerics: str = "te") -> None:  # fmt: skip
+                 amax_outs: Sequence[torch.Tensor], *, numerics: str = DEFAULT_NUMERICS) -> None:  # fmt: skip
     """One rank's share of the scales when only cut tiles were exchanged: encode multipliers of the tiles its
     shards touch, the scale bytes of the tiles it owns (packed), and every weight's amax.
 
@@ -340,7 +340,7 @@ def owner_scales(amaxes: torch.Tensor, shapes: Sequence[Shape], enc_ranges: Sequ
 
 
 def bind_owner_scales(amaxes: torch.Tensor, shapes, enc_ranges, own_ranges, compact: torch.Tensor,
-                      enc: torch.Tensor, amax_outs, *, numerics: str = "te") -> Bound:  # fmt: skip
+                      enc: torch.Tensor, amax_outs, *, numerics: str = DEFAULT_NUMERICS) -> Bound:  # fmt: skip
     """`owner_scales(...)`, bound."""
     shapes, enc_ranges, own_ranges = checks.owner_args(amaxes, shapes, enc_ranges, own_ranges, compact, enc,
                                                        amax_outs, numerics)  # fmt: skip

@@ -20,12 +20,13 @@ ranks (docs/megatron.md).
 from __future__ import annotations
 
 from typing import Optional
+from ..format import DEFAULT_NUMERICS
 
 __all__ = ["enable", "disable", "is_enabled"]
 
 
 def enable(*, cpu: Optional[bool] = None, allow_untested_version: bool = False, columnwise: bool = False,
-           numerics: str = "te", compute_copy: bool = True, check_every: int = 0,
+           numerics: str = DEFAULT_NUMERICS, compute_copy: bool = True, check_every: int = 0,
            log_json: Optional[str] = None) -> None:  # fmt: skip
     """Install the hook table into megatron-core (idempotent).
 

@@ -62,7 +62,7 @@ HOOKS: tuple[Hook, ...] = (
          "alias the weight's packed rowwise bytes to its slice of the DDP uint8 param buffer (pgb 1262-1269)"),
     Hook((_FP4, _DO), "quantize_nvfp4_param_shard", buffers.make_shard_cast,
          "shard cast of the fp32 masters into the owned nibbles + all scales/amax via "
-         "fp4_dist.optim.cast_master_weights_to_nvfp4 instead of TE (DO 2843-2847)"),
+         "fp4_dist.cast_master_weights_to_nvfp4 instead of TE (DO 2843-2847)"),
     Hook((_FP8, _PGB), "post_all_gather_processing", buffers.make_post_all_gather,
          "after the byte all-gather, per bucket group in _post_param_sync (pgb 332-337): one launch refreshes "
          "the weights' compute copies (columnwise copies only with AdapterOptions.columnwise); non-fp4_dist "
@@ -117,7 +117,7 @@ HOOKS: tuple[Hook, ...] = (
          "false for fp4_dist.NVFP4Tensor without reading `param.data` (an alias through Python dispatch, for every "
          "NVFP4 weight in every step's _copy_main_params_to_model_params; DO 1125-1127, 2868): same answer"),
     Hook((_TPL,), "ColumnParallelLinear._forward_impl", layers.make_forward_impl,
-         "compute with the layer's cached plain alias of its NVFP4 weight's compute copy (fp4_dist.compute_view: "
+         "compute with the layer's cached plain alias of its NVFP4 weight's compute copy (fp4_dist.compute.view: "
          "one C++ autograd node to the parameter) instead of the parameter, whose every op goes through Python "
          "dispatch (~15-20 us per use); same values and gradients (layers 1094-1098)"),
     Hook((_TPL,), "RowParallelLinear._forward_impl", layers.make_forward_impl,

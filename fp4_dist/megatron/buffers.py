@@ -48,7 +48,7 @@ def make_shard_cast(original):
                 "fp4_dist.megatron: the NVFP4 param list mixes fp4_dist NVFP4Tensor weights with other NVFP4 "
                 "types; build every NVFP4 weight with fp4_dist (fp4_dist.megatron.model) or none"
             )
-        from ..optim import cast_master_weights_to_nvfp4
+        from ..cast import cast_master_weights_to_nvfp4
 
         check = cast_master_weights_to_nvfp4(
             model_params,
@@ -89,7 +89,7 @@ def make_post_all_gather(original):
         ours = [p for p in model_params if _tensor.is_nvfp4_tensor(p)]
         others = [p for p in model_params if not _tensor.is_nvfp4_tensor(p)]
         if ours:
-            from ..optim import post_all_gather_processing as ours_post
+            from ..cast import post_all_gather_processing as ours_post
 
             ours_post(ours, columnwise=current_options().columnwise)
         if others:

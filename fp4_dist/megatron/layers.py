@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from .. import tensor as _tensor
-from ..compute_view import compute_view, forget
-from ..lean import claim, is_lean, lean_call_refilled
+from ..compute.view import compute_view, forget
+from ..compute.lean import is_lean
+from ..compute.lean_claim import claim, lean_call_refilled
 
 
 def make_forward_impl(original):
@@ -13,7 +14,7 @@ def make_forward_impl(original):
         # weight's own gather with gtp_remat_size > 1: the parameter itself is passed then (the dispatch path).
         if (type(weight) is _tensor.NVFP4Tensor and not kwargs.get("gradient_accumulation_fusion")
                 and kwargs.get("gtp_remat_size", 1) <= 1):  # fmt: skip
-            if is_lean(weight):  # no kept copy: one made for this use, re-made in backward (fp4_dist.lean)
+            if is_lean(weight):  # no kept copy: one made for this use, re-made in backward (fp4_dist.compute.lean)
                 return lean_call_refilled(self, weight, lambda value: original(self, input, value, *args, **kwargs))
             weight = compute_view(self, weight)
         return original(self, input, weight, *args, **kwargs)
@@ -23,7 +24,7 @@ def make_forward_impl(original):
 
 def make_linear_forward(original):
     def forward(ctx, input, weight, *args):
-        # A lean use's copy (fp4_dist.lean.lean_call_refilled): the node keeps how to write it again, and saves
+        # A lean use's copy (fp4_dist.compute.lean_claim.lean_call_refilled): the node keeps how to write it again, and saves
         # the layer's alias of the pool buffer as upstream saves any weight.
         use = claim(weight)
         if use is not None:

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ..format import TILE
+from ..format import DEFAULT_NUMERICS, TILE
 from ..quantize import quantize
 from ..tensor import is_nvfp4_tensor
 from .parallel import reduce_whole_amaxes, tensor_parallel_group
@@ -47,7 +47,7 @@ def build_gpt_model(
     vocab_size: int,
     max_sequence_length: int,
     weights: str = "bf16",
-    numerics: str = "te",
+    numerics: str = DEFAULT_NUMERICS,
     position_embedding_type: str = "learned_absolute",
     share_embeddings_and_output_weights: bool = True,
     device: Optional[torch.device] = None,
@@ -195,7 +195,7 @@ def _clear_init(self) -> None:
         self.__dict__.pop(attr, None)
 
 
-def convert_to_nvfp4(model: nn.Module, config: TransformerConfig, *, numerics: str = "te",
+def convert_to_nvfp4(model: nn.Module, config: TransformerConfig, *, numerics: str = DEFAULT_NUMERICS,
                      compute_copy: bool = True, device: Optional[torch.device] = None) -> list[str]:  # fmt: skip
     """Replace the NVFP4-eligible linear weights by ``nn.Parameter(NVFP4Tensor)`` in place; returns names.
 
@@ -266,7 +266,7 @@ class _FakeQuantParametrization(nn.Module):
         return _FakeQuant.apply(weight, self.numerics)
 
 
-def apply_fake_quant(model: nn.Module, config: TransformerConfig, *, numerics: str = "te") -> list[str]:
+def apply_fake_quant(model: nn.Module, config: TransformerConfig, *, numerics: str = DEFAULT_NUMERICS) -> list[str]:
     """Make the NVFP4-eligible linear weights fake-quantized in the forward (bf16 storage kept)."""
     named = _linear_modules(model, config)
     _check_k(named)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
+from ..format import DEFAULT_NUMERICS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -14,7 +15,7 @@ class AdapterOptions:
     """Build the columnwise NVFP4 copies after every param all-gather, as TransformerEngine does. Nothing in
     Megatron's compute path through fp4_dist reads them (linears run on each weight's compute copy), so by
     default they are not built: ``columnwise_data`` stays None and ``make_columnwise()`` builds it on demand."""
-    numerics: str = "te"
+    numerics: str = DEFAULT_NUMERICS
     """Block-scale formula of the weights converted when Megatron wraps the model in DDP ("te" or "te-2.14")."""
     compute_copy: bool = True
     """Converted weights keep a bf16 compute copy between updates (False: dequantize on every use)."""

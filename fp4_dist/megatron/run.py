@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 
 from .. import launch
 from . import defaults
+from ..format import DEFAULT_NUMERICS, NUMERICS
 
 ERROR_GRACE_S = 3.0
 USAGE = "python -m fp4_dist.megatron.run [launcher options] SCRIPT.py [script arguments]"
@@ -49,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--log-json", default=None, metavar="PATH",
                    help="rank 0 writes the run's record here: per-iteration loss and grad norm, checks, and the "
                         "digest of every fp32 master after setup and at the last iteration")
-    p.add_argument("--numerics", default="te", choices=("te", "te-2.14"),
+    p.add_argument("--numerics", default=DEFAULT_NUMERICS, choices=NUMERICS,
                    help="NVFP4 block-scale formula (TransformerEngine main, or its v2.14 variant)")
     p.add_argument("--columnwise", action="store_true",
                    help="also build the columnwise NVFP4 copies after every param all-gather, as TransformerEngine "

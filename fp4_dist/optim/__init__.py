@@ -1,23 +1,11 @@
-"""ZeRO support: the partial cast of fp32 master shards into NVFP4 weights, and Zero1Optimizer.
+"""Zero1Optimizer: ZeRO-1 for plain PyTorch loops with NVFP4 weights (any torch.optim optimizer over fp32 master
+shards; the cast and the 4-bit gather come from `fp4_dist.cast`).
 
-Modules: `cast_core` (the shard cast every public cast is built on: stages, amax exchange, finite check),
-`cast` (cast_master_weights_to_nvfp4, TransformerEngine's semantics), `sharded_cast` (Zero1Optimizer's cast:
-cut-tile amax exchange), `post_gather` (after the byte all-gather), `collectives` (every torch.distributed
-call), `zero1` + `zero1_state` (the optimizer, its checkpoints).
+    zero1.py        Zero1Optimizer, Zero1Config
+    zero1_state.py  its sharded checkpoints: save_checkpoint / load_checkpoint, (load_)sharded_state_dict
 """
 
-from .cast import cast_master_weights_to_nvfp4, quantize_master_weights
-from .agreement import RankMismatchError
-from .collectives import CommStats
-from .post_gather import post_all_gather_processing
 from .zero1 import Zero1Config, Zero1Optimizer
+from .zero1_state import load_checkpoint, save_checkpoint
 
-__all__ = [
-    "cast_master_weights_to_nvfp4",
-    "quantize_master_weights",
-    "post_all_gather_processing",
-    "Zero1Optimizer",
-    "Zero1Config",
-    "CommStats",
-    "RankMismatchError",
-]
+__all__ = ["Zero1Optimizer", "Zero1Config", "save_checkpoint", "load_checkpoint"]

@@ -29,7 +29,7 @@ from __future__ import annotations
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -37,9 +37,9 @@ from .._user import user_stacklevel
 from ..buffers import ShardBuffer, build_layout
 from ..shared_amax import group_of
 from ..tensor import FIELDS, is_nvfp4_tensor
-from .agreement import check_same_on_every_rank
-from .sharded_cast import ShardedCast
-from .collectives import (
+from ..cast.agreement import check_same_on_every_rank
+from ..cast.sharded import ShardedCast
+from ..cast.collectives import (
     CommStats,
     all_gather_inplace,
     all_gather_into,
@@ -319,8 +319,37 @@ class Zero1Optimizer(torch.optim.Optimizer):
                 "it cannot take a param group later. Build it with every group (param-group dicts) from the start")
         super().add_param_group(param_group)
 
-    def _device(self) -> torch.device:
+    # ------------------------------------------------------------ what its checkpoints (zero1_state) read
+    @property
+    def device(self) -> torch.device:
+        """Where the master shards live."""
         return self._sections[0].buf.master.device
+
+    @property
+    def master_pieces(self) -> Dict[int, torch.Tensor]:
+        """parameter index -> this rank's piece of its fp32 master: the tensor the inner optimizer keys its state
+        by (empty before the masters exist)."""
+        return getattr(self, "_master_pieces", {})
+
+    def param_index(self, p: torch.Tensor) -> int:
+        """The index of parameter `p` in `params` (checkpoints name parameters by it)."""
+        return self._index[id(p)]
+
+    def every_rank_pieces(self) -> Dict[int, List[Tuple[int, int, int]]]:
+        """parameter index -> [(group rank, start, numel)] of every rank's piece of it, from the shared layouts."""
+        out: Dict[int, List[Tuple[int, int, int]]] = {i: [] for i in range(len(self.params))}
+        for sec in self._sections:
+            for r in range(self.world_size):
+                for j, piece in enumerate(sec.buf.layout.pieces(r)):
+                    if piece is not None:
+                        out[sec.indices[j]].append((r, piece.span.start, piece.span.numel))
+        return out
+
+    def after_load(self) -> None:
+        """After a load changed the masters and hyperparameters: hand the hyperparameters to the inner optimizer,
+        then cast and gather the weights from the loaded masters."""
+        self._sync_hyperparameters()
+        self._publish_params()
 
     def _sync_hyperparameters(self) -> None:
         """This optimizer's param_groups are the ones users and LR schedulers change; the inner optimizer steps."""
@@ -397,7 +426,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         """
         self._reduce_all_grads()
         norm_type = float(norm_type)
-        dev = self._device()
+        dev = self.device
         partial = torch.zeros(len(self.params), dtype=torch.float32, device=dev)
         pieces, where = [], []
         for sec in self._sections:
@@ -513,7 +542,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
     def param_memory_bytes(self) -> Dict[str, int]:
         """Bytes this rank holds for the model's parameters: {"nvfp4": the packed gather buffer, "dense": the
         dense params' buffers, "compute_copies": the NVFP4 weights' model-dtype compute copies}."""
-        from ..compute_copy import compute_copy_bytes
+        from ..compute.copy import compute_copy_bytes
 
         nbytes = {True: 0, False: 0}
         for sec in self._sections:
@@ -603,7 +632,7 @@ class _GradCheck:
 
     def __init__(self, opt: "Zero1Optimizer"):
         self.opt = opt
-        n, dev = len(opt.params), opt._device()
+        n, dev = len(opt.params), opt.device
         self.flags = torch.zeros(n + len(opt._sections), dtype=torch.float32, device=dev)
         self.presence = torch.zeros(n, dtype=torch.float32, device=dev)
         self._pattern: Optional[list] = None

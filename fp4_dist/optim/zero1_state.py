@@ -36,7 +36,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .collectives import in_distributed_job
+from ..cast.collectives import in_distributed_job
 
 try:
     from torch.distributed._shard._utils import DEPRECATE_MSG
@@ -53,18 +53,12 @@ def _distributed(opt) -> bool:
 
 def _all_pieces(opt) -> _PieceMap:
     """Every rank's piece of every parameter, from the (shared) layouts."""
-    out: _PieceMap = {i: [] for i in range(len(opt.params))}
-    for sec in opt._sections:
-        for r in range(opt.world_size):
-            for j, piece in enumerate(sec.buf.layout.pieces(r)):
-                if piece is not None:
-                    out[sec.indices[j]].append((r, piece.span.start, piece.span.numel))
-    return out
+    return opt.every_rank_pieces()
 
 
 def _local_pieces(opt) -> Dict[int, torch.Tensor]:
     """parameter index -> this rank's master piece: the tensor the inner optimizer keys its state by."""
-    return opt._master_pieces
+    return opt.master_pieces
 
 
 def _per_element_keys(state: dict, piece: torch.Tensor) -> List[str]:
@@ -111,9 +105,9 @@ def materialize_fresh_state(opt) -> None:
     learning rate 0, then every ``step`` count back to 0, and the masters restored bit for bit. The next real
     step then does what a fresh optimizer's first step does (Adam's zero moments, step 1)."""
     inner = opt.optimizer
-    if inner.state or not opt._master_pieces:
+    if inner.state or not opt.master_pieces:
         return
-    pieces = list(opt._master_pieces.values())
+    pieces = list(opt.master_pieces.values())
     grads, masters = [p.grad for p in pieces], [p.detach().clone() for p in pieces]
     lrs = [g.get("lr") for g in inner.param_groups]
     try:
@@ -144,7 +138,7 @@ def sharded_state_dict(opt) -> dict:
     local = _local_pieces(opt)
     inner = opt.optimizer.state
     keys = {i: _per_element_keys(inner.get(piece, {}), piece) for i, piece in local.items()}
-    device = str(opt._device())
+    device = str(opt.device)
     if _distributed(opt):
         _quiet_sharded_tensor_deprecation()
         gathered: List = [None] * opt.world_size
@@ -174,7 +168,7 @@ def sharded_state_dict(opt) -> dict:
                 entry[k] = v
         state[i] = entry
     groups = [dict({k: _plain(v) for k, v in outer.items() if k != "params"},
-                   params=[opt._index[id(p)] for p in outer["params"]]) for outer in opt.param_groups]  # fmt: skip
+                   params=[opt.param_index(p) for p in outer["params"]]) for outer in opt.param_groups]  # fmt: skip
     info = {"format": FORMAT, "state_keys": {str(i): k for i, k in keys.items()}}
     return {"state": state, "param_groups": json.dumps(groups), "fp4_dist": json.dumps(info)}
 
@@ -250,8 +244,7 @@ def load_sharded_state_dict(opt, sd: dict) -> None:
         for k, v in saved.items():
             if k != "params":
                 outer[k] = _restore(v, outer.get(k))
-    opt._sync_hyperparameters()
-    opt._publish_params()
+    opt.after_load()
 
 
 def save_checkpoint(opt, path) -> None:

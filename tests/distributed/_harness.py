@@ -21,7 +21,7 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_single", "all_gather_into
                "reduce_scatter_single", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "broadcast",
                "reduce", "barrier", "all_gather_object", "broadcast_object_list", "gather", "scatter")
 # torch >= 2.12 names the flat-tensor collectives *_single; older releases (the GPU image has 2.11) only have
-# *_into_tensor / *_tensor, which fp4_dist.optim.collectives falls back to. Count both under the new name.
+# *_into_tensor / *_tensor, which fp4_dist.cast.collectives falls back to. Count both under the new name.
 CANONICAL = {"all_gather_into_tensor": "all_gather_single", "reduce_scatter_tensor": "reduce_scatter_single"}
 
 

@@ -169,7 +169,7 @@ def suite_fake(t: Suite) -> None:
 
 
 def suite_lean(t: Suite) -> None:
-    """--fp4-no-compute-copy (lean: a copy only around each use, fp4_dist.lean) trains bitwise like the default
+    """--fp4-no-compute-copy (lean: a copy only around each use, fp4_dist.compute.lean) trains bitwise like the default
     kept copies, with the param-gather and grad-reduce overlap on and two microbatches per step."""
     common = t.argv("--fp4-param-gather", "--train-iters", "4", "--fp4-master-digest", *OVERLAP,
                     gbs=4 * dist.get_world_size())  # fmt: skip

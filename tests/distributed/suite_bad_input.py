@@ -16,7 +16,7 @@ import torch
 
 import fp4_dist
 from fp4_dist.buffers import ShardBuffer, build_layout
-from fp4_dist.optim import cast_master_weights_to_nvfp4
+from fp4_dist.cast import cast_master_weights_to_nvfp4
 
 from _harness import fp32_generator
 from suite_cast import poisoned

@@ -23,9 +23,9 @@ import torch.distributed as dist
 
 import fp4_dist
 from fp4_dist.buffers import ShardBuffer, build_layout
-from fp4_dist.optim import cast_master_weights_to_nvfp4, post_all_gather_processing
-from fp4_dist.optim.collectives import CommStats, all_gather_inplace
-from fp4_dist.optim.sharded_cast import ShardedCast
+from fp4_dist.cast import cast_master_weights_to_nvfp4, post_all_gather_processing
+from fp4_dist.cast.collectives import CommStats, all_gather_inplace
+from fp4_dist.cast.sharded import ShardedCast
 from fp4_dist.tensor import NVFP4Tensor
 from fp4_dist.testing import POISON_BYTE, awkward_shapes, poison_, random_weight, shard_cuts
 

@@ -20,7 +20,7 @@ from torch import nn
 
 import fp4_dist
 from examples.model import TinyLMConfig, build_model
-from fp4_dist.optim import CommStats
+from fp4_dist.cast import CommStats
 from fp4_dist.optim.zero1 import Zero1Config, Zero1Optimizer
 
 from _harness import count_collectives

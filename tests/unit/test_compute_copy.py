@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import fp4_dist
-from fp4_dist.compute_copy import compute_copy_bytes, refresh_compute_copies
-from fp4_dist.optim import Zero1Config, Zero1Optimizer, cast_master_weights_to_nvfp4, post_all_gather_processing
+from fp4_dist.compute.copy import compute_copy_bytes, refresh_compute_copies
+from fp4_dist.optim import Zero1Config, Zero1Optimizer
+from fp4_dist.cast import cast_master_weights_to_nvfp4, post_all_gather_processing
 from fp4_dist.testing import assert_bytes_equal, random_weight
 
 M, K = 40, 48
@@ -255,11 +256,11 @@ def test_pickled_weight_keeps_its_compute_copy_setting():
 
 
 def test_tes_manual_false_refreshes_the_copy_at_the_first_use_after_the_cast_once(monkeypatch):
-    import fp4_dist.compute_view
+    import fp4_dist.compute.view
     import fp4_dist.tensor
 
     refreshes = []
-    for module in (fp4_dist.compute_view, fp4_dist.tensor):
+    for module in (fp4_dist.compute.view, fp4_dist.tensor):
         real = module.refresh_compute_copies
         monkeypatch.setattr(module, "refresh_compute_copies", lambda ws, real=real: (refreshes.append(1), real(ws)))
     lin = nvfp4_linear()

@@ -14,9 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import fp4_dist
-from fp4_dist.compute_view import NVFP4Linear, compute_view, forget
+from fp4_dist.compute.linear import NVFP4Linear
+from fp4_dist.compute.view import compute_view, forget
 from fp4_dist.megatron import adapter, layers
-from fp4_dist.optim import cast_master_weights_to_nvfp4, post_all_gather_processing
+from fp4_dist.cast import cast_master_weights_to_nvfp4, post_all_gather_processing
 from fp4_dist.tensor import NVFP4Tensor
 from fp4_dist.testing import assert_bytes_equal, random_weight
 

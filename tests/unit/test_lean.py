@@ -1,4 +1,4 @@
-"""Lean compute (fp4_dist.lean): NVFP4Linear layers whose weights keep no copy (compute_copy=False) compute with
+"""Lean compute (fp4_dist.compute.lean): NVFP4Linear layers whose weights keep no copy (compute_copy=False) compute with
 a copy made around each use in a pool buffer of its shape, and give bitwise the losses, gradients and masters of
 the default mode."""
 
@@ -13,9 +13,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import fp4_dist
-from fp4_dist import lean
-from fp4_dist.compute_copy import compute_copy_bytes
-from fp4_dist.lean import held_copies
+from fp4_dist.compute import lean, lean_claim, pool
+from fp4_dist.compute.copy import compute_copy_bytes
+from fp4_dist.compute.pool import held_copies
 from fp4_dist.optim import Zero1Optimizer
 
 
@@ -79,22 +79,22 @@ def train(lean: bool, steps=3, micro=2, recompute=None, device="cpu"):
 
 @pytest.mark.parametrize("recompute", [None, "non-reentrant", "reentrant"])
 def test_lean_losses_and_masters_equal_the_default_mode_bitwise(recompute):
-    replaced = lean.pool_stats()["replaced"]
+    replaced = pool.pool_stats()["replaced"]
     default_losses, default_masters = train(lean=False, recompute=recompute)
     lean_losses, lean_masters = train(lean=True, recompute=recompute)
     assert lean_losses == default_losses
     assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(lean_masters, default_masters))
-    assert held_copies() == 0 and lean.pool_stats()["replaced"] == replaced
+    assert held_copies() == 0 and pool.pool_stats()["replaced"] == replaced
 
 
 @pytest.mark.gpu
 def test_lean_equals_the_default_mode_bitwise_on_cuda():
-    replaced = lean.pool_stats()["replaced"]
+    replaced = pool.pool_stats()["replaced"]
     default_losses, default_masters = train(lean=False, device="cuda")
     lean_losses, lean_masters = train(lean=True, device="cuda")
     assert lean_losses == default_losses
     assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(lean_masters, default_masters))
-    assert held_copies() == 0 and lean.pool_stats()["replaced"] == replaced
+    assert held_copies() == 0 and pool.pool_stats()["replaced"] == replaced
 
 
 def _weight_bytes(net) -> tuple[int, set]:
@@ -104,7 +104,7 @@ def _weight_bytes(net) -> tuple[int, set]:
 
 
 def test_no_copy_is_alive_between_forward_and_backward_and_at_most_one_per_backward_use():
-    lean.release_pool()
+    pool.release_pool()
     net = build(lean=True)
     assert all(p.copy_state.value is None for p in net.parameters() if fp4_dist.is_nvfp4_tensor(p))
     seen = []
@@ -123,14 +123,14 @@ def test_no_copy_is_alive_between_forward_and_backward_and_at_most_one_per_backw
     assert all(p.grad is not None and type(p.grad) is torch.Tensor for p in net.parameters() if p.requires_grad)
     # The pool: one buffer per distinct weight shape, a fraction of the weights' bf16 bytes (3 blocks + a head).
     total, shapes = _weight_bytes(net)
-    stats = lean.pool_stats()
+    stats = pool.pool_stats()
     assert stats["buffers"] == len(shapes) == 5 and stats["replaced"] == 0
     assert stats["bytes"] == sum(m * k * 2 for m, k in shapes) < total / 2
     assert compute_copy_bytes(net) == 0
 
 
 def test_a_copy_kept_past_its_use_is_never_overwritten():
-    lean.release_pool()
+    pool.release_pool()
     net = build(lean=True)
     kept = []
     a, b = net.blocks[0].proj, net.blocks[1].proj  # same shape: one pool buffer
@@ -140,7 +140,7 @@ def test_a_copy_kept_past_its_use_is_never_overwritten():
         with pytest.warns(UserWarning, match=r"still referenced when the next weight of that shape"):
             lean.lean_call(b, b.weight, lambda v: F.linear(x, v))
     assert torch.equal(kept[0], a.weight.dequantize(torch.bfloat16))
-    assert lean.pool_stats()["replaced"] == 1
+    assert pool.pool_stats()["replaced"] == 1
     kept.clear()
     assert held_copies() == 0
 
@@ -220,7 +220,7 @@ class _Refilled(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w):
-        ctx.use = lean.claim(w)
+        ctx.use = lean_claim.claim(w)
         ctx.save_for_backward(x, w)
         return x @ w.t()
 
@@ -237,8 +237,8 @@ def test_a_function_that_refills_in_backward_reads_its_own_weight_from_a_shared_
     a, b = net.blocks[0].proj, net.blocks[1].proj  # one pool buffer
     x = batch(0, 0)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-    ya = lean.lean_call_refilled(a, a.weight, lambda v: _Refilled.apply(xa, v))
-    yb = lean.lean_call_refilled(b, b.weight, lambda v: _Refilled.apply(xb, v))  # the buffer now holds b
+    ya = lean_claim.lean_call_refilled(a, a.weight, lambda v: _Refilled.apply(xa, v))
+    yb = lean_claim.lean_call_refilled(b, b.weight, lambda v: _Refilled.apply(xb, v))  # the buffer now holds b
     (ya.float().sum() + yb.float().sum()).backward()
     for lin, xg in ((a, xa), (b, xb)):
         w = lin.weight.dequantize(torch.bfloat16)
@@ -248,7 +248,7 @@ def test_a_function_that_refills_in_backward_reads_its_own_weight_from_a_shared_
     assert held_copies() == 0
     with torch.no_grad():
         a.weight.copy_(torch.randn(tuple(a.weight.shape)).to(torch.bfloat16))
-    ya = lean.lean_call_refilled(a, a.weight, lambda v: _Refilled.apply(xa, v))
+    ya = lean_claim.lean_call_refilled(a, a.weight, lambda v: _Refilled.apply(xa, v))
     a.weight.quantize_(torch.randn(tuple(a.weight.shape)))
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         ya.float().sum().backward()
@@ -260,13 +260,13 @@ def test_microbatches_of_a_refilled_function_each_check_the_weight_they_were_rec
     a, b = net.blocks[0].proj, net.blocks[1].proj  # one pool buffer
     x = batch(0, 0)
     x1, x2, xb = (x.clone().requires_grad_() for _ in range(3))
-    y1 = lean.lean_call_refilled(a, a.weight, lambda v: _Refilled.apply(x1, v))
-    y1b = lean.lean_call_refilled(a, a.weight, lambda v: _Refilled.apply(xb, v))  # unchanged: recorded alike
+    y1 = lean_claim.lean_call_refilled(a, a.weight, lambda v: _Refilled.apply(x1, v))
+    y1b = lean_claim.lean_call_refilled(a, a.weight, lambda v: _Refilled.apply(xb, v))  # unchanged: recorded alike
     other = torch.randn(tuple(a.weight.shape), generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
     _write_through(route, a, other)
-    y2 = lean.lean_call_refilled(a, a.weight, lambda v: _Refilled.apply(x2, v))
+    y2 = lean_claim.lean_call_refilled(a, a.weight, lambda v: _Refilled.apply(x2, v))
     with torch.no_grad():
-        lean.lean_call_refilled(b, b.weight, lambda v: v.sum())  # the buffer now holds b: a's backward refills
+        lean_claim.lean_call_refilled(b, b.weight, lambda v: v.sum())  # the buffer now holds b: a's backward refills
     y2.float().sum().backward()
     ref = x.clone().requires_grad_()
     (ref @ a.weight.dequantize(torch.bfloat16).t()).float().sum().backward()
@@ -281,15 +281,15 @@ def test_a_lean_use_nothing_claims_raises_instead_of_training_on_a_shared_buffer
     lin = net.blocks[0].proj
     x = batch(0, 0)
     with pytest.raises(RuntimeError, match="was not claimed by the autograd function"):
-        lean.lean_call_refilled(lin, lin.weight, lambda v: F.linear(x, v))
+        lean_claim.lean_call_refilled(lin, lin.weight, lambda v: F.linear(x, v))
 
 
 # ------------------------------------------------------------------ copies made once: skipped and batched fills
 @pytest.mark.parametrize("recompute", [None, "non-reentrant", "reentrant"])
 def test_uses_whose_copy_is_made_already_make_no_launch(recompute):
-    before = lean.pool_stats()
+    before = pool.pool_stats()
     train(lean=True, steps=3, micro=2, recompute=recompute)  # bitwise like kept copies: the test above
-    after = lean.pool_stats()
+    after = pool.pool_stats()
     uses, launches = after["uses"] - before["uses"], after["launches"] - before["launches"]
     # 13 weights, forward and backward of 6 microbatches (+ recomputation, + evaluation): one launch per use
     # would be >= 157 launches; a layer's four weights are filled by one, and a backward that follows its
@@ -309,9 +309,9 @@ def test_a_batch_fill_the_next_uses_do_not_match_is_never_read():
     xa, xb = x[..., :48], torch.randn(2, 12, 80).to(torch.bfloat16)
     for _ in range(2):  # the order a -> b is learned: a's fill also writes b's copy
         a(xa), b(xb), a2(xa), c(xb)
-    n = lean.pool_stats()["launches"]
+    n = pool.pool_stats()["launches"]
     assert torch.equal(a(xa), _ref(a, xa)) and torch.equal(b(xb), _ref(b, xb))
-    assert lean.pool_stats()["launches"] == n + 1, "a's batched fill did not make b's copy"
+    assert pool.pool_stats()["launches"] == n + 1, "a's batched fill did not make b's copy"
     a(xa)  # writes b's copy ...
     with torch.no_grad():
         b.weight.copy_(torch.randn(tuple(b.weight.shape)).to(torch.bfloat16))  # ... which is then stale
@@ -321,7 +321,7 @@ def test_a_batch_fill_the_next_uses_do_not_match_is_never_read():
 
 
 def test_a_batch_fill_leaves_a_copy_kept_past_its_use_alone():
-    lean.release_pool()
+    pool.release_pool()
     net = build(lean=True)
     a, b = net.blocks[0].up, net.blocks[0].down
     xa, xb = batch(0, 0)[..., :48], torch.randn(2, 12, 80).to(torch.bfloat16)
@@ -334,15 +334,15 @@ def test_a_batch_fill_leaves_a_copy_kept_past_its_use_alone():
         old = b.weight.dequantize(torch.bfloat16)
         for w in (a.weight, b.weight):
             w.copy_(torch.randn(tuple(w.shape)).to(torch.bfloat16))
-        n = lean.pool_stats()["launches"]
+        n = pool.pool_stats()["launches"]
         assert torch.equal(a(xa), _ref(a, xa))  # a's batch would write b's buffer: it is held, so a fills its own
-        assert lean.pool_stats()["launches"] == n + 1
+        assert pool.pool_stats()["launches"] == n + 1
         assert torch.equal(kept[0], old)
-        replaced = lean.pool_stats()["replaced"]
+        replaced = pool.pool_stats()["replaced"]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the pool's warning about the holder (once per process)
             assert torch.equal(b(xb), _ref(b, xb))
-        assert lean.pool_stats()["replaced"] == replaced + 1 and torch.equal(kept[0], old)
+        assert pool.pool_stats()["replaced"] == replaced + 1 and torch.equal(kept[0], old)
     kept.clear()
 
 
@@ -354,7 +354,7 @@ def _write_unversioned(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def test_bytes_an_all_gather_writes_after_a_cast_are_seen_though_no_version_moves():
-    from fp4_dist.compute_copy import mark_pending
+    from fp4_dist.compute.copy import mark_pending
 
     net = build(lean=True)
     lin = net.blocks[0].up

@@ -13,7 +13,8 @@ from torch import nn
 
 import fp4_dist
 from fp4_dist.export import VLLM_FUSED
-from fp4_dist.optim import Zero1Optimizer, cast_master_weights_to_nvfp4
+from fp4_dist.optim import Zero1Optimizer
+from fp4_dist.cast import cast_master_weights_to_nvfp4
 from fp4_dist.shared_amax import AmaxGroup, group_of
 from fp4_dist.tensor import NVFP4Tensor
 from fp4_dist.testing import assert_bytes_equal, poison_, random_weight

@@ -478,7 +478,7 @@ def test_stage_api_checks_arguments_once_per_plan(monkeypatch):
 
 def test_sharded_cast_on_gpu_equals_quantize_for_hundreds_of_weights(launches):
     from fp4_dist.buffers import ShardBuffer, build_layout
-    from fp4_dist.optim.sharded_cast import ShardedCast
+    from fp4_dist.cast.sharded import ShardedCast
     from fp4_dist.tensor import NVFP4Tensor
 
     rng, gen = random.Random(88), torch.Generator().manual_seed(88)

@@ -132,7 +132,7 @@ def test_bound_dequantize_matches_and_bumps_the_output_version():
 
 def test_weights_on_the_gpu_compute_on_their_copy_and_refresh_in_one_launch(launches):
     from fp4_dist.buffers import ShardBuffer, build_layout
-    from fp4_dist.optim.sharded_cast import ShardedCast
+    from fp4_dist.cast.sharded import ShardedCast
     from fp4_dist.tensor import NVFP4Tensor
 
     rng, gen = random.Random(5), torch.Generator().manual_seed(5)

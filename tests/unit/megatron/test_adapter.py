@@ -142,7 +142,7 @@ def test_inherited_methods_patched_on_a_class_are_deleted_again_on_uninstall(cle
 
 def test_apply_row_drops_the_layers_cached_view_so_a_moved_layer_still_trains():
     import fp4_dist
-    from fp4_dist.compute_view import compute_view
+    from fp4_dist.compute.view import compute_view
 
     x = torch.randn(4, 32).to(torch.bfloat16)
 

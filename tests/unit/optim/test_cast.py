@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import fp4_dist
-from fp4_dist.optim import cast_master_weights_to_nvfp4, post_all_gather_processing, quantize_master_weights
-from fp4_dist.optim import cast as cast_mod
-from fp4_dist.optim.cast_core import BINDINGS
+from fp4_dist.cast import cast_master_weights_to_nvfp4, post_all_gather_processing, quantize_master_weights
+from fp4_dist.cast import master_weights as cast_mod
+from fp4_dist.cast.core import BINDINGS
 from fp4_dist.tensor import NVFP4Tensor
 from fp4_dist.testing import assert_bytes_equal, awkward_shapes, poison_, random_weight
 

@@ -1,4 +1,4 @@
-"""fp4_dist.optim.cast_core: the shard cast every public cast is built on (one process; the distributed suites
+"""fp4_dist.cast.core: the shard cast every public cast is built on (one process; the distributed suites
 run it across ranks through the three public casts)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 import fp4_dist
 from fp4_dist import kernels
-from fp4_dist.optim.cast_core import CastCore, plan_for, shard_bytes
+from fp4_dist.cast.core import CastCore, plan_for, shard_bytes
 from fp4_dist.testing import assert_bytes_equal, poison_, random_weight
 
 SHAPES = [(33, 80), (48, 16), (20, 144)]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fp4_dist.optim.collectives import (
+from fp4_dist.cast.collectives import (
     CommStats,
     all_gather_inplace,
     all_gather_into,

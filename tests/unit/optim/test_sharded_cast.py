@@ -9,11 +9,11 @@ import torch
 
 import fp4_dist
 from fp4_dist.buffers import ShardBuffer, build_layout
-from fp4_dist.optim import cast as cast_mod
-from fp4_dist.optim import cast_master_weights_to_nvfp4
-from fp4_dist.optim.collectives import CommStats
-from fp4_dist.optim.cast_core import BINDINGS
-from fp4_dist.optim.sharded_cast import ShardedCast
+from fp4_dist.cast import master_weights as cast_mod
+from fp4_dist.cast import cast_master_weights_to_nvfp4
+from fp4_dist.cast.collectives import CommStats
+from fp4_dist.cast.core import BINDINGS
+from fp4_dist.cast.sharded import ShardedCast
 from fp4_dist.tensor import NVFP4Tensor
 from fp4_dist.testing import assert_bytes_equal, awkward_shapes, poison_, random_weight
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from ..compute_copy import BoundRefresh
+from ..compute.copy import BoundRefresh
 from ..format import has_columnwise
 from ..tensor import is_nvfp4_tensor
-from .cast_core import BINDINGS
+from .core import BINDINGS
 
 
 def post_all_gather_processing(model_weights, *, columnwise: bool = True) -> None:

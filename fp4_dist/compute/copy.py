@@ -18,7 +18,7 @@ on any difference. A cast marks its weights *pending* until the post-all-gather 
 through the all-gather buffer, which the weights' own counters do not see (`NVFP4Tensor.set_rowwise_storage`
 gives each weight counters of its own), so until the refresh every use gets a fresh dequantization instead
 of a copy the gather would silently outdate. A refresh overwrites the copy in place and bumps the version
-counters of the weight and of every alias of the copy a layer computes with (`fp4_dist.compute_view`), so a
+counters of the weight and of every alias of the copy a layer computes with (`fp4_dist.compute.view`), so a
 backward through a graph recorded with the previous values raises, as it does for a plain parameter changed in
 place.
 """
@@ -32,8 +32,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import kernels
-from ._user import user_stacklevel
+from .. import kernels
+from .._user import user_stacklevel
 
 
 class ComputeCopy:
@@ -59,10 +59,10 @@ class ComputeCopy:
         """Bumped whenever a rowwise field of the weight, the value or `enabled` is replaced: bound refreshes
         compare epochs (one int per weight) instead of every tensor they hold."""
         self.views = weakref.WeakSet()
-        """The layers' cached views of `value` (`fp4_dist.compute_view`): cleared when `value` is dropped or
+        """The layers' cached views of `value` (`fp4_dist.compute.view`): cleared when `value` is dropped or
         replaced, so that its memory goes with it."""
         self.aliases: list = []
-        """Weak references to every plain alias of `value` made for a layer (`compute_view.compute_alias`), including
+        """Weak references to every plain alias of `value` made for a layer (`compute.alias`), including
         those only a recorded graph still holds (torch keeps a tensor's Python object alive while its C++ tensor
         lives): each refresh bumps their version counters. Emptied when `value` is dropped or replaced (the old
         memory is then never overwritten)."""
@@ -73,7 +73,7 @@ class ComputeCopy:
         self.pending_uses = 0
         self.casts = 0
         """Bumped by every cast (`mark_pending`): bytes an all-gather writes bump no version counter of this
-        rank's, so a lean copy (`fp4_dist.lean`) proves itself current by this count with the versions."""
+        rank's, so a lean copy (`fp4_dist.compute.lean`) proves itself current by this count with the versions."""
 
     def fresh_for(self, w) -> bool:
         """True when `value` holds the values of `w`'s current bytes."""
@@ -86,7 +86,7 @@ class ComputeCopy:
 
     def record(self, w) -> None:
         """`value` was just made from `w`'s fields."""
-        self.sources = (w.rowwise_data, w.rowwise_scale_inv, w.amax)
+        self.sources = rowwise_fields(w)
         self.stamp = _versions(w, self.value)
         self.pending = self.auto_refresh = False
         self.pending_uses = 0
@@ -126,9 +126,30 @@ def _has_copy(w) -> bool:
     return isinstance(getattr(w, "copy_state", None), ComputeCopy)
 
 
+def version_key(fields: tuple, value: Optional[torch.Tensor] = None, weight=None) -> tuple:
+    """The freshness key: the version counters of a weight's rowwise `fields` (rowwise_data, rowwise_scale_inv,
+    amax), then of `value` (a copy made from them) and of `weight` itself, each when given.
+
+    Every kernel of this package bumps the counters of what it writes, as a torch op does, and an in-place op on a
+    view of a copy bumps the weight's counter: a key equal to the one taken when a copy was made proves the copy
+    current. Raises RuntimeError for an inference tensor (it has no version counter; nothing proves a copy of it
+    current)."""
+    key = (fields[0]._version, fields[1]._version, fields[2]._version)
+    if value is not None:
+        key += (value._version,)
+    if weight is not None:
+        key += (weight._version,)
+    return key
+
+
+def rowwise_fields(w) -> tuple:
+    """(rowwise_data, rowwise_scale_inv, amax) of NVFP4 weight `w`: what a copy of it is made from."""
+    return (w.rowwise_data, w.rowwise_scale_inv, w.amax)
+
+
 def _versions(w, value) -> Optional[tuple]:
     try:
-        return (w.rowwise_data._version, w.rowwise_scale_inv._version, w.amax._version, value._version, w._version)
+        return version_key(rowwise_fields(w), value, w)
     except RuntimeError:  # inference tensors have no version counter: nothing can prove a copy current
         return None
 
@@ -181,16 +202,15 @@ def _mark_refreshed(weights, fields: list, counted: Optional[list] = None) -> No
     counted = counted if counted is not None else [w for w in weights if not w.is_inference()]
     torch.autograd.graph.increment_version(counted + [a for w in counted for a in w.copy_state.live_aliases()])
     try:
-        v = [t._version for t in fields]
-        wv = [w._version for w in weights]
+        stamps = [version_key(fields[i:i + 3], fields[i + 3], w) for i, w in zip(range(0, len(fields), 4), weights)]
     except RuntimeError:  # an inference tensor has no version counter: record() makes that copy never fresh
         for w in weights:
             w.copy_state.record(w)
         return
     for j, w in enumerate(weights):
-        cc, i = w.copy_state, 4 * j
-        cc.sources = fields[i:i + 3]
-        cc.stamp = (v[i], v[i + 1], v[i + 2], v[i + 3], wv[j])
+        cc = w.copy_state
+        cc.sources = fields[4 * j:4 * j + 3]
+        cc.stamp = stamps[j]
         cc.pending_uses = 0
 
 

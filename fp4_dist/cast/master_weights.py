@@ -23,7 +23,7 @@ aborts gloo and hangs NCCL. A rank whose own arguments are invalid joins the hea
 every rank raises before writing a byte.
 
 The all-reduce carries every tile amax, as TransformerEngine's does, so that every rank holds every scale
-before the gather (Megatron relies on it). `fp4_dist.optim.sharded_cast.ShardedCast` (Zero1Optimizer's cast)
+before the gather (Megatron relies on it). `fp4_dist.cast.sharded.ShardedCast` (Zero1Optimizer's cast)
 exchanges only the tiles cut by rank boundaries and gathers the owners' scale bytes instead. `BoundCast` holds
 everything a step needs (argument lists, amax buffer) so an optimizer builds it once.
 """
@@ -35,12 +35,12 @@ from typing import Optional, Sequence
 import torch
 
 from .. import kernels
-from ..compute_copy import mark_pending
-from ..format import MASTER_DTYPES, byte_window, check_even_boundary, check_weight_shape
+from ..compute.copy import mark_pending
+from ..format import DEFAULT_NUMERICS, MASTER_DTYPES, byte_window, check_even_boundary, check_weight_shape
 from ..shared_amax import group_of
 from ..tensor import NVFP4Tensor, is_nvfp4_tensor
-from .cast_agreement import CallAgreement, reject
-from .cast_core import BINDINGS, CastCore, CastPlan, DeferredCheck, make_cast_plan, shard_bytes, weight_name
+from .master_weights_check import CallAgreement, reject
+from .core import BINDINGS, CastCore, CastPlan, DeferredCheck, make_cast_plan, shard_bytes, weight_name
 from .collectives import CommStats, dist_backend, in_distributed_job, rank_and_size
 
 
@@ -87,7 +87,7 @@ def _shape_plan(model_weights) -> CastPlan:
                             "this rank cannot join the other ranks' cast")
         shapes.append((int(shape[0]), int(shape[1])))
         dtypes.append(w.dtype if is_nvfp4_tensor(w) else torch.bfloat16)
-        numerics.append(w.numerics if is_nvfp4_tensor(w) else "te")
+        numerics.append(w.numerics if is_nvfp4_tensor(w) else DEFAULT_NUMERICS)
         amax_groups.append(group_of(w))
     return make_cast_plan(tuple(shapes), tuple(dtypes), tuple(numerics), amax_groups)
 
@@ -179,7 +179,7 @@ def cast_master_weights_to_nvfp4(
     agreement header, the amaxes) and two scalar device-to-host reads; in a single process none and one.
     The checks and the binding of the stages run on the first call with a set of tensors; later calls with the
     same tensors (same objects, same buffers) only launch. `Zero1Optimizer` exchanges far fewer amaxes
-    (`fp4_dist.optim.sharded_cast`); this function keeps TE's full exchange because its callers (Megatron)
+    (`fp4_dist.cast.sharded`); this function keeps TE's full exchange because its callers (Megatron)
     rely on every rank holding every scale before the gather.
     Raises ValueError/TypeError naming the weight, with no byte written, for bad shards, offsets, dtypes,
     devices, or non-finite master values (those at ``resolve()`` with `defer_check`, the weights written);

@@ -1,4 +1,6 @@
-"""The only module of fp4_dist.optim that calls torch.distributed.
+"""The collectives of the cast and of the trainers built on it (ZeRO, FSDP2, the export): all-reduce, all-gather
+and reduce-scatter, counted by `CommStats`. (The structure checks of `agreement.py` and `master_weights_check.py`,
+and Zero1Optimizer's checkpoints through torch.distributed.checkpoint, make their own calls.)
 
 Every function takes the process group as an argument (None = the default group) and works
 without an initialised process group when the group has one rank: a single process runs the
@@ -18,6 +20,10 @@ from typing import Callable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+
+
+__all__ = ["CommStats", "in_distributed_job", "rank_and_size", "dist_backend", "all_reduce_max_", "all_reduce_sum_",
+           "reduce_scatter_sum", "reduce_scatter_ordered", "all_gather_inplace", "all_gather_into"]
 
 
 @dataclass

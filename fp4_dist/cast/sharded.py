@@ -35,9 +35,9 @@ from .. import kernels
 from ..buffers import ShardBuffer
 from ..buffers.layout import BufferLayout
 from ..buffers.tile_owners import TileExchange, tile_exchange
-from ..compute_copy import BoundRefresh, mark_pending
+from ..compute.copy import BoundRefresh, mark_pending
 from ..tensor import NVFP4Tensor
-from .cast_core import CastCore, CastPlan, plan_for, shard_bytes, weight_name
+from .core import CastCore, CastPlan, plan_for, shard_bytes, weight_name
 from .collectives import CommStats, all_gather_inplace
 from .post_gather import bind_columnwise, drop_columnwise
 

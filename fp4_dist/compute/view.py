@@ -11,7 +11,7 @@ of the copy, one plain tensor that
 - is connected to the parameter by a single C++ autograd node (`compute_alias`: clone's, whose backward
   passes the gradient through), so the weight gradient still reaches the parameter's grad accumulator and every
   hook on it (Megatron's DDP),
-- has a version counter of its own, which every refresh of the copy bumps (`compute_copy._mark_refreshed`), so a
+- has a version counter of its own, which every refresh of the copy bumps (`copy._mark_refreshed`), so a
   backward through a graph recorded before a refresh raises, as for a plain parameter changed in place. It is not
   an autograd view of the parameter: were it one, the bump of the parameter's counter at each refresh would make
   autograd rebuild its node by replaying the view op through the Python dispatch, once per weight per step.
@@ -25,7 +25,7 @@ under inference mode it passes the weight itself (the dispatch path, which handl
 The cache belongs to the layer, not to the weight: the view's autograd node holds the parameter, so a cache on the
 parameter would be a reference cycle through C++ that Python's garbage collector cannot see (the weight would never
 be freed), and it is dropped before the layer is moved or cast (`forget`: torch then swaps a subclass parameter in
-place and poisons the grad accumulator the view's node leads to). Users: `NVFP4Linear` (what
+place and poisons the grad accumulator the view's node leads to). Users: `NVFP4Linear` (`linear.py`: what
 `convert_linear_weights` makes of a plain nn.Linear) and the Megatron adapter's hooks of its parallel linear layers.
 """
 
@@ -34,14 +34,12 @@ from __future__ import annotations
 import weakref
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .compute_copy import refresh_compute_copies
+from ..tensor import NVFP4Tensor
 from . import lean
-from .lean import is_lean, lean_call
-from .tensor import NVFP4Tensor
-from .tensor_ops import clone_value
+from .alias import alias_onto
+from .copy import refresh_compute_copies, version_key
 
 _ATTR = "_fp4_compute_view"
 
@@ -70,8 +68,7 @@ class ComputeView:
             # dtype changes only by a parameter swap (nn.Module._apply), and the layer drops its view before one.
             src, stamp = cc.sources, cc.stamp
             if (stamp is not None and src[0] is w.rowwise_data and src[1] is w.rowwise_scale_inv
-                    and src[2] is w.amax and stamp == (src[0]._version, src[1]._version, src[2]._version,
-                                                       self.value._version, w._version)):  # fmt: skip
+                    and src[2] is w.amax and stamp == version_key(src, self.value, w)):  # fmt: skip
                 return self.view
         return self._make(w, grad)
 
@@ -107,10 +104,11 @@ def compute_alias(w: NVFP4Tensor) -> torch.Tensor:
     its own, so bumping `w`'s counter (every refresh of the copy does) does not make autograd rebuild its node,
     which for a tensor subclass means replaying the view op through the Python dispatch, once per weight per
     step. Every refresh of the copy bumps this tensor's counter instead (`ComputeCopy.aliases`), for as long as
-    it lives, in a layer's cache or only in a recorded graph. The caller makes sure the copy is current.
+    it lives, in a layer's cache or only in a recorded graph. The caller makes sure the copy is current
+    (`fp4_dist.compute.alias` says how the alias is made).
     """
-    alias = clone_value(w)
     cc = w.copy_state
+    alias = alias_onto(w, cc.value)
     cc.live_aliases()  # forgets the dead ones: a weight that is never refreshed must not collect them
     cc.aliases.append(weakref.ref(alias))
     return alias
@@ -128,17 +126,6 @@ def compute_view(module: nn.Module, w: torch.Tensor) -> torch.Tensor:
     return cache(w)
 
 
-@torch._dynamo.disable(recursive=True)
-def _linear_outside_the_graph(module: nn.Module, input: torch.Tensor) -> torch.Tensor:
-    """An NVFP4Linear's forward when torch.compile traces the model: run eagerly, as a graph break. Its weight
-    comes from the layer's view cache, Python state (version counters, weak references) that dynamo would guard
-    on, and re-specialise, in a frame every layer shares (one recompile per layer shape, then the recompile
-    limit). Kept out, the compiled graphs are the code between the linears, and each resumes at its own place in
-    the caller (a block's forward resumes after its q/k/v projection with that projection's shape, in every
-    block alike). The GEMM is an extern kernel under inductor anyway."""
-    return F.linear(input, compute_view(module, module.weight), module.bias)
-
-
 def forget(module: nn.Module) -> None:
     """Drop `module`'s cached view. `nn.Module._apply` (`.to`, `.cuda`, `.bfloat16`, ...) swaps a tensor-subclass
     parameter in place and poisons its old grad accumulator, the one the view's autograd node leads to (a backward
@@ -148,24 +135,3 @@ def forget(module: nn.Module) -> None:
     if cache is not None:
         cache.clear()
     lean.forget(module)
-
-
-class NVFP4Linear(nn.Linear):
-    """nn.Linear whose forward computes with the cached view of an NVFP4 weight (`compute_view`).
-
-    `convert_linear_weights` turns the plain nn.Linear layers it converts into this class (subclasses of nn.Linear
-    keep their class and their own forward: they take the dispatch path, with the same values). With a weight that
-    is not NVFP4 it is nn.Linear.
-    """
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # constant-folded by dynamo; a quarter of a microsecond in eager mode
-            return _linear_outside_the_graph(self, input)
-        w = self.weight
-        if is_lean(w):
-            return lean_call(self, w, lambda value: F.linear(input, value, self.bias))
-        return F.linear(input, compute_view(self, w), self.bias)
-
-    def _apply(self, fn, *args, **kwargs):
-        forget(self)
-        return super()._apply(fn, *args, **kwargs)

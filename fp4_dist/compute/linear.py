@@ -1,0 +1,43 @@
+"""NVFP4Linear: the nn.Linear that `convert_linear_weights` makes of a plain one, computing with the cached view of
+its NVFP4 weight (`view.compute_view`) or, for a weight that keeps no copy, a lean copy (`lean.lean_call`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .lean import is_lean, lean_call
+from .view import compute_view, forget
+
+
+@torch._dynamo.disable(recursive=True)
+def _linear_outside_the_graph(module: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    """An NVFP4Linear's forward when torch.compile traces the model: run eagerly, as a graph break. Its weight
+    comes from the layer's view cache, Python state (version counters, weak references) that dynamo would guard
+    on, and re-specialise, in a frame every layer shares (one recompile per layer shape, then the recompile
+    limit). Kept out, the compiled graphs are the code between the linears, and each resumes at its own place in
+    the caller (a block's forward resumes after its q/k/v projection with that projection's shape, in every
+    block alike). The GEMM is an extern kernel under inductor anyway."""
+    return F.linear(input, compute_view(module, module.weight), module.bias)
+
+
+class NVFP4Linear(nn.Linear):
+    """nn.Linear whose forward computes with the cached view of an NVFP4 weight (`compute_view`).
+
+    `convert_linear_weights` turns the plain nn.Linear layers it converts into this class (subclasses of nn.Linear
+    keep their class and their own forward: they take the dispatch path, with the same values). With a weight that
+    is not NVFP4 it is nn.Linear.
+    """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # constant-folded by dynamo; a quarter of a microsecond in eager mode
+            return _linear_outside_the_graph(self, input)
+        w = self.weight
+        if is_lean(w):
+            return lean_call(self, w, lambda value: F.linear(input, value, self.bias))
+        return F.linear(input, compute_view(self, w), self.bias)
+
+    def _apply(self, fn, *args, **kwargs):
+        forget(self)
+        return super()._apply(fn, *args, **kwargs)

@@ -1,0 +1,149 @@
+"""The lean pool: one model-dtype buffer per (shape, dtype, device) of the lean weights, shared by all of them.
+
+Every weight of a transformer's layer stack takes its turn in the buffers of one layer (`fp4_dist.compute.lean`).
+Sharing is safe because a copy is consumed by the op it was made for before the next one is written, in the order
+of the one stream both run on; a buffer that something still references at the next write (a copy kept past its
+use, which the layers never do) is left to its holder and replaced by a new one, counted in `pool_stats()` and
+warned about once, so no copy is ever overwritten under a reader.
+
+Each buffer records whose values it holds and what proved them current then (`token`: the weight's cast count and
+the version counters of its bytes and of itself, as for a kept copy; nothing while a cast's bytes await their
+all-gather). A use that finds its values there launches nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import warnings
+import weakref
+
+import torch
+
+from .._user import user_stacklevel
+from .copy import version_key
+
+
+_STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def use_count(t: torch.Tensor) -> int:
+    """References to `t`'s storage (tensors and views on it), plus the one the query itself takes; 0 where this
+    torch does not say (the pool then cannot see holders and trusts that layers consume their copies, as they do)."""
+    if _STORAGE_USE_COUNT is None:
+        return 0
+    return _STORAGE_USE_COUNT(t.untyped_storage()._cdata)
+
+
+class Buffer:
+    """One pool buffer, how many references to its storage the pool and the layers' aliases account for, and
+    whose values it holds: the bound fields of the layer that wrote it last and `token` of their weight then
+    (None: nothing proves what it holds)."""
+
+    __slots__ = ("tensor", "expected", "fields", "token", "version", "retired", "__weakref__")
+
+    def __init__(self, shape, dtype, device):
+        self.tensor = torch.empty(shape, dtype=dtype, device=device)
+        self.expected = use_count(self.tensor)
+        self.retired = False  # the pool let go of it (replaced or released): layers bound to it bind again
+        self.mark(None, None)
+
+    def mark(self, fields, token) -> None:
+        """The buffer was just written with the values of `fields` as `token` says they are (None: unknown)."""
+        self.fields, self.token, self.version = fields, token, self.tensor._version
+
+    def free(self) -> bool:
+        """Whether nothing but the pool and the layers' aliases references the buffer: the next copy may go in."""
+        return use_count(self.tensor) == self.expected
+
+    def adopt(self, alias: torch.Tensor, before: int) -> None:
+        """`alias` (made from this buffer after `before` was counted) is a layer's: account for it while it lives."""
+        held = use_count(self.tensor) - before
+        self.expected += held
+        ref = weakref.ref(self)
+        weakref.finalize(alias, _release, ref, held)
+
+
+def _release(ref, held: int) -> None:
+    buf = ref()
+    if buf is not None:
+        buf.expected -= held
+
+
+class _Pool:
+    __slots__ = ("buffers", "replaced", "warned", "uses", "launches")
+
+    def __init__(self):
+        self.buffers: dict = {}
+        self.replaced = 0
+        self.warned = False
+        self.uses = self.launches = 0  # lean uses seen, dequantize launches they made
+
+    def take(self, key) -> Buffer:
+        """The buffer for `key` = (shape, dtype, device), new when there is none or the current one is held."""
+        buf = self.buffers.get(key)
+        if buf is not None and buf.free():
+            return buf
+        if buf is not None:
+            buf.retired = True
+            self._replaced(key)
+        buf = self.buffers[key] = Buffer(*key)
+        return buf
+
+    def _replaced(self, key) -> None:
+        self.replaced += 1
+        if not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"fp4_dist.compute.lean: a lean copy of an NVFP4 weight of shape {list(key[0])} was still referenced when the "
+                "next weight of that shape needed the pool buffer; the holder keeps it and the pool takes a new "
+                "buffer (correct, but memory the lean mode is meant to save). Something keeps the tensor a layer "
+                "computed with past its use", stacklevel=user_stacklevel())  # fmt: skip
+
+
+POOL = _Pool()
+
+
+def pool_bytes() -> int:
+    """Bytes the lean pool's buffers hold (one buffer per distinct shape, dtype and device of the lean weights)."""
+    return sum(b.tensor.numel() * b.tensor.element_size() for b in POOL.buffers.values())
+
+
+def held_copies() -> int:
+    """Pool buffers that something besides the pool and the layers' aliases references right now (0 between
+    uses: nothing keeps a lean copy)."""
+    return sum(not b.free() for b in POOL.buffers.values())
+
+
+def pool_stats() -> dict:
+    """{"buffers", "bytes", "replaced", "uses", "launches"}: the pool's size, how often a held buffer had to be
+    replaced, and how many lean uses (forward and backward) made how many dequantize launches (fewer launches
+    than uses: copies found made already, by the use before or by a batched fill)."""
+    return {"buffers": len(POOL.buffers), "bytes": pool_bytes(), "replaced": POOL.replaced, "uses": POOL.uses,
+            "launches": POOL.launches}  # fmt: skip
+
+
+def release_pool() -> None:
+    """Let go of the pool's buffers (they are freed once the layers' aliases of them are dropped at their next
+    use); the next lean use allocates again."""
+    for buf in POOL.buffers.values():
+        buf.retired = True
+    POOL.buffers.clear()
+
+
+def copy_token(cc, fields: tuple, w) -> Optional[tuple]:
+    """What proves that a copy made from `fields` (a weight's rowwise fields, as a layer holds them) holds weight
+    `w`'s current values: its cast count (`ComputeCopy.casts`: bytes an all-gather writes bump no version counter
+    of this rank's) and its freshness key (`copy.version_key`); None between a cast and its all-gather's processing
+    (or for an inference tensor), when nothing proves a copy current."""
+    if cc.pending:
+        return None
+    try:
+        return (cc.casts,) + version_key(fields, None, w)
+    except RuntimeError:  # an inference tensor has no version counter
+        return None
+
+
+def bound(fields: tuple, w) -> bool:
+    """Whether `fields` (a layer's binding, or a use's) are `w`'s fields now."""
+    return fields[0] is w.rowwise_data and fields[1] is w.rowwise_scale_inv and fields[2] is w.amax
