@@ -23,25 +23,14 @@ import torch
 import fp4_dist.kernels as K
 from fp4_dist.format import columnwise_data_shape, columnwise_scale_shape, rowwise_scale_shape
 from fp4_dist.kernels import _launch
+from timing import median_ms  # noqa: E402 - bench/timing.py, beside this script
 
 DEV = torch.device("cuda")
 
 
 def timed(fn, reps: int, flush: torch.Tensor | None) -> float:
     """Median device milliseconds of fn() over `reps` runs (after 3 warm-ups); L2 flushed before each."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        if flush is not None:
-            flush.zero_()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return median_ms(fn, reps, before=None if flush is None else flush.zero_)
 
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 import fp4_dist
 from fp4_dist.compute.copy import refresh_compute_copies
 from fp4_dist.kernels import reference
+from timing import Span  # noqa: E402 - bench/timing.py, beside this script
 
 DEV = torch.device("cuda")
 SHAPES = ((2048, 2048), (8192, 2048), (2048, 8192))
@@ -59,15 +60,12 @@ def interleaved(steps: dict, iters: int = 20, rounds: int = 9) -> dict:
     host = {k: [] for k in steps}
     for _ in range(rounds):
         for name, step in steps.items():
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
+            span = Span().start()
             for _ in range(iters):
                 t0 = time.perf_counter()
                 step()
                 host[name].append(time.perf_counter() - t0)
-            b.record()
-            b.synchronize()
-            device[name].append(a.elapsed_time(b) / iters)
+            device[name].append(span.stop().ms() / iters)
     return {k: (statistics.median(device[k]), 1e3 * statistics.median(host[k])) for k in steps}
 
 

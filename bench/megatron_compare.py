@@ -2,14 +2,14 @@
 
     torchrun --nproc-per-node 2 bench/megatron_compare.py [--steps 200] [--rounds 2] [--paired-steps N] [--tiny]
         [-- extra Megatron args]
+    python bench/megatron_compare.py --pool OUT/p.1.json OUT/p.2.json ...   # pool --paired-only processes
 
 Runs the same GPT (same seed, data, LR schedule, no gradient clipping) several times in this process:
 
     timing rounds, each  bf16, fp4, fp4, bf16 (ABBA)
               bf16   plain bf16 model (no quantization at all)  -> what NVFP4 does to the loss (information)
               fp4    --fp4-param-gather: NVFP4 weights, 4-bit all-gather, no checks between steps
-              The median step of every fp4 run over that of every bf16 run, for information (it was the verdict
-              until stop 20): whole runs take turns, so a slowdown lasting a run lands on one mode only (jobs
+              The median step of every fp4 run over that of every bf16 run, for information: whole runs take turns, so a slowdown lasting a run lands on one mode only (jobs
               of the small model read 0.99 to 1.10 with no change to the code). Each round's own ratio is
               shown beside it.
     fp4 checked  fp4 again, its gathered bytes checked against quantize(full master) every --check-every
@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from examples import megatron_pretrain_gpt as pretrain_gpt  # noqa: E402
 from fp4_dist.launch import shutdown  # noqa: E402
 from fp4_dist.compute import pool_stats  # noqa: E402
+from timing import Span  # noqa: E402 - bench/timing.py, beside this script
 
 MODELS = {
     "gpt256": ("--num-layers 4 --hidden-size 256 --num-attention-heads 4 --ffn-hidden-size 1024 "
@@ -84,6 +85,8 @@ def parse() -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--check-every", type=int, default=20, help="parity check of the gathered NVFP4 bytes")
     p.add_argument("--log-interval", type=int, default=50)
     p.add_argument("--json", default=None, help="write the table and all losses here (rank 0)")
+    p.add_argument("--pool", nargs="+", default=None, metavar="JSON",
+                   help="no run: pool the --json outputs of several --paired-only processes into one verdict")
     p.add_argument("--phases", action="store_true",
                    help="with --paired-only: time each step's forward-backward (host, device) and the rest apart")
     p.add_argument("--lean-diagnostic", choices=("timers", "nofill"), default=None,
@@ -195,17 +198,16 @@ class _PhaseMark:
     def start(self, t0: float) -> None:
         self.t0 = t0
         if self.cuda:
-            self.e0, self.e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self.e0.record()
+            self.span = Span().start()
 
     def __call__(self) -> None:
         self.host = 1e3 * (time.perf_counter() - self.t0)
         if self.cuda:
-            self.e1.record()
+            self.span.stop()
 
     def result(self) -> tuple[float, float]:
         """(host ms, device ms) to the end of the forward-backward; call after the step's device drain."""
-        return self.host, (self.e0.elapsed_time(self.e1) if self.cuda else float("nan"))
+        return self.host, (self.span.ms() if self.cuda else float("nan"))
 
 
 def phase_table(times: dict[str, list[float]], phases: dict[str, list[tuple]]) -> list[tuple[str, str, str]]:
@@ -375,8 +377,37 @@ def paired_only(base: list[str], args) -> int:
     return 0 if all(r[2] != "FAIL" for r in rows) else 1
 
 
+def pair_ratios(step_ms: dict, name: str) -> list[float]:
+    return [v / b for v, b in zip(after_warmup(step_ms[name]), after_warmup(step_ms["bf16"]))]
+
+
+def pool(files: list[str]) -> int:
+    """Pool the paired measurements of several processes (`--paired-only ... --json F`, run again for each F): one
+    process's per-pair ratio moves by several percent between processes on the lent hosts, more than the effects
+    being measured, so a verdict wants several. Prints, per variant, each process's median per-pair ratio to bf16,
+    their median and the median over all pairs; the verdict (the processes' median against the step limit) for GPU
+    runs only."""
+    outputs = [json.loads(Path(f).read_text()) for f in files]
+    runs = [o["step_ms"] for o in outputs]
+    judged = all(any(row[2] for row in o["rows"]) for o in outputs)  # CPU runs carry no verdict: nor does this
+    names = [n for n in runs[0] if n != "bf16"]
+    print(f"| variant | per-pair ratio of each of {len(runs)} processes | median of those | median of all pairs "
+          f"| verdict (<= {STEP_RATIO_LIMIT}) |\n|---|---|---|---|---|")
+    ok = True
+    for name in names:
+        each = [statistics.median(pair_ratios(r, name)) for r in runs if name in r]
+        pooled = statistics.median([x for r in runs if name in r for x in pair_ratios(r, name)])
+        verdict = statistics.median(each) <= STEP_RATIO_LIMIT or not judged
+        ok &= verdict
+        print(f"| {name} | {', '.join(f'{x:.3f}' for x in each)} | {statistics.median(each):.3f} | {pooled:.3f} "
+              f"| {('PASS' if verdict else 'FAIL') if judged else '(CPU ranks: none)'} |")
+    return 0 if ok else 1
+
+
 def main() -> int:
     args, extra = parse()
+    if args.pool:
+        return pool(args.pool)
     if args.rounds < 1:
         raise SystemExit("megatron_compare: --rounds must be >= 1")
     if args.paired_steps is not None and args.paired_steps < 1:

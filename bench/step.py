@@ -50,6 +50,7 @@ from fp4_dist.cast.master_weights import cast_master_weights_to_nvfp4
 from fp4_dist.cast.collectives import CommStats, all_gather_inplace, all_reduce_max_
 from fp4_dist.cast.sharded import ShardedCast
 from fp4_dist.tensor import NVFP4Tensor
+from timing import median_ms  # noqa: E402 - bench/timing.py, beside this script
 
 MODELS = {"gpt-h2048-l24": (2048, 24), "gpt-h4096-l32": (4096, 32)}
 TINY = {"tiny-h64-l2": (64, 2), "tiny-h96-l3": (96, 3)}
@@ -76,20 +77,7 @@ class Clock:
         for _ in range(warmup):
             fn()
         self.sync()
-        times = []
-        for _ in range(reps or self.reps):
-            if self.cuda:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append(1e3 * (time.perf_counter() - t0))
-        return statistics.median(times)
+        return median_ms(fn, reps or self.reps, warmup=0)
 
     def host_ms(self, fn, reps: int | None = None) -> float:
         """Median wall time of the Python call itself (it may include the one device sync of a step)."""

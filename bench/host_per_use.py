@@ -1,9 +1,8 @@
 """Host time per use of a linear weight: plain bf16, NVFP4 with a kept compute copy, lean NVFP4 (fp4_dist.compute.lean),
 and the dequantize launch itself, bound (a direct driver launch) and through the call form (CuPy's generic call).
-The weight does not change between the calls, so a lean use finds its copy made and launches nothing
-(`bench/lean_percall.py` times a lean use that launches).
+The weight does not change between the calls, so a lean use finds its copy made and launches nothing.
 
-    python bench/lean_host.py [--size 2048] [--tokens 16] [--calls 2000]
+    python bench/host_per_use.py [--size 2048] [--tokens 16] [--calls 2000]
 
 A few tokens make the GPU work negligible, so the wall time per call is the host's (the device is drained once
 at the end of each timed loop). Prints one table, microseconds per call.

@@ -2,7 +2,7 @@
 weights with kept compute copies (the default), and lean NVFP4 weights (compute_copy=False: a copy only around
 each use, `fp4_dist.compute.lean`).
 
-    python bench/lean.py [--hidden 2048] [--layers 8] [--seq 1024] [--micro-batch 4] [--steps 15] [--rounds 2]
+    python bench/zero1_stack.py [--hidden 2048] [--layers 8] [--seq 1024] [--micro-batch 4] [--steps 15] [--rounds 2]
 
 Each mode runs in its own process (so each has its own peak), in rounds that alternate the order; prints per mode
 the peak allocated memory during the timed steps, the median step (forward + backward + optimizer step, CUDA
@@ -26,6 +26,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fp4_dist  # noqa: E402
 from fp4_dist.optim import Zero1Optimizer  # noqa: E402
+from timing import median_ms  # noqa: E402 - bench/timing.py, beside this script
 
 MODES = ("bf16", "default", "lean")
 
@@ -78,16 +79,9 @@ def run_mode(mode: str, args) -> dict:
         step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(args.steps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+    step_ms = median_ms(step, args.steps, warmup=0)
     weights = dict(opt.param_memory_bytes(), lean_pool=fp4_dist.compute.pool_bytes())
-    return {"mode": mode, "peak_MiB": torch.cuda.max_memory_allocated() / 2**20, "step_ms": statistics.median(times),
+    return {"mode": mode, "peak_MiB": torch.cuda.max_memory_allocated() / 2**20, "step_ms": step_ms,
             "weights_MiB": {k: v / 2**20 for k, v in weights.items()}}  # fmt: skip
 
 

@@ -1,0 +1,59 @@
+"""The one way the benches time GPU work: CUDA events around the work on the current stream (wall clock on CPU).
+
+    median_ms(fn, reps)    median device milliseconds of fn() over reps runs, after warm-ups
+    Span                   device time between two points of a step (start(), stop(), ms())
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Optional
+
+import torch
+
+
+class Span:
+    """Device milliseconds between `start()` and `stop()` on the current stream: CUDA events recorded at both
+    points, read by `ms()` (which waits for the second). On CPU, the wall time between the calls."""
+
+    def __init__(self):
+        self.cuda = torch.cuda.is_available()
+        self.t0 = self.t1 = 0.0
+
+    def start(self) -> "Span":
+        if self.cuda:
+            self.e0, self.e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.e0.record()
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def stop(self) -> "Span":
+        if self.cuda:
+            self.e1.record()
+        else:
+            self.t1 = time.perf_counter()
+        return self
+
+    def ms(self) -> float:
+        if self.cuda:
+            self.e1.synchronize()
+            return self.e0.elapsed_time(self.e1)
+        return 1e3 * (self.t1 - self.t0)
+
+
+def median_ms(fn: Callable[[], object], reps: int, *, warmup: int = 3,
+              before: Optional[Callable[[], object]] = None) -> float:  # fmt: skip
+    """Median device milliseconds of `fn()` over `reps` runs after `warmup` untimed ones; `before()` (an L2 flush,
+    say) runs untimed before each timed run."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if before is not None:
+            before()
+        span = Span().start()
+        fn()
+        times.append(span.stop().ms())
+    return statistics.median(times)
