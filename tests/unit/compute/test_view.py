@@ -1,4 +1,4 @@
-"""fp4_dist/compute_view.py: a layer computes with a cached plain view of its NVFP4 weight's compute copy. Same
+"""fp4_dist/compute/view.py: a layer computes with a cached plain view of its NVFP4 weight's compute copy. Same
 values and gradients as the dispatch path, never stale (every route that changes the bytes, seen by the layer's
 own forward first), no dispatch in a steady-state step, and no leak (CPU)."""
 

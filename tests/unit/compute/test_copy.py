@@ -1,4 +1,4 @@
-"""fp4_dist/compute_copy.py: ops on an NVFP4 weight read a copy made once per change of its bytes, never a
+"""fp4_dist/compute/copy.py: ops on an NVFP4 weight read a copy made once per change of its bytes, never a
 stale one, whatever route changed the bytes (CPU; the GPU kernel's bytes are in kernels/test_dequantize.py)."""
 
 import io
