@@ -13,7 +13,6 @@ events) and the all-gather bytes per step counted on the real collective.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -29,6 +28,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fp4_dist.fsdp import fully_shard_nvfp4  # noqa: E402
 from fp4_dist.launch import init_distributed, shutdown  # noqa: E402
+from timing import publish  # noqa: E402 - bench/timing.py, beside this script
 
 
 class Block(nn.Module):
@@ -194,12 +194,7 @@ def main() -> None:
                      f"{held.get(v, float('nan')):.0f} |")
     text = "\n".join(lines)
     if info.rank == 0:
-        print(text, flush=True)
-        if args.out:
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-            (Path(args.out) / "bench_fsdp.md").write_text(text + "\n")
-            (Path(args.out) / "bench_fsdp.json").write_text(json.dumps({"median_ms": med, "times": times,
-                                                                       "gathered_bytes": gathered}, indent=1))
+        publish(text, args.out, "bench_fsdp", {"median_ms": med, "times": times, "gathered_bytes": gathered})
     shutdown()
 
 

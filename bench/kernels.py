@@ -13,7 +13,6 @@ bound form), and device time.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -23,7 +22,7 @@ import torch
 import fp4_dist.kernels as K
 from fp4_dist.format import columnwise_data_shape, columnwise_scale_shape, rowwise_scale_shape
 from fp4_dist.kernels import _launch
-from timing import median_ms  # noqa: E402 - bench/timing.py, beside this script
+from timing import median_ms, publish  # noqa: E402 - bench/timing.py, beside this script
 
 DEV = torch.device("cuda")
 
@@ -220,14 +219,8 @@ def main() -> None:
               "|---|---|---|---|---|"]  # fmt: skip
     lines += [f"| {r['stage']} | {r['launches']} | {r['host_ms_call']:.3f} | {r['host_ms_bound']:.3f} | "
               f"{r['device_ms']:.3f} |" for r in many]  # fmt: skip
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench_kernels.md"), "w") as f:
-            f.write(text + "\n")
-        with open(os.path.join(args.out, "bench_kernels.json"), "w") as f:
-            json.dump(dict(device=name, copy_gbs=copy_gbs, sizes=sizes, variants=tried, many=many), f, indent=1)
+    publish("\n".join(lines), args.out, "bench_kernels",
+            dict(device=name, copy_gbs=copy_gbs, sizes=sizes, variants=tried, many=many))
 
 
 if __name__ == "__main__":

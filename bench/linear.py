@@ -27,7 +27,6 @@ Host time: wall time of one iteration's Python call, median. Variants:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -38,7 +37,7 @@ import torch.nn.functional as F
 import fp4_dist
 from fp4_dist.compute.copy import refresh_compute_copies
 from fp4_dist.kernels import reference
-from timing import Span  # noqa: E402 - bench/timing.py, beside this script
+from timing import Span, publish  # noqa: E402 - bench/timing.py, beside this script
 
 DEV = torch.device("cuda")
 SHAPES = ((2048, 2048), (8192, 2048), (2048, 8192))
@@ -193,14 +192,7 @@ def main() -> None:
         lines.append(f"| {r['shape']} | {r['dequantize_ms']:.4f} | {r['bf16_copy_ms']:.4f} | "
                      f"{r['dequantize_ms'] / r['bf16_copy_ms']:.2f}x | {r['reference_ms']:.3f} | "
                      f"{r['reference_ms'] / r['bf16_copy_ms']:.1f}x |")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench_linear.md"), "w") as f:
-            f.write(text + "\n")
-        with open(os.path.join(args.out, "bench_linear.json"), "w") as f:
-            json.dump(dict(device=name, tokens=args.tokens, rows=rows), f, indent=1)
+    publish("\n".join(lines), args.out, "bench_linear", dict(device=name, tokens=args.tokens, rows=rows))
 
 
 if __name__ == "__main__":

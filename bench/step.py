@@ -31,7 +31,6 @@ and writes step.md, step.json and step.png (time per stage) to --out.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -50,7 +49,7 @@ from fp4_dist.cast.master_weights import cast_master_weights_to_nvfp4
 from fp4_dist.cast.collectives import CommStats, all_gather_inplace, all_reduce_max_
 from fp4_dist.cast.sharded import ShardedCast
 from fp4_dist.tensor import NVFP4Tensor
-from timing import median_ms  # noqa: E402 - bench/timing.py, beside this script
+from timing import median_ms, publish  # noqa: E402 - bench/timing.py, beside this script
 
 MODELS = {"gpt-h2048-l24": (2048, 24), "gpt-h4096-l32": (4096, 32)}
 TINY = {"tiny-h64-l2": (64, 2), "tiny-h96-l3": (96, 3)}
@@ -420,16 +419,9 @@ def main() -> None:
     if info.rank == 0:
         name = torch.cuda.get_device_name() if info.device.type == "cuda" else "cpu"
         text = render(results, bw, host, name, info.world_size)
-        note = ""
         if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, "step.md"), "w") as f:
-                f.write(text + "\n")
-            with open(os.path.join(args.out, "step.json"), "w") as f:
-                json.dump(dict(device=name, world=info.world_size, bw=bw, results=results, host=host), f, indent=1)
-            note = plot(results, os.path.join(args.out, "step.png"))
-        print(note)
-        print(text, flush=True)
+            print(plot(results, os.path.join(args.out, "step.png")))
+        publish(text, args.out, "step", dict(device=name, world=info.world_size, bw=bw, results=results, host=host))
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

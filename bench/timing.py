@@ -1,11 +1,15 @@
-"""The one way the benches time GPU work: CUDA events around the work on the current stream (wall clock on CPU).
+"""The one way the benches time GPU work (CUDA events around the work on the current stream; wall clock on CPU), and
+keep their tables.
 
     median_ms(fn, reps)    median device milliseconds of fn() over reps runs, after warm-ups
     Span                   device time between two points of a step (start(), stop(), ms())
+    publish(text, ...)     print a table, and keep it with its numbers under --out
 """
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import time
 from typing import Callable, Optional
@@ -57,3 +61,14 @@ def median_ms(fn: Callable[[], object], reps: int, *, warmup: int = 3,
         fn()
         times.append(span.stop().ms())
     return statistics.median(times)
+
+
+def publish(text: str, out: Optional[str], stem: str, data: dict) -> None:
+    """Print a bench's table and, with `out`, keep it as OUT/STEM.md beside its numbers as OUT/STEM.json."""
+    print(text, flush=True)
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, f"{stem}.md"), "w") as f:
+            f.write(text + "\n")
+        with open(os.path.join(out, f"{stem}.json"), "w") as f:
+            json.dump(data, f, indent=1)
