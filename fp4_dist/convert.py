@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from .compute.linear import NVFP4Linear
+from .compute.linear import NVFP4Linear, ready_for_compile
 from .format import DEFAULT_NUMERICS, MODEL_DTYPES, TILE
 from .quantize import quantize
 from .shared_amax import ATTR as AMAX_GROUP_ATTR
@@ -141,6 +141,7 @@ def install_nvfp4(module: nn.Module, q, name: str, requires_grad: bool, others=(
     for owner, attr in [(module, "weight"), *others]:
         setattr(owner, attr, new)
     if type(module) is nn.Linear:
+        ready_for_compile()
         module.__class__ = NVFP4Linear
     return new
 

@@ -8,4 +8,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONUNBUFFERED=1
 # The whole suite unless the arguments name test paths of their own (e.g. `bash scripts/test.sh tests/unit -x`).
 where=(tests)
 for a in "$@"; do [[ "$a" != -* && -e "${a%%::*}" ]] && where=(); done
-exec .venv/bin/python -m pytest "${where[@]}" -ra --durations=15 "$@"
+# One worker per core (pytest-xdist): the multi-process tests are bound by their ranks' start-up, the rest by one
+# core; tests that share a launch carry an xdist_group mark and stay together. FP4_DIST_TEST_WORKERS=0: one process.
+exec .venv/bin/python -m pytest "${where[@]}" -ra --durations=15 -n "${FP4_DIST_TEST_WORKERS:-auto}" \
+  --dist loadgroup "$@"

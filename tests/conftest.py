@@ -3,6 +3,10 @@ import torch
 
 
 def pytest_collection_modifyitems(config, items):
+    # The longest tests first (Megatron launches, then the other multi-process ones): pytest-xdist workers take
+    # tests in this order, so none is left with a long test while the others have finished.
+    items.sort(key=lambda item: 0 if "megatron" in item.keywords and "distributed" in item.keywords
+               else 1 if "distributed" in item.keywords else 2)  # fmt: skip
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device (run on the GPU machine: see README 'GPU tests')")

@@ -11,15 +11,29 @@ from .lean import is_lean, lean_call
 from .view import compute_view, forget
 
 
-@torch._dynamo.disable(recursive=True)
-def _linear_outside_the_graph(module: nn.Module, input: torch.Tensor) -> torch.Tensor:
-    """An NVFP4Linear's forward when torch.compile traces the model: run eagerly, as a graph break. Its weight
+def _linear_eagerly(module: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    """An NVFP4Linear's forward when torch.compile traces the model, behind ``torch._dynamo.disable``
+    (`_OUTSIDE_THE_GRAPH`): run eagerly, as a graph break. Its weight
     comes from the layer's view cache, Python state (version counters, weak references) that dynamo would guard
     on, and re-specialise, in a frame every layer shares (one recompile per layer shape, then the recompile
     limit). Kept out, the compiled graphs are the code between the linears, and each resumes at its own place in
     the caller (a block's forward resumes after its q/k/v projection with that projection's shape, in every
     block alike). The GEMM is an extern kernel under inductor anyway."""
     return F.linear(input, compute_view(module, module.weight), module.bias)
+
+
+_OUTSIDE_THE_GRAPH = None
+"""`_linear_eagerly` behind ``torch._dynamo.disable``, made by `ready_for_compile`."""
+
+
+def ready_for_compile() -> None:
+    """Make `_OUTSIDE_THE_GRAPH` (idempotent). Called wherever a layer becomes an NVFP4Linear, so that it exists
+    before torch.compile traces one and never changes under a compiled graph's guards; not at import, where it
+    would import dynamo (a second of CPU time) into every process that imports fp4_dist, a Megatron rank on CPU
+    included."""
+    global _OUTSIDE_THE_GRAPH
+    if _OUTSIDE_THE_GRAPH is None:
+        _OUTSIDE_THE_GRAPH = torch._dynamo.disable(_linear_eagerly, recursive=True)
 
 
 class NVFP4Linear(nn.Linear):
@@ -30,9 +44,17 @@ class NVFP4Linear(nn.Linear):
     is not NVFP4 it is nn.Linear.
     """
 
+    def __init__(self, *args, **kwargs):
+        ready_for_compile()
+        super().__init__(*args, **kwargs)
+
+    def __setstate__(self, state):  # unpickled (torch.load of a whole model) in a process that converted nothing
+        ready_for_compile()
+        super().__setstate__(state)
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # constant-folded by dynamo; a quarter of a microsecond in eager mode
-            return _linear_outside_the_graph(self, input)
+            return _OUTSIDE_THE_GRAPH(self, input)
         w = self.weight
         if is_lean(w):
             return lean_call(self, w, lambda value: F.linear(input, value, self.bias))

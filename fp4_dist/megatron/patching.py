@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 TESTED_VERSIONS = ("0.19.1", "0.19.2")
@@ -57,8 +58,25 @@ def check_megatron_version(version: str) -> None:
 
 
 def installed_megatron_version() -> str:
+    """megatron-core's version, read from its ``package_info.py`` without importing ``megatron.core``: that import
+    torch.compile's Megatron's fused kernels, and on CPU ranks `cpu_compat` must be in place before it."""
     try:
-        from megatron.core import package_info
+        import importlib.util
+        import sys
+
+        core = sys.modules.get("megatron.core")
+        if core is not None:
+            return core.package_info.__version__
+        megatron = importlib.util.find_spec("megatron")
+        if megatron is None or not megatron.submodule_search_locations:
+            raise ImportError("No module named 'megatron'")
+        path = next((Path(p) / "core" / "package_info.py" for p in megatron.submodule_search_locations
+                     if (Path(p) / "core" / "package_info.py").is_file()), None)  # fmt: skip
+        if path is None:
+            raise ImportError("No module named 'megatron.core'")
+        spec = importlib.util.spec_from_file_location("_fp4_dist_megatron_package_info", path)
+        package_info = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(package_info)
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise RuntimeError(
             "fp4_dist.megatron needs megatron-core 0.19.x: pip install 'fp4_dist[megatron]' (Python 3.12+); on "

@@ -17,7 +17,8 @@ from .test_launch import REPO, TIMEOUT_S, _env
 
 SCRIPT = REPO / "tests" / "distributed" / "zero1_checkpoint.py"
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+# One worker runs this module (pytest-xdist): its tests share launches.
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.xdist_group("checkpoint")]
 
 
 def _launch(world_size: int, mode: str, ckpt: Path, out: Path) -> dict:

@@ -22,7 +22,8 @@ from .test_launch import REPO, TIMEOUT_S, _env
 pytest.importorskip("torch.distributed.fsdp")
 SCRIPT = REPO / "tests" / "distributed" / "fsdp_suite.py"
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+# One worker runs this module (pytest-xdist): its tests share launches.
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.xdist_group("fsdp")]
 
 
 def _launch(world_size: int, *args: str) -> dict:

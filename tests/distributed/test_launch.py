@@ -24,7 +24,8 @@ SCRIPT = REPO / "tests" / "distributed" / "run_suite.py"
 WORLD_SIZES = [1, 2, 3, 4, 6]
 TIMEOUT_S = 300
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+# One worker runs this module (pytest-xdist): its tests share launches.
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.xdist_group("launch")]
 
 
 def _env() -> dict:

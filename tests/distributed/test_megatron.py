@@ -23,7 +23,9 @@ SCRIPT = REPO / "tests" / "distributed" / "megatron_suite.py"
 SUITES = {2: "parity,upstream,resume,fake,lean", 3: "parity,upstream,resume", 4: "parity,upstream"}
 TIMEOUT_S = 400
 
-pytestmark = [pytest.mark.distributed, pytest.mark.megatron, pytest.mark.slow]
+# One worker runs this module (pytest-xdist): its tests share launches.
+pytestmark = [pytest.mark.distributed, pytest.mark.megatron, pytest.mark.slow,
+              pytest.mark.xdist_group("megatron")]
 
 
 @functools.lru_cache(maxsize=None)

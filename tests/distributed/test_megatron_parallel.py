@@ -34,12 +34,18 @@ PP = ("--pipeline-model-parallel-size", "2")
 MOE = ("--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2")
 SLICE_AMAX = str(REPO / "tests" / "distributed" / "megatron_slice_amax.py")
 
-# layout: (arguments, NVFP4 weights on rank 0). GPT 2 layers (4 for virtual stages): 4 linears per dense layer;
-# an MoE layer has linear_qkv, linear_proj and 2 of the 4 experts' linear_fc1 / linear_fc2 per expert-parallel rank.
+# Layers kept in bf16 by --first-last-layers-bf16 are chosen by their global layer number across pipeline stages:
+# with 6 layers on 2 stages, the first one and the last two in bf16, stage 0 (layers 1-3) converts layers 2 and 3,
+# stage 1 (layers 4-6) layer 4 only: 8, 8, 4, 4 NVFP4 weights on ranks 0-3 (4 linears a layer), where counting layers
+# per stage would convert two on each. The bf16 run trains the same 6 layers.
+FIRST_LAST = ("--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "1", "--num-layers-at-end-in-bf16", "2")
+
+# layout: (arguments of both runs, of the fp4 run only, NVFP4 weights on each rank). GPT 2 layers (4 for virtual
+# stages, 6 with bf16 first and last layers): 4 linears per dense layer.
 LAYOUTS = {
-    "tp2-dp2": (TP, 8),
-    "pp2-dp2": (PP, 4),
-    "pp2-vpp2-dp2": (PP + ("--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"), 8),
+    "tp2-dp2": (TP, (), [8, 8, 8, 8]),
+    "pp2-dp2-first-last-bf16": (PP + ("--num-layers", "6"), FIRST_LAST, [8, 8, 4, 4]),
+    "pp2-vpp2-dp2": (PP + ("--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"), (), [8, 8, 8, 8]),
 }
 
 
@@ -49,8 +55,10 @@ def _run(tmp_path: Path, data: str, name: str, args, **kwargs) -> dict:
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_trains_like_bf16_with_bytes_checked_every_step(tmp_path, data, layout):
-    args, weights = LAYOUTS[layout]
-    assert_fp4_run(_run(tmp_path, data, "fp4", args), _run(tmp_path, data, "bf16", args, fp4=False), weights)
+    args, fp4_only, per_rank = LAYOUTS[layout]
+    fp4 = _run(tmp_path, data, "fp4", (*args, *fp4_only))
+    assert_fp4_run(fp4, _run(tmp_path, data, "bf16", args, fp4=False), per_rank[0])
+    assert fp4["nvfp4_weights_per_rank"] == per_rank
 
 
 CKPT = ("--ckpt-format", "torch", "--train-iters", "4")
@@ -93,17 +101,6 @@ def test_experts_save_resume_at_another_data_parallel_size_and_the_alltoall_disp
     assert a2a["master_digest_after_setup"] == fp4["master_digest_after_setup"]
     for a, b in zip(a2a["iterations"], fp4["iterations"], strict=True):
         assert abs(a["loss"] - b["loss"]) <= LOSS_RTOL * b["loss"], (a, b)
-
-
-def test_first_and_last_bf16_layers_are_chosen_by_global_layer_number_across_pipeline_stages(tmp_path, data):
-    # 6 layers on 2 stages, the first one and the last two in bf16: stage 0 (layers 1-3) converts layers 2 and 3,
-    # stage 1 (layers 4-6) layer 4 only. Counting layers per stage would convert two on each.
-    args = PP + ("--num-layers", "6", "--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "1",
-                 "--num-layers-at-end-in-bf16", "2", "--train-iters", "1")  # fmt: skip
-    record = _run(tmp_path, data, "fp4", args)
-    assert record["nvfp4_weights_per_rank"] == [8, 8, 4, 4]  # ranks 0-1: stage 0; 2-3: stage 1 (4 linears a layer)
-    assert record["check_after_setup"].startswith("ok") and all(it["check"].startswith("ok")
-                                                                for it in record["iterations"])  # fmt: skip
 
 
 def test_a_per_slice_conversion_stops_every_rank_after_setup_naming_the_weight(tmp_path, data):

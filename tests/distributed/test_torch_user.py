@@ -1,6 +1,6 @@
 """What a PyTorch user meets on several ranks: ranks that disagree get fp4_dist's error on every rank within
 seconds (not gloo's abort, not a hang); Zero1Optimizer's gradient semantics and the standard DCP load hold across
-ranks. 2 gloo ranks per case, each case its own job (tests/distributed/torch_user_cases.py)."""
+ranks. 2 gloo ranks, every case in one job, one after the other (tests/distributed/torch_user_cases.py)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,23 @@ from pathlib import Path
 
 import pytest
 
-from .rank_results import run_ranks
+from .rank_results import run_cases
 
+# One worker runs this module (pytest-xdist): its tests share launches.
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.xdist_group("torch_user")]
 SCRIPT = Path(__file__).with_name("torch_user_cases.py")
-TIMEOUT_S = 30
+TIMEOUT_S = 120
+CASES = ["fewer_weights", "overlapping_shards", "other_shape_same_numel", "other_numerics", "groups_of_one",
+         "zero1_other_parameters", "group_without_this_rank", "zero1_nan_on_one_rank", "zero1_skip_continues",
+         "zero1_gradient_on_one_rank_only", "zero1_dcp_fresh_load"]  # fmt: skip
+_RESULTS: dict = {}
 
 
 def run_case(case: str) -> dict:
-    return run_ranks(SCRIPT, [case], 2, TIMEOUT_S)
+    """{rank: outcome} of `case`, from the one job that runs every case (started by the first test that asks)."""
+    if not _RESULTS:
+        _RESULTS.update(run_cases(SCRIPT, CASES, 2, TIMEOUT_S))
+    return _RESULTS[case]
 
 
 @pytest.mark.parametrize("case, says", [

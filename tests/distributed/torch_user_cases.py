@@ -1,9 +1,11 @@
-"""One case of what a PyTorch user meets on 2 gloo ranks (torchrun): ranks that disagree, Zero1Optimizer's
+"""Cases of what a PyTorch user meets on 2 gloo ranks (torchrun): ranks that disagree, Zero1Optimizer's
 gradient semantics, a standard DCP load into a fresh optimizer.
 
-    torchrun --nproc-per-node 2 tests/distributed/torch_user_cases.py CASE
+    torchrun --nproc-per-node 2 tests/distributed/torch_user_cases.py CASE [CASE ...]
 
-Each rank prints one line ``RESULT <rank> <outcome>`` (what it raised, or OK) that the test reads; no pytest here.
+The cases run one after the other in one job and one process group, as a user's script would meet them: after each,
+every rank prints one line ``RESULT <rank> <case> <outcome>`` (what it raised, or OK) that the test reads, and the
+ranks meet at a barrier, so a case that left the group unusable fails the cases after it. No pytest here.
 """
 
 from __future__ import annotations
@@ -197,22 +199,24 @@ def case_zero1_dcp_fresh_load(rank, size):
         raise AssertionError("the freshly loaded optimizer's masters or state differ from the saved one's")
 
 
+def run(case: str, rank: int, size: int) -> str:
+    try:
+        globals()[f"case_{case}"](rank, size)
+        return "OK"
+    except RankMismatchError as e:
+        return f"RankMismatchError {e}"
+    except (ValueError, RuntimeError) as e:
+        return f"{type(e).__name__} {e}"
+
+
 def main() -> None:
     info = init_distributed("gloo")
-    case = sys.argv[1]
-    try:
-        globals()[f"case_{case}"](info.rank, info.world_size)
-        outcome = "OK"
-    except RankMismatchError as e:
-        outcome = f"RankMismatchError {e}"
-    except (ValueError, RuntimeError) as e:
-        outcome = f"{type(e).__name__} {e}"
-    sys.stdout.write(f"RESULT {info.rank} {outcome}\n".replace("\n", " ").rstrip() + "\n")
-    sys.stdout.flush()
-    try:
-        shutdown()
-    except Exception:  # noqa: BLE001 - a broken group after a size-mismatched collective
-        pass
+    for case in sys.argv[1:]:
+        outcome = run(case, info.rank, info.world_size)
+        sys.stdout.write(f"RESULT {info.rank} {case} {outcome}".replace("\n", " ").rstrip() + "\n")
+        sys.stdout.flush()
+        dist.barrier()
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -52,6 +52,29 @@ def test_disable_restores_torch_exactly():
         torch.zeros(1, device="cuda")
 
 
+def test_compile_runs_eagerly_on_cpu_ranks_without_importing_dynamo():
+    # A fresh interpreter: nothing has imported dynamo yet, as on a Megatron CPU rank before megatron is imported.
+    import subprocess
+    import sys
+
+    code = """
+import sys, torch
+from fp4_dist.megatron import cpu_compat
+real = torch.compile
+def f(x):
+    return x + 1
+cpu_compat.enable()
+assert torch.compile(f) is f and torch.compile(mode="max-autotune")(f) is f
+assert "torch._dynamo" not in sys.modules, "dynamo imported"
+cpu_compat.disable()
+assert torch.compile is real
+print("OK")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=dict(__import__("os").environ, CUDA_VISIBLE_DEVICES=""))  # fmt: skip
+    assert proc.stdout.strip() == "OK", proc.stderr[-3000:]
+
+
 def test_gloo_coalescing_collects_async_work_and_waits_for_all():
     gloo = cpu_compat.GlooCoalescing()
 
