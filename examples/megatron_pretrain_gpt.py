@@ -45,6 +45,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from fp4_dist.format import DEFAULT_NUMERICS, NUMERICS
 from fp4_dist.launch import export_mpi_env, shutdown
 from fp4_dist.megatron import adapter, defaults
 from fp4_dist.megatron.defaults import Default
@@ -87,7 +88,7 @@ def _megatron_training():
 # --------------------------------------------------------------------------------------------- arguments
 def add_fp4_dist_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("fp4_dist")
-    group.add_argument("--fp4-numerics", default="te", choices=("te", "te-2.14"),
+    group.add_argument("--fp4-numerics", default=DEFAULT_NUMERICS, choices=NUMERICS,
                        help="NVFP4 block-scale formula (TransformerEngine main, or its v2.14 variant)")
     group.add_argument("--fp4-fake-quant", action="store_true",
                        help="bf16 weights and bf16 param gather, NVFP4 fake-quantized in the forward (the "

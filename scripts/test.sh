@@ -9,6 +9,6 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONUNBUFFERED=1
 where=(tests)
 for a in "$@"; do [[ "$a" != -* && -e "${a%%::*}" ]] && where=(); done
 # One worker per core (pytest-xdist): the multi-process tests are bound by their ranks' start-up, the rest by one
-# core; tests that share a launch carry an xdist_group mark and stay together. FP4_DIST_TEST_WORKERS=0: one process.
-exec .venv/bin/python -m pytest "${where[@]}" -ra --durations=15 -n "${FP4_DIST_TEST_WORKERS:-auto}" \
-  --dist loadgroup "$@"
+# core; a launch several tests read is made once whichever worker asks first (tests/distributed/shared.py).
+# FP4_DIST_TEST_WORKERS=0: one process.
+exec .venv/bin/python -m pytest "${where[@]}" -ra --durations=15 -n "${FP4_DIST_TEST_WORKERS:-auto}" "$@"

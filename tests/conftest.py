@@ -4,7 +4,7 @@ import torch
 
 def pytest_collection_modifyitems(config, items):
     # The longest tests first (Megatron launches, then the other multi-process ones): pytest-xdist workers take
-    # tests in this order, so none is left with a long test while the others have finished.
+    # tests in this order, so no worker is left with a long one while the others have finished.
     items.sort(key=lambda item: 0 if "megatron" in item.keywords and "distributed" in item.keywords
                else 1 if "distributed" in item.keywords else 2)  # fmt: skip
     if torch.cuda.is_available():

@@ -4,7 +4,6 @@ at others (gloo, CPU), every master, Adam moment and step and every NVFP4 weight
 
 from __future__ import annotations
 
-import functools
 import json
 import subprocess
 import sys
@@ -14,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from .test_launch import REPO, TIMEOUT_S, _env
+from .shared import once_per_session
 
 SCRIPT = REPO / "tests" / "distributed" / "zero1_checkpoint.py"
 
-# One worker runs this module (pytest-xdist): its tests share launches.
-pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.xdist_group("checkpoint")]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def _launch(world_size: int, mode: str, ckpt: Path, out: Path) -> dict:
@@ -30,7 +29,7 @@ def _launch(world_size: int, mode: str, ckpt: Path, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
-@functools.lru_cache(maxsize=None)
+@once_per_session
 def saved(world_size: int) -> tuple[str, dict]:
     tmp = Path(tempfile.mkdtemp(prefix=f"fp4_dist_ckpt_ws{world_size}_"))
     report = _launch(world_size, "save", tmp / "ckpt", tmp / "save.json")

@@ -8,7 +8,6 @@ equals the uninterrupted one. On a GPU (marked gpu): the train suite at one rank
 
 from __future__ import annotations
 
-import functools
 import json
 import subprocess
 import sys
@@ -18,12 +17,12 @@ from pathlib import Path
 import pytest
 
 from .test_launch import REPO, TIMEOUT_S, _env
+from .shared import once_per_session
 
 pytest.importorskip("torch.distributed.fsdp")
 SCRIPT = REPO / "tests" / "distributed" / "fsdp_suite.py"
 
-# One worker runs this module (pytest-xdist): its tests share launches.
-pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.xdist_group("fsdp")]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def _launch(world_size: int, *args: str) -> dict:
@@ -38,7 +37,7 @@ def _launch(world_size: int, *args: str) -> dict:
     return report
 
 
-@functools.lru_cache(maxsize=None)
+@once_per_session
 def trained(world_size: int) -> dict:
     return _launch(world_size, "--mode", "train")
 
@@ -73,7 +72,7 @@ def test_hsdp_2x2_gathers_quantize_of_full_master():
     assert trained(4)["hsdp"]["nvfp4"], "HSDP ran without NVFP4 weights"
 
 
-@functools.lru_cache(maxsize=None)
+@once_per_session
 def saved() -> tuple[str, dict]:
     ckpt = Path(tempfile.mkdtemp(prefix="fp4_dist_fsdp_ckpt_")) / "ckpt"
     report = _launch(2, "--mode", "save", "--dir", str(ckpt))

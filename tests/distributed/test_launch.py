@@ -8,7 +8,6 @@ param gather has the single-process loss bit for bit, with a measured collective
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shutil
@@ -19,13 +18,14 @@ from pathlib import Path
 
 import pytest
 
+from .shared import once_per_session
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "distributed" / "run_suite.py"
 WORLD_SIZES = [1, 2, 3, 4, 6]
 TIMEOUT_S = 300
 
-# One worker runs this module (pytest-xdist): its tests share launches.
-pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.xdist_group("launch")]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def _env() -> dict:
@@ -44,7 +44,7 @@ def _run(cmd: list, out: Path) -> dict:
     return report
 
 
-@functools.lru_cache(maxsize=None)
+@once_per_session
 def torchrun_report(world_size: int) -> dict:
     out = Path(tempfile.mkdtemp(prefix=f"fp4_dist_ws{world_size}_")) / "report.json"
     # Training parity is asked for world sizes 1-4; at 6 ranks on 2 cores it would only cost CI time.
@@ -60,7 +60,7 @@ def _mpirun():
     return str(local) if local.exists() else shutil.which("mpirun")
 
 
-@functools.lru_cache(maxsize=None)
+@once_per_session
 def mpirun_report() -> dict:
     out = Path(tempfile.mkdtemp(prefix="fp4_dist_mpi_")) / "report.json"
     cmd = [_mpirun(), "-n", "2", sys.executable, str(SCRIPT), "--backend", "gloo", "--suites", "cast,bad_input",

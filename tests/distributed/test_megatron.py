@@ -6,7 +6,6 @@ DistributedOptimizer (see megatron_suite.py); the tests below read its JSON repo
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
@@ -15,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from .shared import once_per_session
 
 pytest.importorskip("megatron.core")
 
@@ -23,12 +23,10 @@ SCRIPT = REPO / "tests" / "distributed" / "megatron_suite.py"
 SUITES = {2: "parity,upstream,resume,fake,lean", 3: "parity,upstream,resume", 4: "parity,upstream"}
 TIMEOUT_S = 400
 
-# One worker runs this module (pytest-xdist): its tests share launches.
-pytestmark = [pytest.mark.distributed, pytest.mark.megatron, pytest.mark.slow,
-              pytest.mark.xdist_group("megatron")]
+pytestmark = [pytest.mark.distributed, pytest.mark.megatron, pytest.mark.slow]
 
 
-@functools.lru_cache(maxsize=None)
+@once_per_session
 def report(dp: int) -> dict:
     out = Path(tempfile.mkdtemp(prefix=f"fp4_megatron_dp{dp}_")) / "report.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",

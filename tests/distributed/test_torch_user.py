@@ -9,22 +9,24 @@ from pathlib import Path
 import pytest
 
 from .rank_results import run_cases
+from .shared import once_per_session
 
-# One worker runs this module (pytest-xdist): its tests share launches.
-pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.xdist_group("torch_user")]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 SCRIPT = Path(__file__).with_name("torch_user_cases.py")
 TIMEOUT_S = 120
 CASES = ["fewer_weights", "overlapping_shards", "other_shape_same_numel", "other_numerics", "groups_of_one",
          "zero1_other_parameters", "group_without_this_rank", "zero1_nan_on_one_rank", "zero1_skip_continues",
          "zero1_gradient_on_one_rank_only", "zero1_dcp_fresh_load"]  # fmt: skip
-_RESULTS: dict = {}
+
+
+@once_per_session
+def every_case() -> dict:
+    return run_cases(SCRIPT, CASES, 2, TIMEOUT_S)
 
 
 def run_case(case: str) -> dict:
-    """{rank: outcome} of `case`, from the one job that runs every case (started by the first test that asks)."""
-    if not _RESULTS:
-        _RESULTS.update(run_cases(SCRIPT, CASES, 2, TIMEOUT_S))
-    return _RESULTS[case]
+    """{rank: outcome} of `case`, from the one job that runs every case."""
+    return {int(rank): outcome for rank, outcome in every_case()[case].items()}
 
 
 @pytest.mark.parametrize("case, says", [

@@ -1,0 +1,285 @@
+"""How one Megatron GPT trains with NVFP4 weights against bf16: several variants x seeds of the project's Megatron
+trainer (`examples.megatron_pretrain_gpt`), one run per GPU side by side (in turns when there are more runs than
+GPUs), every run's per-iteration record kept, the figures drawn, and any two runs compared step by step.
+
+    python bench/convergence.py run --out DIR [--variants bf16,fp4,fake,fp4-fl] [--seeds 1234,4321]
+        [--lr 6e-4] [--model gpt12x1024] [--iters 5000] [--gpus N] [--per-gpu K] [--corpus PATH]
+        [-- extra Megatron args]
+    python bench/convergence.py plot DIR [DIR ...] [--out FIGDIR]    # figures and the table of final losses
+    python bench/convergence.py compare A.json B.json                # the first iteration where two runs differ
+
+Variants: ``bf16`` (plain bf16 weights), ``fp4`` (``--fp4-param-gather``: NVFP4 weights, 4-bit gather), ``fake``
+(``--fp4-fake-quant``: bf16 weights, the NVFP4 forward of every step; bitwise fp4's reference), ``fp4-fl`` (fp4
+with the first and the last layer in bf16), ``lean`` (fp4 without kept compute copies). Every run writes
+DIR/<variant>-lr<lr>-s<seed>.json (the trainer's record: loss, grad norm and lr of every iteration, validation
+losses) and .log, and DIR/runs.json says how they were made. The plots read those files (matplotlib, an optional
+bench dependency: ``pip install matplotlib``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+VARIANTS = {
+    "bf16": [],
+    "fp4": ["--fp4-param-gather"],
+    "fake": ["--fp4-fake-quant"],
+    "fp4-fl": ["--fp4-param-gather", "--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "1",
+               "--num-layers-at-end-in-bf16", "1"],
+    "lean": ["--fp4-param-gather", "--fp4-no-compute-copy"],
+}  # fmt: skip
+MODELS = {
+    "gpt12x1024": "--num-layers 12 --hidden-size 1024 --num-attention-heads 16 --seq-length 512 "
+                  "--max-position-embeddings 512 --micro-batch-size 16 --global-batch-size 16",
+    "gpt4x256": "--num-layers 4 --hidden-size 256 --num-attention-heads 4 --ffn-hidden-size 1024 --seq-length 256 "
+                "--max-position-embeddings 256 --micro-batch-size 8 --global-batch-size 16",
+    "tiny": "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
+            "--micro-batch-size 2 --global-batch-size 4",
+}  # fmt: skip
+COMMON = ("--bf16 --use-distributed-optimizer --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0 "
+          "--split 98,2,0 --eval-iters 20 --no-gradient-accumulation-fusion")
+
+
+def run_name(variant: str, lr: float, seed: int) -> str:
+    return f"{variant}-lr{lr:g}-s{seed}"
+
+
+def command(args, variant: str, seed: int, out: Path) -> list[str]:
+    warmup = args.warmup if args.warmup is not None else max(1, args.iters // 25)
+    train = [*MODELS[args.model].split(), *COMMON.split(), "--lr", f"{args.lr:g}", "--min-lr", f"{args.lr / 10:g}",
+             "--lr-warmup-iters", str(warmup), "--train-iters", str(args.iters), "--seed", str(seed),
+             "--eval-interval", str(args.eval_interval or max(1, args.iters // 10)), "--log-interval",
+             str(args.log_interval), "--fp4-log-json", str(out / f"{run_name(variant, args.lr, seed)}.json"),
+             "--fp4-master-digest"]  # fmt: skip
+    if args.corpus:
+        train += ["--fp4-corpus", args.corpus]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+            "-m", "examples.megatron_pretrain_gpt", *train, *VARIANTS[variant], *args.extra]  # fmt: skip
+
+
+def gpus_available() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def run(args) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    unknown = set(args.variants) - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"convergence: unknown variants {sorted(unknown)}; choose from {sorted(VARIANTS)}")
+    gpus = args.gpus if args.gpus is not None else gpus_available()
+    slots = max(1, gpus) * args.per_gpu
+    todo = [(v, s) for s in args.seeds for v in args.variants]
+    (out / "runs.json").write_text(json.dumps({
+        "model": args.model, "model_args": MODELS[args.model], "common": COMMON, "lr": args.lr, "iters": args.iters,
+        "seeds": args.seeds, "variants": {v: VARIANTS[v] for v in args.variants}, "extra": args.extra,
+        "corpus": args.corpus, "tokens_per_iteration": _tokens_per_iteration(args.model),
+        "commands": {run_name(v, args.lr, s): command(args, v, s, out) for v, s in todo}}, indent=1))  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+               PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")  # fmt: skip
+    running: dict = {}
+    failed, start, last_note = [], time.time(), 0.0
+    print(f"convergence: {len(todo)} runs of {args.model}, {args.iters} iterations, {slots} at a time -> {out}",
+          flush=True)
+    while todo or running:
+        free = [g for g in range(slots) if g not in running]
+        while todo and free:
+            (variant, seed), gpu = todo.pop(0), free.pop(0)
+            name = run_name(variant, args.lr, seed)
+            log = open(out / f"{name}.log", "w")
+            where = dict(env, CUDA_VISIBLE_DEVICES=str(gpu % gpus)) if gpus else env  # no GPU: CPU ranks
+            proc = subprocess.Popen(command(args, variant, seed, out), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                    env=where)
+            running[gpu] = (name, proc, log, time.time())
+        time.sleep(1)
+        for gpu, (name, proc, log, t0) in list(running.items()):
+            if proc.poll() is not None:
+                log.close()
+                ok = proc.returncode == 0 and (out / f"{name}.json").exists()
+                print(f"convergence: {name} {'done' if ok else f'FAILED (exit {proc.returncode})'} in "
+                      f"{time.time() - t0:.0f} s", flush=True)
+                if not ok:
+                    failed.append(name)
+                del running[gpu]
+        if time.time() - last_note > 60 and running:
+            last_note = time.time()
+            print(f"convergence: {time.time() - start:.0f} s: " + ", ".join(
+                f"{name} at iteration {_last_iteration(out / f'{name}.log')}" for name, *_ in running.values()),
+                flush=True)  # fmt: skip
+    print(f"convergence: {len(failed)} failed {failed}" if failed else "convergence: every run finished", flush=True)
+    return 1 if failed else 0
+
+
+def _tokens_per_iteration(model: str) -> int:
+    words = MODELS[model].split()
+    return int(words[words.index("--seq-length") + 1]) * int(words[words.index("--global-batch-size") + 1])
+
+
+def _last_iteration(log: Path) -> str:
+    try:
+        lines = [line for line in log.read_text(errors="replace").splitlines() if "iteration" in line]
+    except OSError:
+        return "?"
+    for line in reversed(lines):
+        for word in line.replace("/", " ").split():
+            if word.isdigit():
+                return word
+    return "0"
+
+
+# ---------------------------------------------------------------------------------------------------- reading
+def load_runs(folders) -> list[dict]:
+    """Every run of the folders: {name, variant, lr, seed, tokens, loss, grad_norm, iterations, validation}."""
+    runs = []
+    for folder in map(Path, folders):
+        meta = json.loads((folder / "runs.json").read_text())
+        per_iteration = meta["tokens_per_iteration"]
+        for name in meta["commands"]:
+            path = folder / f"{name}.json"
+            if not path.exists():
+                continue
+            record = json.loads(path.read_text())
+            variant, lr, seed = name.rsplit("-lr", 1)[0], meta["lr"], int(name.rsplit("-s", 1)[1])
+            its = [r["iteration"] for r in record["records"]]
+            runs.append(dict(name=name, variant=variant, lr=lr, seed=seed, iterations=its,
+                             tokens=[i * per_iteration for i in its], loss=[r["loss"] for r in record["records"]],
+                             grad_norm=[r["grad_norm"] for r in record["records"]],
+                             validation=[(i * per_iteration, v) for i, v in record["validation"]],
+                             digest=record.get("master_digest")))  # fmt: skip
+    return runs
+
+
+def smooth(values: list[float], weight: float = 0.98) -> list[float]:
+    """Exponential moving average with the bias correction of Adam's moments (the first values are not pulled to 0)."""
+    out, avg = [], 0.0
+    for i, v in enumerate(values, 1):
+        avg = weight * avg + (1 - weight) * v
+        out.append(avg / (1 - weight**i))
+    return out
+
+
+def table(runs: list[dict]) -> str:
+    """Final validation loss per variant and learning rate: each seed, the mean and the spread, and the change
+    against bf16's mean."""
+    groups: dict = {}
+    for r in runs:
+        if r["validation"]:
+            groups.setdefault((r["lr"], r["variant"]), []).append((r["seed"], r["validation"][-1][1]))
+    lines = ["| lr | variant | final validation loss per seed | mean | spread (max - min) | vs bf16 |",
+             "|---|---|---|---|---|---|"]
+    for (lr, variant), seeds in sorted(groups.items(), key=lambda kv: (kv[0][0], list(VARIANTS).index(kv[0][1]))):
+        mean = sum(v for _, v in seeds) / len(seeds)
+        base = groups.get((lr, "bf16"))
+        rel = f"{100 * (mean / (sum(v for _, v in base) / len(base)) - 1):+.2f}%" if base else "-"
+        lines.append(f"| {lr:g} | {variant} | " + ", ".join(f"{v:.4f} (seed {s})" for s, v in sorted(seeds))
+                     + f" | {mean:.4f} | {max(v for _, v in seeds) - min(v for _, v in seeds):.4f} | {rel} |")
+    return "\n".join(lines)
+
+
+def plot(args) -> int:
+    runs = load_runs(args.folders)
+    if not runs:
+        raise SystemExit("convergence plot: no finished run (DIR/<run>.json) in " + " ".join(args.folders))
+    print(table(runs))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("convergence plot: matplotlib is not installed (pip install matplotlib): table only")
+        return 0
+    out = Path(args.out or args.folders[0])
+    out.mkdir(parents=True, exist_ok=True)
+    colors = {"bf16": "tab:blue", "fp4": "tab:red", "fake": "tab:green", "fp4-fl": "tab:purple", "lean": "tab:orange"}
+    for lr in sorted({r["lr"] for r in runs}):
+        at = [r for r in runs if r["lr"] == lr]
+        seeds = sorted({r["seed"] for r in at})
+        fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+        for r in at:
+            shade = 1.0 - 0.45 * seeds.index(r["seed"]) / max(1, len(seeds) - 1)
+            style = dict(color=colors.get(r["variant"], "black"), alpha=shade, linewidth=1.2,
+                         label=f"{r['variant']}, seed {r['seed']}")  # fmt: skip
+            mt = [t / 1e6 for t in r["tokens"]]
+            axes[0].plot(mt, smooth(r["loss"]), **style)
+            if r["validation"]:
+                axes[1].plot([t / 1e6 for t, _ in r["validation"]], [v for _, v in r["validation"]], marker="o",
+                             markersize=3, **style)  # fmt: skip
+            axes[2].plot(mt, r["grad_norm"], **dict(style, linewidth=0.6))
+        for ax, title in zip(axes, ("training loss (smoothed)", "validation loss", "gradient norm (before clipping)")):
+            ax.set_title(title)
+            ax.set_xlabel("tokens (millions)")
+            ax.grid(alpha=0.3)
+        finite = [v for r in at for v in r["loss"] if math.isfinite(v)]
+        if finite:
+            axes[0].set_ylim(min(finite) * 0.95, sorted(finite)[len(finite) // 20] * 1.05)  # the first 5% off the scale
+        axes[2].set_yscale("log")
+        axes[1].legend(fontsize=8)
+        fig.suptitle(f"{len(at)} runs at lr {lr:g}")
+        fig.tight_layout()
+        path = out / f"convergence_lr{lr:g}.png"
+        fig.savefig(path, dpi=110)
+        print(f"wrote {path}")
+    return 0
+
+
+def compare(args) -> int:
+    a, b = (json.loads(Path(p).read_text()) for p in (args.a, args.b))
+    ra, rb = a["records"], b["records"]
+    first = {}
+    for key in ("loss", "grad_norm"):
+        first[key] = next((x["iteration"] for x, y in zip(ra, rb) if x[key] != y[key]), None)
+    n = min(len(ra), len(rb))
+    print(f"{n} iterations in both: losses first differ at iteration {first['loss']}, grad norms at "
+          f"{first['grad_norm']}; final master digests {'equal' if a.get('master_digest') == b.get('master_digest') else 'differ'}")
+    at = min((i for i in first.values() if i is not None), default=None)
+    if at is not None:
+        print("| iteration | loss A | loss B | grad norm A | grad norm B |\n|---|---|---|---|---|")
+        for x, y in zip(ra, rb):
+            if at - 2 <= x["iteration"] <= at + 2:
+                print(f"| {x['iteration']} | {x['loss']!r} | {y['loss']!r} | {x['grad_norm']!r} | {y['grad_norm']!r} |")
+    return 0 if at is None else 1
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--out", required=True)
+    r.add_argument("--variants", type=lambda s: s.split(","), default=["bf16", "fp4", "fake", "fp4-fl"])
+    r.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[1234, 4321])
+    r.add_argument("--lr", type=float, default=6e-4)
+    r.add_argument("--model", choices=sorted(MODELS), default="gpt12x1024")
+    r.add_argument("--iters", type=int, default=5000)
+    r.add_argument("--warmup", type=int, default=None, help="warm-up iterations (default: iters / 25)")
+    r.add_argument("--eval-interval", type=int, default=None, help="default: iters / 10")
+    r.add_argument("--log-interval", type=int, default=50)
+    r.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: every GPU this machine has)")
+    r.add_argument("--per-gpu", type=int, default=1, help="runs at a time on each GPU (small models)")
+    r.add_argument("--corpus", default=None, help="text file or folder (--fp4-corpus; default: the embedded one)")
+    q = sub.add_parser("plot")
+    q.add_argument("folders", nargs="+")
+    q.add_argument("--out", default=None, help="where the PNGs go (default: the first folder)")
+    c = sub.add_parser("compare")
+    c.add_argument("a")
+    c.add_argument("b")
+    argv = sys.argv[1:]
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    args.extra = extra
+    return {"run": run, "plot": plot, "compare": compare}[args.what](args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
