@@ -25,8 +25,10 @@ Runs the same GPT (same seed, data, LR schedule, no gradient clipping) several t
               measures) hits both alike. The verdict is the fp4 median step over the bf16 one (limit 1.05x on
               GPUs); the median of the per-pair ratios is shown beside it.
 
-Gradient clipping is off (--clip-grad 0): the global grad norm sums shards in a buffer-layout-dependent
-order, which would let fp32 rounding differ between runs whose buffers are laid out differently. Python's
+Gradient clipping is off (--clip-grad 0): above data-parallel size 1 each rank sums the norm of the shards its
+buffer layout gives it, so fp32 rounding can differ between runs whose buffers are laid out differently (at size 1
+the adapter sums by parameter name, and fp4 equals fake quantization with clipping on too:
+tests/unit/examples/test_megatron_fake_quant.py). Python's
 garbage collector runs between steps only (Megatron's --manual-gc), so its pauses do not land in the step times
 of whichever run happens to allocate more Python objects.
 Prints a short table on rank 0 and writes it (with every loss) to --json when given.

@@ -28,7 +28,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from . import buffers, checkpoint, cpu_compat, layers, startup
+from . import buffers, checkpoint, cpu_compat, gradnorm, layers, startup
 from .buffers import derive_packed_layout, resolve_cast_checks  # noqa: F401 (public through the adapter)
 from .monitor import MONITOR
 from .options import AdapterOptions, current_options, set_options
@@ -38,6 +38,7 @@ from .startup import refuse_unsupported_args  # noqa: F401
 
 _PGB = "megatron.core.distributed.param_and_grad_buffer"
 _DO = "megatron.core.optimizer.distrib_optimizer"
+_OPT = "megatron.core.optimizer.optimizer"
 _FP4 = "megatron.core.fp4_utils"
 _FP8 = "megatron.core.fp8_utils"
 _DDP = "megatron.core.distributed.distributed_data_parallel"
@@ -113,6 +114,9 @@ HOOKS: tuple[Hook, ...] = (
     Hook((_DO,), "DistributedOptimizer.load_state_dict", checkpoint.make_load_state_dict,
          "with the torch.optim fallback every param's Adam state gets one shared 'step' tensor on load (DO "
          "1024-1031), advanced once per param by the next step: resumed runs diverge; give each its own copy"),
+    Hook((_OPT,), "MegatronOptimizer._filter_grads_for_norm", gradnorm.make_filter_grads_for_norm,
+         "sum the gradient norm in the model's parameter order, not the per-dtype buffers' (OPT 231-278): the clip "
+         "coefficient of an fp4 run then equals its bf16 and fake-quantization runs' at data-parallel size 1"),
     Hook((_DO,), "DistributedOptimizer._is_distopt_quantized_param", buffers.make_is_distopt_quantized,
          "false for fp4_dist.NVFP4Tensor without reading `param.data` (an alias through Python dispatch, for every "
          "NVFP4 weight in every step's _copy_main_params_to_model_params; DO 1125-1127, 2868): same answer"),

@@ -1,0 +1,47 @@
+"""The order in which the distributed optimizer sums its gradient norm: by parameter name.
+
+Megatron sums the per-tensor norms of the main gradients (``MegatronOptimizer._filter_grads_for_norm``) in the
+order of its buffers, and the buffers are laid out per dtype: with ``--fp4-param-gather`` the NVFP4 weights sit in
+a uint8 buffer of their own, so the same gradients are summed in another order than in the bf16 run, and the norm
+differs by an ulp or two. With clipping on (``--clip-grad``), the clip coefficient then differs, and so do the
+fp32 masters after enough steps: an fp4 run stopped being bitwise its fake-quantization reference (bf16 weights,
+the same NVFP4 forward) on that alone. Summing by parameter name (the registration order differs too: converting a
+weight re-registers it after its bias), whatever the buffers, gives every layout the same norm from the same
+gradients at data-parallel size 1; above it each rank's shards are cut from its own layout, and the per-rank
+partial sums still round differently.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+def _norm_order(opt) -> Optional[dict]:
+    """{id(main param): (model chunk, its model parameter's name)}, or None for an optimizer whose main parameters
+    this cannot map (then upstream's order stays)."""
+    chunks = getattr(opt, "model_chunks", None)
+    pairs = [(getattr(opt, a, None), getattr(opt, b, None)) for a, b in
+             (("model_float16_groups", "shard_fp32_from_float16_groups"), ("model_fp32_groups", "shard_fp32_groups"))]
+    if not chunks or any(m is None or s is None for m, s in pairs):
+        return None
+    position = {id(p): (i, name) for i, chunk in enumerate(chunks) for name, p in chunk.named_parameters()}
+    order = {}
+    for model_groups, shard_groups in pairs:
+        for model_group, shard_group in zip(model_groups, shard_groups):
+            for model_param, shard in zip(model_group, shard_group):
+                if shard is not None and id(model_param) in position:
+                    order[id(shard)] = position[id(model_param)]
+    return order
+
+
+def make_filter_grads_for_norm(original):
+    def _filter_grads_for_norm(self, params, param_filter=None):
+        order = self.__dict__.get("_fp4_dist_norm_order")
+        if order is None:
+            order = self.__dict__["_fp4_dist_norm_order"] = _norm_order(self) or {}
+        params = list(params)
+        if order and all(id(p) in order for p in params):
+            params.sort(key=lambda p: order[id(p)])  # stable: the shards of one parameter keep their order
+        return original(self, params, param_filter)
+
+    return _filter_grads_for_norm
