@@ -22,6 +22,7 @@ import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -127,15 +128,13 @@ def _tokens_per_iteration(model: str) -> int:
 
 
 def _last_iteration(log: Path) -> str:
+    """The last iteration the trainer's log reports (its lines read ``iter N/M | ...``)."""
     try:
-        lines = [line for line in log.read_text(errors="replace").splitlines() if "iteration" in line]
+        text = log.read_text(errors="replace")
     except OSError:
         return "?"
-    for line in reversed(lines):
-        for word in line.replace("/", " ").split():
-            if word.isdigit():
-                return word
-    return "0"
+    found = re.findall(r"\biter(?:ation)?\s+(\d+)\s*/", text)
+    return found[-1] if found else "0"
 
 
 # ---------------------------------------------------------------------------------------------------- reading
@@ -221,9 +220,9 @@ def plot(args) -> int:
             ax.set_title(title)
             ax.set_xlabel("tokens (millions)")
             ax.grid(alpha=0.3)
-        finite = [v for r in at for v in r["loss"] if math.isfinite(v)]
-        if finite:
-            axes[0].set_ylim(min(finite) * 0.95, sorted(finite)[len(finite) // 20] * 1.05)  # the first 5% off the scale
+        smoothed = sorted(v for r in at for v in smooth(r["loss"]) if math.isfinite(v))
+        if smoothed:  # the first steps' losses (the top 5%) off the scale, so that the differences show
+            axes[0].set_ylim(smoothed[0] * 0.97, smoothed[int(0.95 * (len(smoothed) - 1))] * 1.02)
         axes[2].set_yscale("log")
         axes[1].legend(fontsize=8)
         fig.suptitle(f"{len(at)} runs at lr {lr:g}")

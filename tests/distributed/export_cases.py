@@ -21,6 +21,7 @@ from fp4_dist.export import VLLM_FUSED, export_compressed_tensors, load_compress
 from fp4_dist.export import ct_format
 from fp4_dist.launch import init_distributed, shutdown
 from fp4_dist.optim import Zero1Optimizer
+from rank_results import say  # beside this script
 
 STEPS = 20
 
@@ -185,8 +186,7 @@ def main() -> None:
         outcome = "OK"
     except Exception as e:  # noqa: BLE001 - reported to the test, which fails on anything but OK
         outcome = f"{type(e).__name__} {e} | {traceback.format_exc().splitlines()[-3:]}"
-    sys.stdout.write(f"RESULT {info.rank} {outcome}\n".replace("\n", " ").rstrip() + "\n")
-    sys.stdout.flush()
+    say(info.rank, outcome)
     dist.barrier()
     shutdown()
 

@@ -11,6 +11,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
+def say(rank: int, *words: str) -> None:
+    """In a rank of a case script: the one line ``RESULT <rank> <words...>`` the test reads (newlines folded: the
+    ranks share torchrun's stdout, one write each)."""
+    sys.stdout.write(" ".join(["RESULT", str(rank), *words]).replace("\n", " ").rstrip() + "\n")
+    sys.stdout.flush()
+
+
 def run_ranks(script: Path, args: list, ranks: int, timeout_s: float) -> dict[int, str]:
     """{rank: outcome} of `script args...` on `ranks` gloo ranks; asserts that every rank reported."""
     return _launch(script, args, ranks, timeout_s, lambda rest: ((), rest), [()])[()]

@@ -21,6 +21,7 @@ from fp4_dist.launch import init_distributed, shutdown
 from fp4_dist.optim import Zero1Config, Zero1Optimizer
 
 from fp4_dist.cast import RankMismatchError
+from rank_results import say  # beside this script
 
 SHAPES = [(48, 80), (33, 112), (64, 48)]
 
@@ -212,9 +213,7 @@ def run(case: str, rank: int, size: int) -> str:
 def main() -> None:
     info = init_distributed("gloo")
     for case in sys.argv[1:]:
-        outcome = run(case, info.rank, info.world_size)
-        sys.stdout.write(f"RESULT {info.rank} {case} {outcome}".replace("\n", " ").rstrip() + "\n")
-        sys.stdout.flush()
+        say(info.rank, case, run(case, info.rank, info.world_size))
         dist.barrier()
     shutdown()
 
