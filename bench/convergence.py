@@ -240,8 +240,9 @@ def compare(args) -> int:
     for key in ("loss", "grad_norm"):
         first[key] = next((x["iteration"] for x, y in zip(ra, rb) if x[key] != y[key]), None)
     n = min(len(ra), len(rb))
+    digests = "equal" if a.get("master_digest") == b.get("master_digest") else "differ"
     print(f"{n} iterations in both: losses first differ at iteration {first['loss']}, grad norms at "
-          f"{first['grad_norm']}; final master digests {'equal' if a.get('master_digest') == b.get('master_digest') else 'differ'}")
+          f"{first['grad_norm']}; final master digests {digests}")
     at = min((i for i in first.values() if i is not None), default=None)
     if at is not None:
         print("| iteration | loss A | loss B | grad norm A | grad norm B |\n|---|---|---|---|---|")

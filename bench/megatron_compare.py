@@ -9,8 +9,9 @@ Runs the same GPT (same seed, data, LR schedule, no gradient clipping) several t
     timing rounds, each  bf16, fp4, fp4, bf16 (ABBA)
               bf16   plain bf16 model (no quantization at all)  -> what NVFP4 does to the loss (information)
               fp4    --fp4-param-gather: NVFP4 weights, 4-bit all-gather, no checks between steps
-              The median step of every fp4 run over that of every bf16 run, for information: whole runs take turns, so a slowdown lasting a run lands on one mode only (jobs
-              of the small model read 0.99 to 1.10 with no change to the code). Each round's own ratio is
+              The median step of every fp4 run over that of every bf16 run, for information: whole runs take
+              turns, so a slowdown lasting a run lands on one mode only (jobs of the small model read 0.99 to 1.10
+              with no change to the code). Each round's own ratio is
               shown beside it.
     fp4 checked  fp4 again, its gathered bytes checked against quantize(full master) every --check-every
               steps                                      -> determinism: losses and masters bit-identical to fp4

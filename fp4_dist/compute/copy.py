@@ -80,9 +80,7 @@ class ComputeCopy:
         v, src = self.value, self.sources
         if v is None or self.pending or not src or v.dtype != w.dtype:  # module.float() changes the weight's dtype
             return False
-        if src[0] is not w.rowwise_data or src[1] is not w.rowwise_scale_inv or src[2] is not w.amax:
-            return False
-        return self.stamp == _versions(w, v)
+        return bound(src, w) and self.stamp == _versions(w, v)
 
     def record(self, w) -> None:
         """`value` was just made from `w`'s fields."""
@@ -145,6 +143,11 @@ def version_key(fields: tuple, value: Optional[torch.Tensor] = None, weight=None
 def rowwise_fields(w) -> tuple:
     """(rowwise_data, rowwise_scale_inv, amax) of NVFP4 weight `w`: what a copy of it is made from."""
     return (w.rowwise_data, w.rowwise_scale_inv, w.amax)
+
+
+def bound(fields: tuple, w) -> bool:
+    """Whether `fields` (what a copy was made from, a layer's binding, a use's) are `w`'s rowwise fields now."""
+    return fields[0] is w.rowwise_data and fields[1] is w.rowwise_scale_inv and fields[2] is w.amax
 
 
 def _versions(w, value) -> Optional[tuple]:

@@ -38,9 +38,9 @@ import torch
 from .. import kernels
 from ..tensor import NVFP4Tensor
 from .alias import alias_onto
-from .copy import rowwise_fields, version_key
+from .copy import bound, rowwise_fields, version_key
 from .lean_order import BWD, FWD, ORDER, Batch
-from .pool import POOL, Buffer, bound, copy_token, use_count
+from .pool import POOL, Buffer, copy_token, use_count
 
 _ATTR = "_fp4_lean_view"
 
@@ -112,7 +112,7 @@ class LeanView:
         buffers of the uses expected next."""
         if token is not None:
             batch = self.batches[d]
-            if batch is None or not batch.stillbound():
+            if batch is None or not batch.still_bound():
                 batch = self.batches[d] = Batch(self, d)
             if batch.run(token):
                 return
@@ -198,8 +198,8 @@ def weight_name(w: NVFP4Tensor) -> str:
 def raise_changed(w: NVFP4Tensor) -> None:
     raise RuntimeError(
         f"one of the variables needed for gradient computation has been modified by an inplace operation: the "
-        f"NVFP4 weight {weight_name(w)} changed between the forward and the backward of its layer (an optimizer step or "
-        "a load in between?)")
+        f"NVFP4 weight {weight_name(w)} changed between the forward and the backward of its layer (an optimizer step "
+        "or a load in between?)")
 
 
 def _unpack(saved):

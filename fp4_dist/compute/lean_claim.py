@@ -15,9 +15,10 @@ import torch
 
 from ..tensor import NVFP4Tensor
 from .alias import alias_onto
+from .copy import bound
 from .lean import LeanView, lean_call, lean_view, raise_changed, stamp, weight_name
 from .lean_order import BWD
-from .pool import POOL, bound, copy_token
+from .pool import POOL, copy_token
 
 # The id of the backward pass this thread runs in, -1 outside one.
 _graph_task_id = torch._C._current_graph_task_id
@@ -94,9 +95,9 @@ def lean_call_refilled(module: torch.nn.Module, weight: NVFP4Tensor, op: Callabl
         unclaimed, _CLAIM.pending = getattr(_CLAIM, "pending", None), None
     if unclaimed is not None:
         raise RuntimeError(
-            f"fp4_dist.compute.lean: the lean copy of NVFP4 weight {weight_name(weight)} was not claimed by the autograd function "
-            "it was made for, so its backward would not write the copy again before reading it; this "
-            "megatron-core's linear function is not the one the adapter knows")
+            f"fp4_dist.compute.lean: the lean copy of NVFP4 weight {weight_name(weight)} was not claimed by the "
+            "autograd function it was made for, so its backward would not write the copy again before reading "
+            "it; this megatron-core's linear function is not the one the adapter knows")
     return out
 
 

@@ -9,7 +9,8 @@ never a value.
 from __future__ import annotations
 
 from .. import kernels
-from .pool import POOL, bound, copy_token
+from .copy import bound
+from .pool import POOL, copy_token
 
 # A lean use is made in one of two directions: a forward, or a backward writing its copy again.
 FWD, BWD = 0, 1
@@ -60,7 +61,7 @@ class Batch:
                                                   [v.fields[2] for v in members],
                                                   [v.buffer.tensor for v in members])  # fmt: skip
 
-    def stillbound(self) -> bool:
+    def still_bound(self) -> bool:
         """Whether the learned order and every member's binding are what the batch was built from."""
         if self.epoch != ORDER.epoch:
             return False

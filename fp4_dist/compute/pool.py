@@ -95,9 +95,9 @@ class _Pool:
         if not self.warned:
             self.warned = True
             warnings.warn(
-                f"fp4_dist.compute.lean: a lean copy of an NVFP4 weight of shape {list(key[0])} was still referenced when the "
-                "next weight of that shape needed the pool buffer; the holder keeps it and the pool takes a new "
-                "buffer (correct, but memory the lean mode is meant to save). Something keeps the tensor a layer "
+                f"fp4_dist.compute.lean: a lean copy of an NVFP4 weight of shape {list(key[0])} was still referenced "
+                "when the next weight of that shape needed the pool buffer; the holder keeps it and the pool takes a "
+                "new buffer (correct, but memory the lean mode is meant to save). Something keeps the tensor a layer "
                 "computed with past its use", stacklevel=user_stacklevel())  # fmt: skip
 
 
@@ -142,8 +142,3 @@ def copy_token(cc, fields: tuple, w) -> Optional[tuple]:
         return (cc.casts,) + version_key(fields, None, w)
     except RuntimeError:  # an inference tensor has no version counter
         return None
-
-
-def bound(fields: tuple, w) -> bool:
-    """Whether `fields` (a layer's binding, or a use's) are `w`'s fields now."""
-    return fields[0] is w.rowwise_data and fields[1] is w.rowwise_scale_inv and fields[2] is w.amax

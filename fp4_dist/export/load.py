@@ -119,7 +119,10 @@ def _nvfp4_fields(model: nn.Module, module_name: str, tensors, amax: Optional[fl
     if amax is None:
         amax, differ = amax_for_global_scale(g, compact)
         report.derived_amax[name] = differ
-    dtype, numerics = (current.dtype, current.numerics) if is_nvfp4_tensor(current) else (model_dtype_of(current), DEFAULT_NUMERICS)
+    if is_nvfp4_tensor(current):
+        dtype, numerics = current.dtype, current.numerics
+    else:
+        dtype, numerics = model_dtype_of(current), DEFAULT_NUMERICS
     return dict(shape=(m, k), dtype=dtype, numerics=numerics, device=current.device,
                 rowwise_data=packed.contiguous(), rowwise_scale_inv=expand_rowwise_scales(compact, m, k),
                 amax=torch.tensor([amax], dtype=torch.float32))  # fmt: skip

@@ -24,7 +24,7 @@ def make_forward_impl(original):
 
 def make_linear_forward(original):
     def forward(ctx, input, weight, *args):
-        # A lean use's copy (fp4_dist.compute.lean_claim.lean_call_refilled): the node keeps how to write it again, and saves
+        # A lean use's copy (compute.lean_claim.lean_call_refilled): the node keeps how to write it again, and saves
         # the layer's alias of the pool buffer as upstream saves any weight.
         use = claim(weight)
         if use is not None:
