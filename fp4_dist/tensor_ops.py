@@ -99,8 +99,9 @@ binds the placeholder to memory holding the weight's values. What it needs of cl
 def _clone(cls, func, args, kwargs):
     w = args[0]
     if kwargs.get("memory_format") is ALIAS_FORMAT:
-        # Zero strides: one element of storage, which alias_onto replaces at once.
-        return torch.empty_strided(tuple(w.shape), (0, 0), dtype=w.dtype, device=w.device)
+        # Zero strides: one element of storage, which alias_onto replaces at once; NaN, so that any other caller
+        # passing this format sees that it got no values, not whatever the allocator held.
+        return torch.empty_strided(tuple(w.shape), (0, 0), dtype=w.dtype, device=w.device).fill_(float("nan"))
     return w._with_fields(lambda t: t.clone())
 
 

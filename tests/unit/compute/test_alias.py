@@ -55,3 +55,10 @@ def test_clone_and_deepcopy_still_copy_every_field():
         for f in FIELDS[:3]:
             assert_bytes_equal(getattr(c, f), getattr(w, f), f)
             assert getattr(c, f).data_ptr() != getattr(w, f).data_ptr(), f"{f} shares memory with the original"
+
+
+def test_the_alias_format_alone_gives_nan_not_stale_memory():
+    from fp4_dist.tensor_ops import ALIAS_FORMAT
+
+    placeholder = _weight().clone(memory_format=ALIAS_FORMAT)
+    assert type(placeholder) is torch.Tensor and bool(placeholder.detach().isnan().all())
