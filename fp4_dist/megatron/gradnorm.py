@@ -36,12 +36,17 @@ def _norm_order(opt) -> Optional[dict]:
 
 def make_filter_grads_for_norm(original):
     def _filter_grads_for_norm(self, params, param_filter=None):
-        order = self.__dict__.get("_fp4_dist_norm_order")
-        if order is None:
-            order = self.__dict__["_fp4_dist_norm_order"] = _norm_order(self) or {}
         params = list(params)
-        if order and all(id(p) in order for p in params):
-            params.sort(key=lambda p: order[id(p)])  # stable: the shards of one parameter keep their order
+        key = tuple(map(id, params))
+        cached = self.__dict__.get("_fp4_dist_norm_order")
+        if cached is None or cached[0] != key:  # the first call, or main parameters made anew (a load)
+            order, permutation = _norm_order(self), None
+            if order and all(id(p) in order for p in params):
+                # stable: the shards of one parameter keep their order
+                permutation = sorted(range(len(params)), key=lambda i: order[id(params[i])])
+            cached = self.__dict__["_fp4_dist_norm_order"] = (key, permutation)
+        if cached[1] is not None:
+            params = [params[i] for i in cached[1]]
         return original(self, params, param_filter)
 
     return _filter_grads_for_norm

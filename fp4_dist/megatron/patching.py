@@ -9,6 +9,8 @@ binds it and all of them are patched. The rows name line-level facts of the mega
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -61,9 +63,6 @@ def installed_megatron_version() -> str:
     """megatron-core's version, read from its ``package_info.py`` without importing ``megatron.core``: that import
     torch.compile's Megatron's fused kernels, and on CPU ranks `cpu_compat` must be in place before it."""
     try:
-        import importlib.util
-        import sys
-
         core = sys.modules.get("megatron.core")
         if core is not None:
             return core.package_info.__version__
