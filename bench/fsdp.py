@@ -6,8 +6,9 @@ A GPT-like stack of pre-norm blocks (attention projections qkv [3h, h] and out [
 the attention itself is left out: it does not touch the weights) sharded per block. Variants take turns, round
 after round: "bf16" is torch's fully_shard with MixedPrecisionPolicy(param_dtype=bf16) (the weights gathered in
 bf16); "nvfp4" is fp4_dist.fsdp.fully_shard_nvfp4 with the same policy (linear weights gathered as NVFP4, cast
-once per step before the forward). Prints the median step time of each (forward + backward + AdamW step; CUDA
-events) and the all-gather bytes per step counted on the real collective.
+once per step before the forward). Prints the median step time of each (forward + backward + AdamW step), the
+bytes per step of each collective (counted on the real calls) and, on GPUs, each collective's exposed time (the
+part of its kernels no other kernel overlaps, from a device trace). --slow-link runs NCCL over sockets.
 """
 
 from __future__ import annotations
@@ -72,28 +73,51 @@ def build(variant: str, args, device):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
 
 
+COLLECTIVES = {"all-gather": ("all_gather_single", "all_gather_into_tensor"),
+               "reduce-scatter": ("reduce_scatter_tensor", "reduce_scatter_single"),
+               "all-reduce": ("all_reduce",)}
+
+
 class Counter:
-    """Bytes of every all-gather, counted by wrapping (not mocking) torch.distributed."""
+    """Bytes each collective moves per call, counted by wrapping (not mocking) torch.distributed: the output of
+    an all-gather, the input of a reduce-scatter, the buffer of an all-reduce."""
 
     def __init__(self):
-        self.bytes = 0
-        self._names = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
-        self._real = {n: getattr(dist, n) for n in self._names}
+        self.bytes = {kind: 0 for kind in COLLECTIVES}
+        self._real = {n: (kind, getattr(dist, n)) for kind, names in COLLECTIVES.items() for n in names
+                      if hasattr(dist, n)}  # fmt: skip
 
     def __enter__(self):
-        for n in self._names:
-            fn = self._real[n]
-
-            def wrapper(out, inp, *a, _fn=fn, **k):
-                self.bytes += out.numel() * out.element_size()
-                return _fn(out, inp, *a, **k)
+        for n, (kind, fn) in self._real.items():
+            def wrapper(*a, _fn=fn, _kind=kind, **k):
+                # the larger buffer: an all-gather's output, a reduce-scatter's input, the all-reduce's one
+                self.bytes[_kind] += max(t.numel() * t.element_size() for t in (*a, *k.values())
+                                         if isinstance(t, torch.Tensor))  # fmt: skip
+                return _fn(*a, **k)
 
             setattr(dist, n, wrapper)
         return self
 
     def __exit__(self, *exc):
-        for n in self._names:
-            setattr(dist, n, self._real[n])
+        for n, (_, fn) in self._real.items():
+            setattr(dist, n, fn)
+
+
+SLOW_LINK = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
+
+
+def exposed_per_step(fn, steps: int) -> dict:
+    """{collective: (device ms, exposed ms) per step} over `steps` traced steps (device only)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from device_trace import exposed_collectives  # bench/device_trace.py, beside this script
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    return exposed_collectives(prof.events(), steps)
 
 
 def step_fn(model, opt, x):
@@ -118,6 +142,88 @@ def held_by_forward(model, x) -> float:
     return held
 
 
+def profile_variant(variant: str, fn, args, report: bool) -> None:
+    """Where one variant's step time goes (every rank runs the same steps; rank 0 reports): host milliseconds per
+    step with nothing added (the step's own waits included), the calls that make the host wait for the GPU (torch's
+    sync debug mode), the device's busy time and idle gaps (torch.profiler, device only), and cProfile's largest
+    own times."""
+    import cProfile
+    import io
+    import pstats
+    import traceback
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from device_trace import launches, short, summarize  # bench/device_trace.py, beside this script
+
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    n = args.steps
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = 1e3 * (time.perf_counter() - t0) / n
+    sync()
+    t1 = time.perf_counter()
+    wall = 1e3 * (t1 - t0) / n
+    waits: dict = {}
+    if cuda:
+        pass_on = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if "synchroniz" not in str(message):
+                return pass_on(message, category, filename, lineno, file, line)
+            frames = [f for f in traceback.extract_stack()[:-2]
+                      if "site-packages/torch/" not in f.filename and "warnings" not in f.filename]
+            key = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames[-3:][::-1])
+            waits[key] = waits.get(key, 0) + 1 / n
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = show
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for _ in range(n):
+                    fn()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        sync()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(n):
+                fn()
+            sync()
+        dev = summarize(prof.events(), n)
+    prof_py = cProfile.Profile()
+    prof_py.enable()
+    for _ in range(n):
+        fn()
+    sync()
+    prof_py.disable()
+    if not report:
+        return
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        prof_py.dump_stats(Path(args.out) / f"profile_{variant}.pstats")
+    text = io.StringIO()
+    stats = pstats.Stats(prof_py, stream=text)
+    stats.sort_stats("tottime").print_stats(16)
+    stats.sort_stats("cumulative").print_stats(r"fp4_dist", 16)
+    lines = [f"\n##### {variant}: {n} steps: host {host:.2f} ms per step (enqueue, its own waits included), "
+             f"wall {wall:.2f} ms"]
+    if cuda:
+        lines.append(f"GPU busy {dev.busy_ms:.2f} ms per step, idle {sum(dev.gaps.values()):.2f} ms between kernels; "
+                     f"{launches(dev):.0f} kernel launches per step, {sum(dev.kernels.values()):.2f} ms kernel time")
+        lines.append(f"waits for the GPU per step: {sum(waits.values()):.1f}")
+        lines += [f"  {v:5.1f}  {k}" for k, v in sorted(waits.items(), key=lambda kv: -kv[1])[:8]]
+        lines.append("largest idle gaps (ms per step):")
+        lines += [f"  {ms:7.3f}  {a} -> {b}" for (a, b), ms in sorted(dev.gaps.items(), key=lambda kv: -kv[1])[:10]]
+        lines.append("kernels (ms per step, count):")
+        lines += [f"  {ms:7.3f}  {short(k, 100)}" for k, ms in sorted(dev.kernels.items(), key=lambda kv: -kv[1])[:14]]
+    lines.append(text.getvalue()[-6000:])
+    print("\n".join(lines), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=2048)
@@ -126,20 +232,26 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10, help="steps per round")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", default=os.environ.get("OUT"))
-    p.add_argument("--profile", action="store_true", help="also cProfile a few steps of each variant (rank 0)")
+    p.add_argument("--profile", action="store_true",
+                   help="also say where each variant's step time goes: host, waits, device gaps, cProfile (rank 0)")
+    p.add_argument("--slow-link", action="store_true",
+                   help="NCCL over sockets only (no NVLink, shared memory or InfiniBand): a proxy for data "
+                        "parallelism across nodes")
     args = p.parse_args()
+    if args.slow_link:  # read by NCCL when the communicators are made, below
+        os.environ.update(SLOW_LINK)
     info = init_distributed()
     dev = info.device
     x = torch.randn(args.tokens // 8, 8, args.hidden, device=dev, generator=None).to(torch.bfloat16)
     runs = {v: build(v, args, dev) for v in ("bf16", "nvfp4")}
     steps = {v: step_fn(m, o, x) for v, (m, o) in runs.items()}
-    gathered = {}
+    moved = {}
     for v, fn in steps.items():
         for _ in range(3):
             fn()
         with Counter() as c:
             fn()
-        gathered[v] = c.bytes
+        moved[v] = c.bytes
     times = {v: [] for v in steps}
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     for _ in range(args.rounds):
@@ -151,50 +263,31 @@ def main() -> None:
             sync()
             times[v].append(1e3 * (time.perf_counter() - t0) / args.steps)
     med = {v: statistics.median(t) for v, t in times.items()}
+    # Traced after the timed rounds: the profiler leaves CUDA launches slower for the rest of the process.
+    exposed = {v: exposed_per_step(fn, args.steps) for v, fn in steps.items()} if dev.type == "cuda" else {}
     held = {v: held_by_forward(runs[v][0], x) for v in runs} if dev.type == "cuda" else {}
-    if args.profile and info.rank == 0:
-        import cProfile
-        import io
-        import pstats
-
+    if args.profile:
         for v, fn in steps.items():
-            sync()
-            prof = cProfile.Profile()
-            t0 = time.perf_counter()
-            prof.enable()
-            for _ in range(args.steps):
-                fn()
-            prof.disable()
-            host = 1e3 * (time.perf_counter() - t0) / args.steps
-            sync()
-            if args.out:
-                Path(args.out).mkdir(parents=True, exist_ok=True)
-                prof.dump_stats(Path(args.out) / f"profile_{v}.pstats")
-            text = io.StringIO()
-            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(14)
-            print(f"##### {v}: host ms per step (no sync, profiled) {host:.2f}\n{text.getvalue()[-4000:]}", flush=True)
-            if dev.type == "cuda":
-                from torch.profiler import ProfilerActivity, profile
-
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as kprof:
-                    for _ in range(args.steps):
-                        fn()
-                    sync()
-                print(kprof.key_averages().table(sort_by="self_cuda_time_total", row_limit=16), flush=True)
+            profile_variant(v, fn, args, info.rank == 0)
     weights = sum(m.numel() for b in runs["bf16"][0].blocks for m in (b.qkv.weight, b.proj.weight, b.fc1.weight,
                                                                          b.fc2.weight))  # fmt: skip
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
-    lines = [f"device: {name} x {info.world_size}; hidden {args.hidden} x {args.layers} blocks, {args.tokens} tokens "
-             f"per rank, {weights / 1e6:.1f}M linear weight elements", "",
-             "| variant | median step ms | all-gather MiB per step (fwd + bwd) | x bf16 | MiB held from forward to "
-             "backward |", "|---|---|---|---|---|"]
+    link = "slow link (NCCL over sockets)" if args.slow_link else "NVLink" if dev.type == "cuda" else "gloo"
+    lines = [f"device: {name} x {info.world_size}, {link}; hidden {args.hidden} x {args.layers} blocks, {args.tokens} "
+             f"tokens per rank, {weights / 1e6:.1f}M linear weight elements", "",
+             "| variant | median step ms | x bf16 | all-gather MiB/step | reduce-scatter MiB/step | all-reduce KiB/step "
+             "| exposed ms/step: all-gather, reduce-scatter, all-reduce | MiB held from forward to backward |",
+             "|---|---|---|---|---|---|---|---|"]
     for v in steps:
-        lines.append(f"| {v} | {med[v]:.2f} | {gathered[v] / 2**20:.2f} | "
-                     f"{med[v] / med['bf16']:.3f} time, {gathered[v] / max(gathered['bf16'], 1):.3f} bytes | "
+        b, e = moved[v], exposed.get(v, {})
+        shown = ", ".join(f"{e.get(k, (0.0, 0.0))[1]:.2f}" for k in COLLECTIVES) if e else "-"
+        lines.append(f"| {v} | {med[v]:.2f} | {med[v] / med['bf16']:.3f} | {b['all-gather'] / 2**20:.2f} | "
+                     f"{b['reduce-scatter'] / 2**20:.2f} | {b['all-reduce'] / 2**10:.2f} | {shown} | "
                      f"{held.get(v, float('nan')):.0f} |")
     text = "\n".join(lines)
     if info.rank == 0:
-        publish(text, args.out, "bench_fsdp", {"median_ms": med, "times": times, "gathered_bytes": gathered})
+        publish(text, args.out, "bench_fsdp", {"median_ms": med, "times": times, "bytes": moved,
+                                               "exposed_ms": exposed, "slow_link": args.slow_link})
     shutdown()
 
 

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.device_trace import short, summarize  # noqa: E402
 from bench.megatron_compare import COMMON, MODELS, timed  # noqa: E402
 from examples import megatron_pretrain_gpt as pretrain_gpt  # noqa: E402
 from fp4_dist.launch import shutdown  # noqa: E402
@@ -100,24 +101,9 @@ def profile_gpu(mode: str, argv: list[str]) -> GpuRun:
                                   schedule=schedule(wait=WARMUP_STEPS - 1, warmup=1, active=active))
     with prof, _after_each_step(lambda _: prof.step()):  # the schedule advances once per training step
         result = pretrain_gpt.train(s.args, s.model, s.optimizer, s.scheduler, s.device, 0)
-    kernels, calls, intervals = {}, {}, []
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:  # host-side records: CUDA runtime/driver calls
-            calls[e.name] = calls.get(e.name, 0) + 1 / active
-        # GPU-side user annotations (ProfilerStep#, Optimizer.step#...) span whole phases: not device work.
-        elif not getattr(e, "is_user_annotation", False) and not e.name.startswith("ProfilerStep"):
-            kernels[e.name] = kernels.get(e.name, 0.0) + e.device_time / 1e3 / active
-            intervals.append((e.time_range.start, e.time_range.end, e.name))
-    busy, end, last, gaps = 0.0, float("-inf"), None, {}
-    for a, b, name in sorted(intervals):
-        if last is not None and a > end:
-            key = (_short(last, 60), _short(name, 60))
-            gaps[key] = gaps.get(key, 0.0) + (a - end) / 1e3 / active
-        if b > end:
-            busy += b - max(a, end)
-            end, last = b, name
+    d = summarize(prof.events(), active)
     step_ms = statistics.median(r.step_ms for r in result.records[WARMUP_STEPS:])
-    return GpuRun(mode, step_ms, kernels, calls, busy / 1e3 / active, gaps, active)
+    return GpuRun(mode, step_ms, d.kernels, d.calls, d.busy_ms, d.gaps, active)
 
 
 @contextmanager
@@ -201,10 +187,6 @@ def find_syncs(argv: list[str]) -> dict:
     return where
 
 
-def _short(name: str, width: int = 90) -> str:
-    return name if len(name) <= width else name[: width - 3] + "..."
-
-
 def report_gpu(runs: list[GpuRun]) -> None:
     base, fp4 = runs[0], runs[1]
     kb, kf = base.kernels, fp4.kernels
@@ -219,7 +201,7 @@ def report_gpu(runs: list[GpuRun]) -> None:
     print(f"\n| kernel | {base.mode} ms/step | {fp4.mode} ms/step | difference |\n|---|---|---|---|")
     shown = [k for k in names if abs(kb.get(k, 0.0) - kf.get(k, 0.0)) > 0.05 or k in names[:15]]
     for k in shown[:40]:
-        print(f"| {_short(k)} | {kb.get(k, 0.0):.3f} | {kf.get(k, 0.0):.3f} | {kf.get(k, 0.0) - kb.get(k, 0.0):+.3f} |")
+        print(f"| {short(k)} | {kb.get(k, 0.0):.3f} | {kf.get(k, 0.0):.3f} | {kf.get(k, 0.0) - kb.get(k, 0.0):+.3f} |")
     for run in (base, fp4):
         print(f"\n{run.mode}: largest GPU idle gaps (between the kernels traced, per step; the last ones of a step "
               "include the step's own synchronisation)\n| after | before | idle ms/step |\n|---|---|---|")

@@ -120,6 +120,10 @@ ScaleBinder = Callable[[CastGroup, torch.Tensor, torch.Tensor], Callable[[], Non
 """(group, its block of the amax buffer, its encode multipliers) -> the bound scale stage of that group."""
 
 
+CAST_FROM_BAD_MASTERS = ("The weights were cast from these masters in that step: fix the cause and resume from a "
+                         "checkpoint")
+
+
 class CastCore:
     """The stages of one shard cast, bound once to one set of tensors (see the module docstring).
 
@@ -252,11 +256,10 @@ class CastCore:
         for _, _, cast in self._runs:
             cast()
 
-    def raise_for(self, where: str) -> None:
+    def raise_for(self, where: str, outcome: str = CAST_FROM_BAD_MASTERS) -> None:
         """Raise the error of the last `exchange` (named as there) after a deferred verdict came back false: the
-        bytes were written then, and the message says so."""
-        self._raise(where, "The weights were cast from these masters in that step: fix the cause and resume from "
-                           "a checkpoint")
+        bytes were written then, and `outcome` says what became of them."""
+        self._raise(where, outcome)
 
     def _raise(self, where: str = " on some rank", outcome: str = checks.NOTHING_WRITTEN) -> None:
         """The error path may read more: it is about to raise anyway."""
@@ -278,15 +281,22 @@ class DeferredCheck:
     def __init__(self, core: CastCore, flag: torch.Tensor, event) -> None:
         self.core, self.flag, self.event, self.ok = core, flag, event, None
 
-    def resolve(self, where: str = " on some rank") -> None:
+    def passed(self) -> bool:
+        """The verdict (True: every master was finite), read once; waits on CUDA for the device to pass the cast's
+        exchange, not for anything queued after it."""
         if self.ok is None:
             if self.event is not None:
                 self.event.synchronize()
             self.ok = bool(self.flag)
             if self.core._deferred is self:
                 self.core._deferred = None
-        if not self.ok:
-            self.core.raise_for(where)
+        return self.ok
+
+    def resolve(self, where: str = " on some rank", outcome: Optional[str] = None) -> None:
+        """Raise the cast's error, naming the weight, if the verdict is false (`outcome`: what became of the
+        weights, in the caller's words)."""
+        if not self.passed():
+            self.core.raise_for(where, outcome or CAST_FROM_BAD_MASTERS)
 
 
 def reduce_whole_weights(buf: torch.Tensor, index: torch.Tensor, amax_group, stats) -> None:

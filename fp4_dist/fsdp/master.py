@@ -9,8 +9,9 @@ so the shard FSDP2 keeps is still an NVFP4Master. Its all-gather goes through FS
                           cast from the fp32 master with the weight's global amax (`precompute.ShardCast`: one
                           batched amax all-reduce for the whole model, before the forward)
     (FSDP2 all-gathers those bytes: 0.504 B per element instead of 2)
-    fsdp_post_all_gather  one dequantize of the gathered bytes and tile scales into the bf16 compute copy, which is
-                          the unsharded parameter the forward and backward read (a plain tensor: no per-op overhead)
+    fsdp_post_all_gather  a dequantize of the gathered bytes and tile scales into the bf16 compute copy, which is
+                          the unsharded parameter the forward and backward read (a plain tensor: no per-op overhead);
+                          one launch for each FSDP2 parameter group's weights (`dequant_batch`)
 
 Weights whose rows do not split into whole 16-row tile bands per rank ("bf16" mode) gather their bf16 values
 instead and are quantized after the gather (every rank quantizes the same full weight, so the bytes are those
@@ -27,9 +28,10 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import kernels
-from ..format import DEFAULT_NUMERICS, is_tile_grid, rowwise_data_shape, rowwise_scale_shape
+from ..format import DEFAULT_NUMERICS, is_tile_grid, rowwise_data_shape, rowwise_scale_shape, tile_grid
 from ..tensor import NVFP4Tensor
 from . import wire
+from .dequant_batch import DequantBatch
 
 aten = torch.ops.aten
 
@@ -68,6 +70,15 @@ class WeightState:
     """(rowwise_data, scales, amax) of the last gather: scales as gathered, the tile grid, for "nvfp4" mode;
     the row-expanded rowwise_scale_inv for "bf16" mode (`gathered()` wraps them)."""
     buffers: dict = field(default_factory=dict)
+    grid: tuple[int, int] = (0, 0)
+    """The weight's tile grid (`format.tile_grid`): the shape of its gathered tile scales."""
+    world: tuple = (None, 1)
+    """(mesh, its size) of the last gather: FSDP2 passes the same mesh every time, and asking it costs."""
+    batch: DequantBatch = field(default_factory=DequantBatch)
+    """The dequantize launch this weight's gathers join (`dequant_batch`: one per FSDP2 parameter group)."""
+
+    def __post_init__(self):
+        self.grid = tile_grid(*self.shape)
 
     def gathered(self) -> Optional[NVFP4Tensor]:
         """The last gathered weight as an NVFP4Tensor (its bytes are FSDP2's: valid while unsharded)."""
@@ -128,11 +139,22 @@ class NVFP4Master(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        state = _masters((args, kwargs))[0]._state
-        if func._schema.is_mutable:
-            _count_writes(func, args)
-        out = func(*_unwrap(args), **_unwrap(kwargs))
+        found: list = []  # the NVFP4Master leaves, in order, gathered while unwrapping (one pass)
+        schema = func._schema
+        if schema.is_mutable:
+            plain, formal = [], schema.arguments
+            for i, a in enumerate(args):
+                first = len(found)
+                plain.append(_unwrap(a, found))
+                info = formal[i].alias_info if i < len(formal) else None
+                if info is not None and info.is_write:
+                    for t in found[first:]:
+                        t._state.writes += 1
+        else:
+            plain = _unwrap(args, found)
+        plain_kwargs = _unwrap(kwargs, found) if kwargs else {}
+        state = found[0]._state
+        out = func(*plain, **plain_kwargs)
         if func in _KEEP:
             return _wrap(out, state)
         if out is not None and func._schema.is_mutable and isinstance(args[0], NVFP4Master):
@@ -144,6 +166,8 @@ class NVFP4Master(torch.Tensor):
     # ----------------------------------------------------------------------------------- FSDP2 extension
     def _pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         state = self._state
+        if state.world[0] is not mesh:
+            state.world = (mesh, mesh.size())
         if state.mode == "nvfp4":
             if not state.cast_is_current(self._data):
                 raise RuntimeError(
@@ -151,8 +175,8 @@ class NVFP4Master(torch.Tensor):
                     "were cast (an optimizer step, a checkpoint load or another in-place write; the cast runs in "
                     "the forward of the model passed to fully_shard_nvfp4). Before gathering outside a forward "
                     "(module.unshard()), call fp4_dist.fsdp.precompute_nvfp4(model) on every rank")
-            return wire.pack(state.packed, state.scales, state.amax, mesh.size())
-        return wire.pack_rows(self._data.to(state.model_dtype), state.shape[0], mesh.size()), None
+            return wire.pack(state.packed, state.scales, state.amax, state.world[1])
+        return wire.pack_rows(self._data.to(state.model_dtype), state.shape[0], state.world[1]), None
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out: Optional[torch.Tensor] = None):
         state = self._state
@@ -163,19 +187,16 @@ class NVFP4Master(torch.Tensor):
             state.value = torch.empty((m, k), dtype=state.model_dtype, device=self.device)
         b = state.buffers
         if state.mode == "nvfp4":
-            # dequantize reads the tile grid as gathered (one launch per weight and gather, no expand)
-            data, scale_inv, amax = wire.unpack(outputs, metadata, state.shape)
+            # the dequantize reads the tile grid as gathered (no expand)
+            data, scale_inv, amax = wire.unpack(outputs, metadata, state.grid)
         else:
             (values,) = outputs
             data, amax, scale_inv = b["data"], b["amax"], b["scale_inv"]
             kernels.quantize_rowwise(values[:m].reshape(-1), (m, k), round_to=state.model_dtype,
                                      numerics=state.numerics, rowwise_data=data, scale_inv=scale_inv,
                                      amax=amax, name=state.fqn)  # fmt: skip
-        # The forward saved this tensor (as the unsharded parameter) for the backward, which gathers the same
-        # bytes again: writing it must not look like an in-place change to autograd (FSDP2 does the same).
-        with torch.autograd._unsafe_preserve_version_counter((state.value,)):
-            kernels.dequantize([data], [scale_inv], [amax], [state.value])
         state.gathered_fields = (data, scale_inv, amax)
+        state.batch.add(state, data, scale_inv, amax, state.value)  # launches when its parameter group is complete
         if first:
             return state.value, (state.value, *b.values())
         return None
@@ -227,39 +248,27 @@ class _BoundPreAllGather:
 NVFP4Master.fsdp_pre_all_gather = property(_BoundPreAllGather, doc="FSDP2's pre-all-gather extension hook.")
 
 
-def _count_writes(func, args) -> None:
-    for schema, arg in zip(func._schema.arguments, args):
-        if schema.alias_info is not None and schema.alias_info.is_write:
-            for t in _masters(arg):
-                t._state.writes += 1
-
-
 # Plain recursion over the containers aten ops take (tuples, lists, dicts) instead of torch's pytree: a fused
 # optimizer step passes lists of hundreds of tensors, and pytree's per-leaf cost showed in its host time.
-def _masters(tree, found: Optional[list] = None) -> list:
-    """The NVFP4Master leaves of `tree`, in order."""
-    found = [] if found is None else found
+def _unwrap(tree, found: list):
+    """`tree` with every NVFP4Master replaced by its wrapped values; the masters are appended to `found`."""
     if isinstance(tree, NVFP4Master):
         found.append(tree)
-    elif type(tree) in (list, tuple):
-        for x in tree:
-            if isinstance(x, NVFP4Master):
-                found.append(x)
-            elif type(x) in (list, tuple, dict):
-                _masters(x, found)
-    elif type(tree) is dict:
-        _masters(list(tree.values()), found)
-    return found
-
-
-def _unwrap(tree):
-    if isinstance(tree, NVFP4Master):
         return tree._data
     t = type(tree)
     if t is list or t is tuple:
-        return t([_unwrap(x) for x in tree])
+        out = []
+        for x in tree:
+            if isinstance(x, NVFP4Master):
+                found.append(x)
+                out.append(x._data)
+            elif type(x) in (list, tuple, dict):
+                out.append(_unwrap(x, found))
+            else:
+                out.append(x)
+        return out if t is list else tuple(out)
     if t is dict:
-        return {k: _unwrap(v) for k, v in tree.items()}
+        return {k: _unwrap(v, found) for k, v in tree.items()}
     return tree
 
 

@@ -5,7 +5,8 @@ Each rank holds whole 16-row tile bands of a weight ("nvfp4" mode), so every til
 that holds the tile and only the n tensor amaxes cross ranks::
 
     partial_amax     local tensor + tile amaxes of every weight            one launch per (dtype, numerics) group
-    ONE MAX all-reduce of the n tensor amaxes, one scalar read: all finite?   (raise naming the weight if not)
+    ONE MAX all-reduce of the n tensor amaxes; all finite? (raise naming the weight if not: read at once, or,
+                     in the training forward, a pinned byte read after the forward is queued)
     owner_scales     local tile scale bytes (the all-gather's second input), encode multipliers, amax
     partial_cast     local packed bytes (the all-gather's first input)
 
@@ -25,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from .. import kernels
-from ..cast.core import CastCore, make_cast_plan
+from ..cast.core import CastCore, DeferredCheck, make_cast_plan
 from . import wire
 from .master import NVFP4Master, WeightState, local_master
 
@@ -112,15 +113,25 @@ class ShardCast:
         return any(not w.state.cast_is_current(w.master) for w in self.weights)
 
     @torch.no_grad()
-    def __call__(self) -> None:
+    def __call__(self, *, defer_check: bool = False) -> Optional[DeferredCheck]:
         """Cast every weight's local rows; raises ValueError naming the weight, before any byte is written, if a
-        master value is not finite on any rank."""
+        master value is not finite on any rank.
+
+        `defer_check`: no host read; the verdict comes back as a `DeferredCheck` (a pinned byte behind an event)
+        and the bytes are written regardless: the caller resolves it before anything it computed from them
+        leaves its hands, and calls `forget` if it fails."""
         if not self.weights:
-            return
+            return None
         core = self.core
         core.local_amaxes()
-        core.exchange(self.group, local=self.group is None)
+        verdict = core.exchange(self.group, local=self.group is None, defer_check=defer_check)
         core.scales()
         core.cast()
         for w in self.weights:
             w.state.cast_from = w.state.source_id(w.master)
+        return core.defer(verdict) if defer_check else None
+
+    def forget(self) -> None:
+        """Mark every weight's bytes stale (their cast read a non-finite master): the next gather casts again."""
+        for w in self.weights:
+            w.state.cast_from = None

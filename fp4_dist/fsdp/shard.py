@@ -6,7 +6,9 @@
 makes every eligible linear weight an `NVFP4Master` parameter (its fp32 master), calls torch's ``fully_shard`` on
 each module of ``shard_modules`` and then on ``model``, and installs what keeps the gathered bytes equal to
 ``quantize(full master)``: before each forward of ``model`` whose masters changed (an optimizer step, a load,
-an init), one cast of every weight's local rows with one amax all-reduce (`precompute.ShardCast`).
+an init), one cast of every weight's local rows with one amax all-reduce (`precompute.ShardCast`). The cast's
+non-finite verdict travels as a pinned byte and is read after the forward is queued (no host wait before it):
+a forward whose weights were cast from a non-finite master raises there, on every rank, instead of returning.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from ..format import DEFAULT_NUMERICS, TILE, check_numerics, whole_bands
 from ..cast.collectives import reduce_scatter_ordered
 from ..shared_amax import check_patterns, group_of, sibling_groups
 from ..tensor import NVFP4Tensor
-from . import wire
+from ..cast.core import DeferredCheck
+from . import dequant_batch, wire
 from .master import NVFP4Master, WeightState, local_master
 from .precompute import ShardCast
 
@@ -179,6 +182,11 @@ def _convert(name, module, world, mp_policy, numerics, skip, report) -> Optional
     return state
 
 
+FORWARD_STOPPED = ("The forward that read the weights cast from it stops here, on every rank, before returning its "
+                   "output; the masters are as they were: fix the cause (or load a checkpoint) and call the forward "
+                   "again, which casts them again")
+
+
 class _Registry:
     """The NVFP4 weights of one sharded model: the modules that hold them (their ``weight`` is the sharded master
     between steps, the unsharded bf16 value inside a forward) and their shared states."""
@@ -187,6 +195,10 @@ class _Registry:
         self.owners = [(fqn, module) for fqn, module in _weight_owners(model)]
         self.states = {fqn: local_master(module.weight).state for fqn, module in self.owners}
         self.cast: Optional[ShardCast] = None
+        self.check: Optional[DeferredCheck] = None
+        """The last cast's non-finite verdict while nobody has read it (`precompute(defer_check=True)`)."""
+        self.batches = dequant_batch.bind([m for m in model.modules() if isinstance(m, FSDPModule)],
+                                          lambda p: getattr(local_master(p), "state", None))
 
     def masters(self) -> list[tuple[str, torch.Tensor]]:
         out = [(fqn, module.weight) for fqn, module in self.owners]
@@ -196,12 +208,27 @@ class _Registry:
                                "masters (call it between reshard() and the next unshard())")
         return out
 
-    def precompute(self) -> None:
+    def precompute(self, defer_check: bool = False) -> None:
+        """Cast the masters that changed. `defer_check` (the root's pre-forward): the non-finite verdict is read by
+        `after_forward`, once the forward is queued, so the host does not wait for the device before it."""
+        self.resolve()
         params = self.masters()
         if self.cast is None or not self.cast.current_for(params):
             self.cast = ShardCast(params)
         if self.cast.stale():
-            self.cast()
+            self.check = self.cast(defer_check=defer_check)
+
+    def resolve(self) -> None:
+        """Read the deferred verdict; if a master was not finite, mark the bytes stale and raise, naming it."""
+        check, self.check = self.check, None
+        if check is not None and not check.passed():
+            self.cast.forget()
+            check.resolve(" on some rank", FORWARD_STOPPED)
+
+    def after_forward(self) -> None:
+        """The root's post-forward, on every rank, before the output goes back to the caller."""
+        self.resolve()
+        dequant_batch.check_flushed(self.batches)
 
 
 def _weight_owners(model: nn.Module):
@@ -213,8 +240,9 @@ def _weight_owners(model: nn.Module):
 def _install(model: nn.Module) -> None:
     """The root pre-forward cast (before FSDP2's own pre-forward, which all-gathers) and the state-dict unwrap."""
     registry = model._fp4_dist_nvfp4 = _Registry(model)
-    model.register_forward_pre_hook(lambda module, args, kwargs: registry.precompute(), prepend=True,
+    model.register_forward_pre_hook(lambda module, args, kwargs: registry.precompute(defer_check=True), prepend=True,
                                     with_kwargs=True)  # fmt: skip
+    model.register_forward_hook(lambda module, args, kwargs, out: registry.after_forward(), with_kwargs=True)
     for _, module in registry.owners:
         module.register_state_dict_post_hook(_unwrap_state_dict)
 

@@ -63,12 +63,14 @@ def pack(packed: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor, world: 
     return (packed, scales), (amax,)
 
 
-def unpack(outputs, metadata, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def unpack(outputs, metadata, grid: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rowwise data [M, K/2], tile scale grid [ceil(M/16), ceil(K/16)], amax) of a gathered "nvfp4" weight, as
-    views of FSDP2's gathered buffers (`pack`'s inverse)."""
+    views of FSDP2's gathered buffers (`pack`'s inverse); `grid`: the weight's `format.tile_grid`."""
     data, scales = (outputs[0], metadata[1]) if len(outputs) == 1 else outputs
-    tm, tk = tile_grid(*shape)
-    return data, scales.reshape(-1)[: tm * tk].view(tm, tk), metadata[0]
+    tm, tk = grid
+    if scales.shape != grid:  # FSDP2 gives the [rows/16, tiles_k] inputs back stacked, so this is rare
+        scales = scales.reshape(-1)[: tm * tk].view(tm, tk)
+    return data, scales, metadata[0]
 
 
 def pack_rows(values: torch.Tensor, m: int, world: int) -> tuple:

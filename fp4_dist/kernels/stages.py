@@ -494,7 +494,13 @@ def dequantize(rowwise_datas: Sequence[torch.Tensor], scale_invs: Sequence[torch
             checks.dequant_args(rowwise_datas, scale_invs, amaxes, outs)
             return cuda_plans.dequant_plan(rowwise_datas[0].device.index, rowwise_datas, scale_invs, amaxes, outs)
 
-        _launch_plan(PLANS.get(key, build), lambda p: _launch.launch_dequantize(p), outs)
+        plan = PLANS.get(key, build)
+        if plan.units:  # the launch reads the plan alone: bound once, a direct driver launch per call
+            if plan.bound is None:
+                plan.bound = _launch.bind(lambda via: _launch.launch_dequantize(plan, via))
+            plan.on_current_stream()
+            plan.bound()
+            _wrote(outs)
         return
     bind_dequantize(rowwise_datas, scale_invs, amaxes, outs)()
 

@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 import fp4_dist  # noqa: E402
 from fp4_dist.fsdp import fully_shard_nvfp4, nvfp4_weights  # noqa: E402
+from fp4_dist.fsdp.master import local_master  # noqa: E402
 from fp4_dist.launch import init_distributed, shutdown  # noqa: E402
 from fp4_dist.testing import bytes_mismatch  # noqa: E402
 
@@ -46,12 +47,15 @@ FIELDS = ("rowwise_data", "rowwise_scale_inv", "amax")
 
 class Net(nn.Module):
     """192 and 96 rows: NVFP4 gather at 1-3 ranks (96 rows fall back at 4); 40 rows: bf16 gather (quantized after);
-    the head's K = 40: kept in bf16."""
+    the head's K = 40: kept in bf16. `inp` and `hid` are sharded on their own; `mix` and `odd` share the root's
+    parameter group, so their gathers are dequantized by one launch (one tile-grid and one row-expanded scale form
+    below 4 ranks)."""
 
     def __init__(self):
         super().__init__()
         self.inp = nn.Linear(48, 192)
         self.hid = nn.Linear(192, 96)
+        self.mix = nn.Linear(96, 96)
         self.odd = nn.Linear(96, 40)
         self.norm = nn.LayerNorm(40)
         self.head = nn.Linear(40, 24)
@@ -59,6 +63,7 @@ class Net(nn.Module):
     def forward(self, x):
         x = torch.relu(self.inp(x))
         x = torch.relu(self.hid(x))
+        x = torch.relu(self.mix(x))
         return self.head(self.norm(self.odd(x)))
 
 
@@ -164,11 +169,13 @@ def suite_train(ctx, world, rank) -> dict:
     model, opt, init, report, messages = build()
     states = model._fp4_dist_nvfp4.states
     ctx.check(len(messages) == 1, f"expected one warning naming the fallbacks, got {len(messages)}: {messages}")
-    expect_bf16 = {"odd.weight"} | ({"hid.weight"} if world == 4 else set())
+    expect_bf16 = {"odd.weight"} | ({"hid.weight", "mix.weight"} if world == 4 else set())
     ctx.check(set(report.bf16_gather) == expect_bf16, f"bf16-gather weights {sorted(report.bf16_gather)}")
     ctx.check(set(report.kept) == {"head.weight"}, f"kept {sorted(report.kept)}")
     ctx.check(all(n in messages[0] for n in [*report.bf16_gather, *report.kept]) if messages else False,
               "the warning names every fallback")
+    batches = sorted(b.size for b in model._fp4_dist_nvfp4.batches)
+    ctx.check(batches == [1, 1, 2], f"dequantize batches per FSDP2 parameter group {batches}, expected [1, 1, 2]")
     gathered = Gathered(model)
     ref = Reference(init, set(states))
     losses, ref_losses = [], []
@@ -187,6 +194,39 @@ def suite_train(ctx, world, rank) -> dict:
     differ = [n for n in final if not torch.equal(final[n], ref.masters[n])]
     ctx.check(not differ, f"after {STEPS} steps these fp32 masters differ from the reference: {differ}")
     return {"losses": losses, "bytes": gathered_bytes(ctx, model, report, rank), "report": str(report)}
+
+
+def suite_non_finite(ctx, world, rank) -> dict:
+    """One rank's fp32 master turns NaN after a step: the next forward raises ValueError naming the weight on
+    every rank instead of returning; with the value fixed, the forward after that casts again and gathers
+    quantize(full master)."""
+    model, opt, _, _, _ = build(seed=3)
+    states = model._fp4_dist_nvfp4.states
+    x = batch(0, rank).to(torch.bfloat16)
+    loss_of(model(x)).backward()
+    opt.step()
+    opt.zero_grad()
+    shard = local_master(model.inp.weight).fp32
+    bad = rank == world - 1
+    kept = shard[0, 0].item()
+    if bad:
+        shard[0, 0] = float("nan")
+    try:
+        model(x)
+        ctx.check(False, "a forward whose weights were cast from a NaN master returned its output")
+        error = None
+    except ValueError as e:
+        error = str(e)
+        ctx.check("inp.weight" in error and "not finite" in error, f"the error does not name the weight: {error}")
+    if bad:
+        shard[0, 0] = kept
+    gathered = Gathered(model)
+    masters = full_masters(model)
+    loss = loss_of(model(x))
+    loss.backward()
+    check_gathered(ctx, "after a non-finite master was fixed", masters, gathered, states)
+    ctx.check(bool(torch.isfinite(loss)), f"loss after the fix {loss.item()}")
+    return {"error": error}
 
 
 def gathered_bytes(ctx, model, report, rank) -> dict:
@@ -363,8 +403,9 @@ def main() -> int:
     world, rank = info.world_size, info.rank
     ctx = Ctx(rank)
     report = {"world_size": world}
-    suites = {"train": [("train", suite_train), ("meta_init", suite_meta_init), ("orderings", suite_orderings)]
-              + ([("hsdp", suite_hsdp)] if world == 4 else []) if DEVICE.type == "cpu" else [("train", suite_train)],
+    suites = {"train": [("train", suite_train), ("non_finite", suite_non_finite), ("meta_init", suite_meta_init),
+                        ("orderings", suite_orderings)] + ([("hsdp", suite_hsdp)] if world == 4 else [])
+              if DEVICE.type == "cpu" else [("train", suite_train), ("non_finite", suite_non_finite)],
               "save": [("checkpoint", lambda c, w, r: suite_checkpoint(c, w, r, "save", args.dir))],
               "load": [("checkpoint", lambda c, w, r: suite_checkpoint(c, w, r, "load", args.dir))]}[args.mode]
     for name, fn in suites:

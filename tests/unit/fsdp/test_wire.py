@@ -27,7 +27,7 @@ def test_gathered_inputs_unpack_to_the_whole_weights_bytes_and_scales(world, sha
     sent = [wire.pack(*inputs, world) for inputs in _rank_inputs(q, m, k, world)]
     # FSDP2 concatenates every rank's inputs in rank order; metadata is rank 0's
     outputs = tuple(torch.cat([s[0][i] for s in sent]) for i in range(len(sent[0][0])))
-    data, scales, amax = wire.unpack(outputs, sent[0][1], shape)
+    data, scales, amax = wire.unpack(outputs, sent[0][1], tile_grid(*shape))
     assert_bytes_equal(data, q.rowwise_data, "gathered rowwise data")
     assert_bytes_equal(scales, q.rowwise_scale_inv[0:m:TILE, :tile_grid(m, k)[1]], "gathered tile grid")
     assert_bytes_equal(amax, q.amax, "amax")
