@@ -7,7 +7,6 @@ DistributedOptimizer (see megatron_suite.py); the tests below read its JSON repo
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from .shared import once_per_session
+from .test_launch import megatron_env
 
 pytest.importorskip("megatron.core")
 
@@ -29,8 +29,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.megatron, pytest.mark.slow]
 @once_per_session
 def report(dp: int) -> dict:
     out = Path(tempfile.mkdtemp(prefix=f"fp4_megatron_dp{dp}_")) / "report.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env = dict(megatron_env(), PYTHONWARNINGS="ignore")
     env["CUDA_VISIBLE_DEVICES"] = ""  # these are the CPU/gloo suites, also on a GPU machine
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={dp}", str(SCRIPT),
            "--out", str(out), "--suites", SUITES[dp]]
