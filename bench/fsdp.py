@@ -29,7 +29,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fp4_dist.fsdp import fully_shard_nvfp4  # noqa: E402
 from fp4_dist.launch import init_distributed, shutdown  # noqa: E402
-from timing import publish  # noqa: E402 - bench/timing.py, beside this script
+from timing import SLOW_LINK, publish  # noqa: E402 - bench/timing.py, beside this script
 
 
 class Block(nn.Module):
@@ -101,9 +101,6 @@ class Counter:
     def __exit__(self, *exc):
         for n, (_, fn) in self._real.items():
             setattr(dist, n, fn)
-
-
-SLOW_LINK = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
 
 
 def exposed_per_step(fn, steps: int) -> dict:

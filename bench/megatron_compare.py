@@ -1,7 +1,7 @@
 """Megatron-Core --fp4-param-gather vs bf16 param gather: one torchrun job, one table.
 
     torchrun --nproc-per-node 2 bench/megatron_compare.py [--steps 200] [--rounds 2] [--paired-steps N] [--tiny]
-        [-- extra Megatron args]
+        [--slow-link] [-- extra Megatron args, e.g. --grad-reduce-in-bf16]
     python bench/megatron_compare.py --pool OUT/p.1.json OUT/p.2.json ...   # pool --paired-only processes
 
 Runs the same GPT (same seed, data, LR schedule, no gradient clipping) several times in this process:
@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -53,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from examples import megatron_pretrain_gpt as pretrain_gpt  # noqa: E402
 from fp4_dist.launch import shutdown  # noqa: E402
 from fp4_dist.compute import pool_stats  # noqa: E402
-from timing import Span  # noqa: E402 - bench/timing.py, beside this script
+from timing import SLOW_LINK, Span  # noqa: E402 - bench/timing.py, beside this script
 
 MODELS = {
     "gpt256": ("--num-layers 4 --hidden-size 256 --num-attention-heads 4 --ffn-hidden-size 1024 "
@@ -96,7 +97,12 @@ def parse() -> tuple[argparse.Namespace, list[str]]:
                    help="timers: host time per step in the lean mode's own calls (forward and backward uses) and "
                         "in the kept copies' lookup; nofill: lean's dequantize launches left out, its pool "
                         "buffers zeros (wrong values: what lean costs without them)")
+    p.add_argument("--slow-link", action="store_true",
+                   help="NCCL over sockets only (timing.SLOW_LINK): a proxy for data parallelism across nodes; add "
+                        "-- --grad-reduce-in-bf16 to see the gradient reduce-scatter at half the bytes")
     args, extra = p.parse_known_args()
+    if args.slow_link:  # read by NCCL when the first communicator is made, after this
+        os.environ.update(SLOW_LINK)
     return args, [a for a in extra if a != "--"]
 
 

@@ -4,6 +4,8 @@ keep their tables.
     median_ms(fn, reps)    median device milliseconds of fn() over reps runs, after warm-ups
     Span                   device time between two points of a step (start(), stop(), ms())
     publish(text, ...)     print a table, and keep it with its numbers under --out
+    SLOW_LINK              the NCCL environment of the benches' slow-link mode (no NVLink, shared memory or
+                           InfiniBand: NCCL over sockets, a proxy for data parallelism across nodes)
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ import time
 from typing import Callable, Optional
 
 import torch
+
+
+SLOW_LINK = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
 
 
 class Span:
