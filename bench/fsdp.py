@@ -1,12 +1,14 @@
 """FSDP2 training step with NVFP4 weights (fp4_dist.fsdp) against plain bf16 FSDP2, same model, same run.
 
-    torchrun --nproc-per-node N bench/fsdp.py [--hidden 2048] [--layers 8] [--tokens 8192] [--steps 30]
+    torchrun --nproc-per-node N bench/fsdp.py [--hidden 2048] [--layers 8] [--tokens 8192] [--steps 10] [--rounds 5]
+        [--slow-link] [--profile]
 
 A GPT-like stack of pre-norm blocks (attention projections qkv [3h, h] and out [h, h], MLP [4h, h] and [h, 4h];
-the attention itself is left out: it does not touch the weights) sharded per block. Variants take turns, round
-after round: "bf16" is torch's fully_shard with MixedPrecisionPolicy(param_dtype=bf16) (the weights gathered in
-bf16); "nvfp4" is fp4_dist.fsdp.fully_shard_nvfp4 with the same policy (linear weights gathered as NVFP4, cast
-once per step before the forward). Prints the median step time of each (forward + backward + AdamW step), the
+the attention itself is left out: it does not touch the weights) sharded per block. Variants take turns in
+rounds of bf16, nvfp4, nvfp4, bf16 (--steps each; the ratio of each round is printed, and their median). "bf16" is
+torch's fully_shard with MixedPrecisionPolicy(param_dtype=bf16) (the weights gathered in bf16); "nvfp4" is
+fp4_dist.fsdp.fully_shard_nvfp4 with the same policy (linear weights gathered as NVFP4, cast once per step before
+the forward). Prints the median step time of each (forward + backward + AdamW step), the
 bytes per step of each collective (counted on the real calls) and, on GPUs, each collective's exposed time (the
 part of its kernels no other kernel overlaps, from a device trace). --slow-link runs NCCL over sockets.
 """
@@ -227,7 +229,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--steps", type=int, default=10, help="steps per round")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=5, help="timing rounds, each bf16, nvfp4, nvfp4, bf16 (--steps each)")
     p.add_argument("--out", default=os.environ.get("OUT"))
     p.add_argument("--profile", action="store_true",
                    help="also say where each variant's step time goes: host, waits, device gaps, cProfile (rank 0)")
@@ -251,15 +253,21 @@ def main() -> None:
         moved[v] = c.bytes
     times = {v: [] for v in steps}
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    rounds = []  # each round runs bf16, nvfp4, nvfp4, bf16 (ABBA): a drift of the machine hits both alike
     for _ in range(args.rounds):
-        for v, fn in steps.items():
+        got = {v: [] for v in steps}
+        for v in ("bf16", "nvfp4", "nvfp4", "bf16"):
             sync()
             t0 = time.perf_counter()
             for _ in range(args.steps):
-                fn()
+                steps[v]()
             sync()
-            times[v].append(1e3 * (time.perf_counter() - t0) / args.steps)
+            got[v].append(1e3 * (time.perf_counter() - t0) / args.steps)
+        for v in steps:
+            times[v] += got[v]
+        rounds.append(statistics.mean(got["nvfp4"]) / statistics.mean(got["bf16"]))
     med = {v: statistics.median(t) for v, t in times.items()}
+    paired = statistics.median(rounds)
     # Traced after the timed rounds: the profiler leaves CUDA launches slower for the rest of the process.
     exposed = {v: exposed_per_step(fn, args.steps) for v, fn in steps.items()} if dev.type == "cuda" else {}
     held = {v: held_by_forward(runs[v][0], x) for v in runs} if dev.type == "cuda" else {}
@@ -272,6 +280,8 @@ def main() -> None:
     link = "slow link (NCCL over sockets)" if args.slow_link else "NVLink" if dev.type == "cuda" else "gloo"
     lines = [f"device: {name} x {info.world_size}, {link}; hidden {args.hidden} x {args.layers} blocks, {args.tokens} "
              f"tokens per rank, {weights / 1e6:.1f}M linear weight elements", "",
+             f"NVFP4 / bf16 per ABBA round, median of {args.rounds}: {paired:.3f} (rounds: "
+             + ", ".join(f"{r:.3f}" for r in rounds) + ")", "",
              "| variant | median step ms | x bf16 | all-gather MiB/step | reduce-scatter MiB/step | all-reduce KiB/step "
              "| exposed ms/step: all-gather, reduce-scatter, all-reduce | MiB held from forward to backward |",
              "|---|---|---|---|---|---|---|---|"]
@@ -283,7 +293,8 @@ def main() -> None:
                      f"{held.get(v, float('nan')):.0f} |")
     text = "\n".join(lines)
     if info.rank == 0:
-        publish(text, args.out, "bench_fsdp", {"median_ms": med, "times": times, "bytes": moved,
+        publish(text, args.out, "bench_fsdp", {"median_ms": med, "times": times, "paired": paired, "rounds": rounds,
+                                               "bytes": moved,
                                                "exposed_ms": exposed, "slow_link": args.slow_link})
     shutdown()
 
