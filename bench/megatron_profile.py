@@ -8,8 +8,10 @@ the median step time and the functions with the largest own time, then the fp4_d
 time.
 
 --gpu profiles the device instead (torch.profiler, steps 6 to --steps): the GPU time per step of every kernel in
-each mode, the kernels only one mode runs, and the GPU's busy time against the wall time of those steps. It
-tells extra device work of the NVFP4 path apart from host time and from the machine's run-to-run noise.
+each mode, the kernels only one mode runs, the GPU's busy time against the wall time of those steps, and each
+collective's device and exposed time (run under bench/timing.SLOW_LINK's NCCL environment, with or without
+-- --grad-reduce-in-bf16, for what a slow link leaves exposed). It tells extra device work of the NVFP4 path apart
+from host time and from the machine's run-to-run noise.
 --syncs counts the calls that make the host wait for the GPU (torch's sync debug mode), per step, by caller.
 --phases times the host (wall clock around the calls, nothing traced, no synchronisation added) per step and
 phase: Megatron's forward-backward and optimizer step, and inside the step the NVFP4 path's cast, its
@@ -33,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.device_trace import short, summarize  # noqa: E402
+from bench.device_trace import exposed_collectives, short, summarize  # noqa: E402
 from bench.megatron_compare import COMMON, MODELS, timed  # noqa: E402
 from examples import megatron_pretrain_gpt as pretrain_gpt  # noqa: E402
 from fp4_dist.launch import shutdown  # noqa: E402
@@ -67,6 +69,8 @@ class GpuRun(NamedTuple):
     gaps: dict
     """{(kernel before, kernel after): GPU idle ms per step}"""
     steps: int
+    collectives: dict = {}
+    """{collective: (device ms, exposed ms) per step} (`device_trace.exposed_collectives`)"""
 
 
 @contextmanager
@@ -101,9 +105,10 @@ def profile_gpu(mode: str, argv: list[str]) -> GpuRun:
                                   schedule=schedule(wait=WARMUP_STEPS - 1, warmup=1, active=active))
     with prof, _after_each_step(lambda _: prof.step()):  # the schedule advances once per training step
         result = pretrain_gpt.train(s.args, s.model, s.optimizer, s.scheduler, s.device, 0)
-    d = summarize(prof.events(), active)
+    events = prof.events()
+    d = summarize(events, active)
     step_ms = statistics.median(r.step_ms for r in result.records[WARMUP_STEPS:])
-    return GpuRun(mode, step_ms, d.kernels, d.calls, d.busy_ms, d.gaps, active)
+    return GpuRun(mode, step_ms, d.kernels, d.calls, d.busy_ms, d.gaps, active, exposed_collectives(events, active))
 
 
 @contextmanager
@@ -208,6 +213,13 @@ def report_gpu(runs: list[GpuRun]) -> None:
         for (a, b), ms in sorted(run.gaps.items(), key=lambda kv: -kv[1])[:12]:
             print(f"| {a} | {b} | {ms:.3f} |")
         print(f"| (all gaps) | | {sum(run.gaps.values()):.3f} |")
+    kinds = sorted({k for r in runs for k in r.collectives})
+    if kinds:
+        print("\n| collective | " + " | ".join(f"{r.mode}: device / exposed ms per step" for r in (base, fp4))
+              + " |\n|---|---|---|")
+        for k in kinds:
+            cells = [r.collectives.get(k, (0.0, 0.0)) for r in (base, fp4)]
+            print(f"| {k} | " + " | ".join(f"{a:.2f} / {b:.2f}" for a, b in cells) + " |")
     print("all runs: " + ", ".join(f"{r.mode}: step {r.step_ms:.1f} ms, GPU busy {r.busy_ms:.1f} ms" for r in runs),
           flush=True)
 
