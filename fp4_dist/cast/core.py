@@ -292,11 +292,11 @@ class DeferredCheck:
                 self.core._deferred = None
         return self.ok
 
-    def resolve(self, where: str = " on some rank", outcome: Optional[str] = None) -> None:
+    def resolve(self, where: str = " on some rank", outcome: str = CAST_FROM_BAD_MASTERS) -> None:
         """Raise the cast's error, naming the weight, if the verdict is false (`outcome`: what became of the
         weights, in the caller's words)."""
         if not self.passed():
-            self.core.raise_for(where, outcome or CAST_FROM_BAD_MASTERS)
+            self.core.raise_for(where, outcome)
 
 
 def reduce_whole_weights(buf: torch.Tensor, index: torch.Tensor, amax_group, stats) -> None:

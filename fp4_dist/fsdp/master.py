@@ -157,7 +157,7 @@ class NVFP4Master(torch.Tensor):
         out = func(*plain, **plain_kwargs)
         if func in _KEEP:
             return _wrap(out, state)
-        if out is not None and func._schema.is_mutable and isinstance(args[0], NVFP4Master):
+        if out is not None and schema.is_mutable and isinstance(args[0], NVFP4Master):
             return args[0]  # in place on the wrapped values: the wrapper is the result
         return out
 

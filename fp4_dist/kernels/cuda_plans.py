@@ -84,7 +84,7 @@ class Plan:
         self._ready = torch.cuda.Event()
         self._ready.record(stream)
         self._streams = {stream.cuda_stream}
-        self.bound = None  # a stage whose launch reads nothing but the plan keeps it bound here (stages.py)
+        self.bound = None  # the launch bound once, for a stage that reads nothing but the plan (stages.py)
 
     def on_current_stream(self) -> "Plan":
         """Order the upload before this stream's work, the first time the plan is used on another stream."""

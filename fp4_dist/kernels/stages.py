@@ -121,11 +121,19 @@ def _shape_key(shapes) -> tuple:
         return tuple(tuple(s) for s in shapes)
 
 
-def _launch_plan(plan, launch: Callable, written) -> None:
-    """Call form on CUDA: launch `plan` (on the current stream) and bump the versions of what it wrote."""
+def _launch_plan(plan, launch: Callable, written, *, plan_only: bool = False) -> None:
+    """Call form on CUDA: launch `plan` (on the current stream) and bump the versions of what it wrote.
+
+    `plan_only`: the launch reads nothing but the plan (``launch(plan, via)``), so it is bound once and kept on
+    the plan: a direct driver launch per call instead of CuPy's generic one (`_launch.BoundLaunch`)."""
     if plan.units:
         plan.on_current_stream()
-        launch(plan)
+        if plan_only:
+            if plan.bound is None:
+                plan.bound = _launch.bind(lambda via: launch(plan, via))
+            plan.bound()
+        else:
+            launch(plan)
         _wrote(written)
 
 
@@ -494,13 +502,7 @@ def dequantize(rowwise_datas: Sequence[torch.Tensor], scale_invs: Sequence[torch
             checks.dequant_args(rowwise_datas, scale_invs, amaxes, outs)
             return cuda_plans.dequant_plan(rowwise_datas[0].device.index, rowwise_datas, scale_invs, amaxes, outs)
 
-        plan = PLANS.get(key, build)
-        if plan.units:  # the launch reads the plan alone: bound once, a direct driver launch per call
-            if plan.bound is None:
-                plan.bound = _launch.bind(lambda via: _launch.launch_dequantize(plan, via))
-            plan.on_current_stream()
-            plan.bound()
-            _wrote(outs)
+        _launch_plan(PLANS.get(key, build), _launch.launch_dequantize, outs, plan_only=True)
         return
     bind_dequantize(rowwise_datas, scale_invs, amaxes, outs)()
 
