@@ -5,6 +5,7 @@
     summary.kernels      {kernel: GPU ms per step}
     summary.calls        {CUDA runtime/driver call on the host: calls per step}
     summary.gaps         {(kernel before, kernel after): GPU idle ms per step}
+    counting_waits(...)  the calls that make the host wait for the GPU, by caller (torch's sync debug mode)
 
 Trace the device only (`ProfilerActivity.CUDA`): the host then runs at nearly its own speed, so the idle gaps
 are those of an untraced run.
@@ -12,6 +13,10 @@ are those of an untraced run.
 
 from __future__ import annotations
 
+import traceback
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -95,3 +100,29 @@ def exposed_collectives(events, steps: int) -> dict:
         total, exposed = out.get(kind, (0.0, 0.0))
         out[kind] = (total + (b - a) / 1e3 / steps, exposed + (b - a - covered) / 1e3 / steps)
     return out
+
+
+@contextmanager
+def counting_waits(where: dict, steps: int):
+    """Inside the block, every call that makes the host wait for the GPU adds 1/`steps` to `where[caller]`, the
+    caller being the innermost frames outside torch; counting starts when the caller turns torch's sync debug
+    mode to "warn" (each such call then warns) and ends with the block, which turns it off. Other warnings pass
+    through."""
+    pass_on = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return pass_on(message, category, filename, lineno, file, line)
+        frames = [f for f in traceback.extract_stack()[:-2]
+                  if "site-packages/torch/" not in f.filename and "warnings" not in f.filename]
+        key = " <- ".join(f"{Path(f.filename).parent.name}/{Path(f.filename).name}:{f.lineno} {f.name}"
+                          for f in frames[-4:][::-1])
+        where[key] = where.get(key, 0) + 1 / steps
+
+    try:
+        with warnings.catch_warnings():  # restores showwarning and the filters
+            warnings.simplefilter("always")
+            warnings.showwarning = show
+            yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

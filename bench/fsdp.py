@@ -149,11 +149,10 @@ def profile_variant(variant: str, fn, args, report: bool) -> None:
     import cProfile
     import io
     import pstats
-    import traceback
 
     from torch.profiler import ProfilerActivity, profile
 
-    from device_trace import launches, short, summarize  # bench/device_trace.py, beside this script
+    from device_trace import counting_waits, launches, short, summarize  # bench/device_trace.py, beside this script
 
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -168,25 +167,10 @@ def profile_variant(variant: str, fn, args, report: bool) -> None:
     wall = 1e3 * (t1 - t0) / n
     waits: dict = {}
     if cuda:
-        pass_on = warnings.showwarning
-
-        def show(message, category, filename, lineno, file=None, line=None):
-            if "synchroniz" not in str(message):
-                return pass_on(message, category, filename, lineno, file, line)
-            frames = [f for f in traceback.extract_stack()[:-2]
-                      if "site-packages/torch/" not in f.filename and "warnings" not in f.filename]
-            key = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames[-3:][::-1])
-            waits[key] = waits.get(key, 0) + 1 / n
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = show
+        with counting_waits(waits, n):
             torch.cuda.set_sync_debug_mode("warn")
-            try:
-                for _ in range(n):
-                    fn()
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
+            for _ in range(n):
+                fn()
         sync()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(n):

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.device_trace import exposed_collectives, short, summarize  # noqa: E402
+from bench.device_trace import counting_waits, exposed_collectives, short, summarize  # noqa: E402
 from bench.megatron_compare import COMMON, MODELS, timed  # noqa: E402
 from examples import megatron_pretrain_gpt as pretrain_gpt  # noqa: E402
 from fp4_dist.launch import shutdown  # noqa: E402
@@ -161,34 +161,16 @@ def find_syncs(argv: list[str]) -> dict:
     """{(where in the code): synchronising CUDA calls per step} over steps WARMUP_STEPS + 1 .. --steps of one run,
     from torch's sync debug mode (each synchronising call warns; the innermost frames outside torch name the
     caller)."""
-    import traceback
-    import warnings
-
     s = pretrain_gpt.setup(argv)
     active = s.args.train_iters - WARMUP_STEPS
     where: dict = {}
-    pass_on = warnings.showwarning
-
-    def show(message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" not in str(message):  # other warnings (Megatron's deprecations) pass through
-            return pass_on(message, category, filename, lineno, file, line)
-        frames = [f for f in traceback.extract_stack()[:-2]
-                  if "site-packages/torch/" not in f.filename and "warnings" not in f.filename]
-        key = " <- ".join(f"{Path(f.filename).parent.name}/{Path(f.filename).name}:{f.lineno} {f.name}"
-                          for f in frames[-4:][::-1])
-        where[key] = where.get(key, 0) + 1 / active
 
     def start_counting(n: int) -> None:
         if n == WARMUP_STEPS:
             torch.cuda.set_sync_debug_mode("warn")
 
-    try:
-        with warnings.catch_warnings(), _after_each_step(start_counting):  # restores showwarning and the filters
-            warnings.simplefilter("always")
-            warnings.showwarning = show
-            pretrain_gpt.train(s.args, s.model, s.optimizer, s.scheduler, s.device, 0)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    with counting_waits(where, active), _after_each_step(start_counting):
+        pretrain_gpt.train(s.args, s.model, s.optimizer, s.scheduler, s.device, 0)
     return where
 
 
