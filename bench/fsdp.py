@@ -31,6 +31,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fp4_dist.fsdp import fully_shard_nvfp4  # noqa: E402
 from fp4_dist.launch import init_distributed, shutdown  # noqa: E402
+from device_trace import exposed_collectives  # noqa: E402 - bench/device_trace.py, beside this script
 from timing import SLOW_LINK, publish  # noqa: E402 - bench/timing.py, beside this script
 
 
@@ -105,18 +106,16 @@ class Counter:
             setattr(dist, n, fn)
 
 
-def exposed_per_step(fn, steps: int) -> dict:
-    """{collective: (device ms, exposed ms) per step} over `steps` traced steps (device only)."""
+def traced(fn, steps: int):
+    """torch.profiler's events of `steps` steps, the device traced alone (the host runs at its own speed)."""
     from torch.profiler import ProfilerActivity, profile
-
-    from device_trace import exposed_collectives  # bench/device_trace.py, beside this script
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
-    return exposed_collectives(prof.events(), steps)
+    return prof.events()
 
 
 def step_fn(model, opt, x):
@@ -141,18 +140,16 @@ def held_by_forward(model, x) -> float:
     return held
 
 
-def profile_variant(variant: str, fn, args, report: bool) -> None:
+def profile_variant(variant: str, fn, args, report: bool, events) -> None:
     """Where one variant's step time goes (every rank runs the same steps; rank 0 reports): host milliseconds per
     step with nothing added (the step's own waits included), the calls that make the host wait for the GPU (torch's
-    sync debug mode), the device's busy time and idle gaps (torch.profiler, device only), and cProfile's largest
-    own times."""
+    sync debug mode), the device's busy time and idle gaps (`events`: its `traced` steps, on a GPU), and
+    cProfile's largest own times."""
     import cProfile
     import io
     import pstats
 
-    from torch.profiler import ProfilerActivity, profile
-
-    from device_trace import counting_waits, launches, short, summarize  # bench/device_trace.py, beside this script
+    from device_trace import counting_waits, launches, short, summarize
 
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -172,11 +169,7 @@ def profile_variant(variant: str, fn, args, report: bool) -> None:
             for _ in range(n):
                 fn()
         sync()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(n):
-                fn()
-            sync()
-        dev = summarize(prof.events(), n)
+        dev = summarize(events, n)
     prof_py = cProfile.Profile()
     prof_py.enable()
     for _ in range(n):
@@ -253,11 +246,12 @@ def main() -> None:
     med = {v: statistics.median(t) for v, t in times.items()}
     paired = statistics.median(rounds)
     # Traced after the timed rounds: the profiler leaves CUDA launches slower for the rest of the process.
-    exposed = {v: exposed_per_step(fn, args.steps) for v, fn in steps.items()} if dev.type == "cuda" else {}
+    trace = {v: traced(fn, args.steps) for v, fn in steps.items()} if dev.type == "cuda" else {}
+    exposed = {v: exposed_collectives(events, args.steps) for v, events in trace.items()}
     held = {v: held_by_forward(runs[v][0], x) for v in runs} if dev.type == "cuda" else {}
     if args.profile:
         for v, fn in steps.items():
-            profile_variant(v, fn, args, info.rank == 0)
+            profile_variant(v, fn, args, info.rank == 0, trace.get(v))
     weights = sum(m.numel() for b in runs["bf16"][0].blocks for m in (b.qkv.weight, b.proj.weight, b.fc1.weight,
                                                                          b.fc2.weight))  # fmt: skip
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
