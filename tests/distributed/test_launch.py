@@ -37,11 +37,14 @@ def _env() -> dict:
 
 
 def megatron_env() -> dict:
-    """`_env()` for Megatron's ranks: transformers is left off their path. Megatron imports it for a HuggingFace
-    tokenizer and goes on without it; the test runs use NullTokenizer, and the import costs every rank about a
-    CPU-second (its package scan), a sixth of a small run's start-up on the 2-core test machine."""
+    """`_env()` for Megatron's CPU ranks (also on a GPU machine), with transformers left off their path. Megatron
+    imports it for a HuggingFace tokenizer and goes on without it; the test runs use NullTokenizer, and the import
+    costs every rank about a CPU-second (its package scan), a sixth of a small run's start-up on the 2-core test
+    machine."""
     env = _env()
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests" / "distributed" / "without_transformers"), env["PYTHONPATH"]])
+    hidden = REPO / "tests" / "distributed" / "without_transformers"
+    env["PYTHONPATH"] = os.pathsep.join([str(hidden), env["PYTHONPATH"]])
+    env["CUDA_VISIBLE_DEVICES"] = ""
     return env
 
 

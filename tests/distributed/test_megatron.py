@@ -29,8 +29,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.megatron, pytest.mark.slow]
 @once_per_session
 def report(dp: int) -> dict:
     out = Path(tempfile.mkdtemp(prefix=f"fp4_megatron_dp{dp}_")) / "report.json"
-    env = dict(megatron_env(), PYTHONWARNINGS="ignore")
-    env["CUDA_VISIBLE_DEVICES"] = ""  # these are the CPU/gloo suites, also on a GPU machine
+    env = dict(megatron_env(), PYTHONWARNINGS="ignore")  # the CPU/gloo suites, also on a GPU machine
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={dp}", str(SCRIPT),
            "--out", str(out), "--suites", SUITES[dp]]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)

@@ -4,7 +4,6 @@ parallel, resuming at another data-parallel size, errors from any rank, mpirun, 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from .test_launch import REPO, _env, megatron_env  # noqa: E402
+from .test_launch import REPO, megatron_env  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.megatron, pytest.mark.slow]
 
@@ -29,7 +28,7 @@ SUITE = REPO / "tests" / "distributed" / "megatron_suite.py"
 def run(nproc: int, *args: str, module: bool = True, timeout: int = TIMEOUT_S) -> subprocess.CompletedProcess:
     target = ["-m", "examples.megatron_pretrain_gpt"] if module else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *target, *args]
-    env = dict(megatron_env(), CUDA_VISIBLE_DEVICES="")
+    env = megatron_env()
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -105,7 +104,7 @@ def _mpirun():
 
 @pytest.mark.skipif(_mpirun() is None, reason="mpirun not installed")
 def test_mpirun_launches_form_one_job():
-    env = dict(megatron_env(), CUDA_VISIBLE_DEVICES="")
+    env = megatron_env()
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     proc = subprocess.run([_mpirun(), "-n", "2", sys.executable, "-m", "examples.megatron_pretrain_gpt", *TINY,

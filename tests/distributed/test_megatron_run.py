@@ -63,7 +63,7 @@ def launch(nproc: int, args, *, log: Path = None, check: bool = True, refused: b
     agent = ["--monitor-interval", "5"] if refused else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *agent,
            "-m", "fp4_dist.megatron.run", *opts, *wrapper, str(SCRIPT), *MODEL, *args]  # fmt: skip
-    env = dict(megatron_env(), CUDA_VISIBLE_DEVICES="", CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONFAULTHANDLER="1")
+    env = dict(megatron_env(), CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONFAULTHANDLER="1")
     return run_or_dump_stacks(cmd, env)
 
 
@@ -212,7 +212,7 @@ def test_the_documented_launch_line_trains_as_written(tmp_path, data):
     # machine without TransformerEngine, apex or Megatron's fused kernels needs (and says so).
     cmd = [data if a == "DATA_PREFIX" else a for a in documented_command(SCRIPT)]
     assert cmd[0] == "torchrun" and "--fp4-param-gather" in cmd
-    env = dict(megatron_env(), CUDA_VISIBLE_DEVICES="", CUDA_DEVICE_MAX_CONNECTIONS="1")
+    env = dict(megatron_env(), CUDA_DEVICE_MAX_CONNECTIONS="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", *cmd[1:]], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -263,7 +263,7 @@ def refusal(proc: subprocess.CompletedProcess, rank: int) -> str:
 
 @pytest.mark.skipif(_mpirun() is None, reason="mpirun not installed")
 def test_mpirun_and_plain_python_launch_the_same_script(tmp_path, data):
-    env = dict(megatron_env(), CUDA_VISIBLE_DEVICES="", CUDA_DEVICE_MAX_CONNECTIONS="1")
+    env = dict(megatron_env(), CUDA_DEVICE_MAX_CONNECTIONS="1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     args = [*MODEL, "--data-path", data, "--train-iters", "2", "--eval-interval", "1000", "--fp4-param-gather"]
