@@ -6,7 +6,7 @@ projected from measured per-collective bandwidths (a model, not a measurement: t
 Per rank and step (ZeRO-3 / FSDP2 with the weights resharded after the forward, so gathered twice; ring
 collectives, whose per-rank traffic is (N-1)/N of the full tensor)::
 
-    gather      2 x (N-1)/N x weight elements x bytes per element   (bf16: 2; NVFP4: 0.504 = 0.5 + 1/128 of scales)
+    gather      2 x (N-1)/N x weight elements x bytes per element   (bf16: 2; NVFP4: 0.504 = 0.5 + 1/256 of scales)
     reduce      (N-1)/N x weight elements x gradient bytes             (FSDP2's bf16 reduce: 2; fp32: 4)
     time        bytes / bus bandwidth per rank  +  2 (N-1) x latency per collective call
     compute     measured: GPU busy time of one step (scaled by weight elements for other shapes, same tokens per
@@ -18,13 +18,19 @@ collectives, whose per-rank traffic is (N-1)/N of the full tensor)::
 What it starts from (bench/RESULTS.md, FSDP2): GPT 2048 x 8 (402.7M linear weight elements, 8192 tokens per
 rank), 4 x H200, 2026-11-27: GPU busy 44 ms per step; NCCL over sockets at 2 ranks moved 1,536.8 MiB of bf16
 gathers in 274.9 ms of all-gather kernel time and 768.4 MiB of gradients in 138.2 ms: 2.9 GB/s of bus bandwidth
-per rank for both (the default `--bus-gbps`); at 2 ranks the model gives 435 ms (bf16) and 215 ms (NVFP4) for
+per rank for both (the default `--bus-gbps`); at 2 ranks the model gives 435 ms (bf16) and 214 ms (NVFP4) for
 the measured 410 and 216 ms (with overlap). 25 GB/s is a per-GPU share of a 200 Gb/s node link, an assumption, not a measurement.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fp4_dist.format import TILE  # noqa: E402
+from fp4_dist.fsdp.wire import gathered_bytes  # noqa: E402
 
 MEASURED_COMPUTE_MS = 44.0  # GPU busy per step, GPT 2048 x 8, 8192 tokens per rank, H200
 MEASURED_ELEMENTS = 402.7e6  # its linear weight elements
@@ -32,7 +38,8 @@ SHAPES = {
     "GPT 2048 x 8": (402.7e6, 8),  # (linear weight elements, layers)
     "7B-class (4096 x 32)": (32 * 12 * 4096**2, 32),  # qkv 3h^2 + out h^2 + MLP 8h^2 per layer
 }
-GATHER_BYTES = {"bf16": 2.0, "nvfp4": 0.5 + 1 / 128}
+# Bytes per weight element on the wire: the package's own rule for one 16 x 16 tile (packed codes + its scale byte).
+GATHER_BYTES = {"bf16": 2.0, "nvfp4": gathered_bytes((TILE, TILE), "nvfp4") / TILE**2}
 
 
 def step_ms(elements: float, layers: int, ranks: int, bus_gbps: float, variant: str, overlap: bool,
