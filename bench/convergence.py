@@ -5,14 +5,15 @@ GPUs), every run's per-iteration record kept, the figures drawn, and any two run
     python bench/convergence.py run --out DIR [--variants bf16,fp4,fake,fp4-fl] [--seeds 1234,4321]
         [--lr 6e-4] [--model gpt12x1024] [--iters 5000] [--gpus N] [--per-gpu K] [--corpus PATH]
         [-- extra Megatron args]
-    python bench/convergence.py plot DIR [DIR ...] [--out FIGDIR]    # figures and the table of final losses
+    python bench/convergence.py plot DIR [DIR ...] [--out FIGDIR] [--at 1000,2500,5000]   # figures and tables
     python bench/convergence.py compare A.json B.json                # the first iteration where two runs differ
 
 Variants: ``bf16`` (plain bf16 weights), ``fp4`` (``--fp4-param-gather``: NVFP4 weights, 4-bit gather), ``fake``
 (``--fp4-fake-quant``: bf16 weights, the NVFP4 forward of every step; bitwise fp4's reference), ``fp4-fl`` (fp4
 with the first and the last layer in bf16), ``lean`` (fp4 without kept compute copies). Every run writes
 DIR/<variant>-lr<lr>-s<seed>.json (the trainer's record: loss, grad norm and lr of every iteration, validation
-losses) and .log, and DIR/runs.json says how they were made. The plots read those files (matplotlib, an optional
+losses; written at the end) and .log, and DIR/runs.json says how they were made; a run stopped before its end (a
+time limit) is plotted from its log. The plots read those files (matplotlib, an optional
 bench dependency: ``pip install matplotlib``).
 """
 
@@ -89,6 +90,9 @@ def run(args) -> int:
         "commands": {run_name(v, args.lr, s): command(args, v, s, out) for v, s in todo}}, indent=1))  # fmt: skip
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")  # fmt: skip
+    # Each run sees one GPU; under an outer CUDA_VISIBLE_DEVICES the runs take its devices, not the first ones.
+    outer = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    visible = outer if len(outer) >= gpus else [str(i) for i in range(gpus)]
     running: dict = {}
     failed, start, last_note = [], time.time(), 0.0
     print(f"convergence: {len(todo)} runs of {args.model}, {args.iters} iterations, {slots} at a time -> {out}",
@@ -99,7 +103,7 @@ def run(args) -> int:
             (variant, seed), gpu = todo.pop(0), free.pop(0)
             name = run_name(variant, args.lr, seed)
             log = open(out / f"{name}.log", "w")
-            where = dict(env, CUDA_VISIBLE_DEVICES=str(gpu % gpus)) if gpus else env  # no GPU: CPU ranks
+            where = dict(env, CUDA_VISIBLE_DEVICES=visible[gpu % gpus]) if gpus else env  # no GPU: CPU ranks
             proc = subprocess.Popen(command(args, variant, seed, out), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                     env=where)
             running[gpu] = (name, proc, log, time.time())
@@ -139,58 +143,104 @@ def _last_iteration(log: Path) -> str:
 
 # ---------------------------------------------------------------------------------------------------- reading
 def load_runs(folders) -> list[dict]:
-    """Every run of the folders: {name, variant, lr, seed, tokens, loss, grad_norm, iterations, validation}."""
+    """Every run of the folders: {name, variant, lr, seed, tokens, loss, grad_norm, iterations, validation,
+    stopped}. A run without its record (the trainer writes it at the end: a run stopped by a time limit) is read
+    from its log instead, every --log-interval iterations, with ``stopped`` set to the last iteration it logged."""
     runs = []
     for folder in map(Path, folders):
         meta = json.loads((folder / "runs.json").read_text())
         per_iteration = meta["tokens_per_iteration"]
         for name in meta["commands"]:
-            path = folder / f"{name}.json"
-            if not path.exists():
+            path, log = folder / f"{name}.json", folder / f"{name}.log"
+            if path.exists():
+                record = json.loads(path.read_text())
+                records, validation, stopped = record["records"], record["validation"], None
+            elif log.exists():
+                records, validation = _read_log(log)
+                if not records:
+                    continue
+                stopped = records[-1]["iteration"]
+            else:
                 continue
-            record = json.loads(path.read_text())
             variant, lr, seed = name.rsplit("-lr", 1)[0], meta["lr"], int(name.rsplit("-s", 1)[1])
-            its = [r["iteration"] for r in record["records"]]
+            its = [r["iteration"] for r in records]
             runs.append(dict(name=name, variant=variant, lr=lr, seed=seed, iterations=its,
-                             tokens=[i * per_iteration for i in its], loss=[r["loss"] for r in record["records"]],
-                             grad_norm=[r["grad_norm"] for r in record["records"]],
-                             validation=[(i * per_iteration, v) for i, v in record["validation"]],
-                             digest=record.get("master_digest")))  # fmt: skip
+                             tokens=[i * per_iteration for i in its], loss=[r["loss"] for r in records],
+                             grad_norm=[r["grad_norm"] for r in records],
+                             validation=[(i * per_iteration, v) for i, v in validation], stopped=stopped,
+                             digest=None if stopped else record.get("master_digest")))  # fmt: skip
     return runs
 
 
-def smooth(values: list[float], weight: float = 0.98) -> list[float]:
-    """Exponential moving average with the bias correction of Adam's moments (the first values are not pulled to 0)."""
-    out, avg = [], 0.0
-    for i, v in enumerate(values, 1):
-        avg = weight * avg + (1 - weight) * v
-        out.append(avg / (1 - weight**i))
+_LOG_STEP = re.compile(r"\biter\s+(\d+)\s*/\s*\d+\s*\|\s*loss\s+([-\d.eE+naif]+)\s*\|\s*grad norm\s+([-\d.eE+naif]+)")
+_LOG_VALIDATION = re.compile(r"validation loss at iteration (\d+): lm loss ([-\d.eE+naif]+)")
+
+
+def _read_log(log: Path) -> tuple[list[dict], list[tuple[int, float]]]:
+    """The trainer's progress lines: ``iter N/M | loss L | grad norm G | ...`` and ``validation loss at iteration
+    N: lm loss V``."""
+    text = log.read_text(errors="replace")
+    records = [dict(iteration=int(i), loss=float(l), grad_norm=float(g)) for i, l, g in _LOG_STEP.findall(text)]
+    return records, [(int(i), float(v)) for i, v in _LOG_VALIDATION.findall(text)]
+
+
+def smooth(values: list[float], iterations: list[int], weight: float = 0.98) -> list[float]:
+    """Exponential moving average over iterations (weight per iteration, so that a run read from its log, one loss
+    every --log-interval iterations, is smoothed like one recorded every iteration), with the bias correction of
+    Adam's moments (the first values are not pulled to 0)."""
+    out, avg, norm, last = [], 0.0, 0.0, 0
+    for v, i in zip(values, iterations):
+        w = weight ** max(1, i - last)
+        avg, norm, last = w * avg + (1 - w) * v, w * norm + (1 - w), i
+        out.append(avg / norm)
     return out
 
 
 def table(runs: list[dict]) -> str:
     """Final validation loss per variant and learning rate: each seed, the mean and the spread, and the change
-    against bf16's mean."""
+    against bf16's mean. Runs stopped before their end are named below it, not averaged."""
     groups: dict = {}
     for r in runs:
-        if r["validation"]:
+        if r["validation"] and not r["stopped"]:
             groups.setdefault((r["lr"], r["variant"]), []).append((r["seed"], r["validation"][-1][1]))
     lines = ["| lr | variant | final validation loss per seed | mean | spread (max - min) | vs bf16 |",
              "|---|---|---|---|---|---|"]
-    for (lr, variant), seeds in sorted(groups.items(), key=lambda kv: (kv[0][0], list(VARIANTS).index(kv[0][1]))):
+    for (lr, variant), seeds in sorted(groups.items(), key=lambda kv: (kv[0][0], _variant_order(kv[0][1]))):
         mean = sum(v for _, v in seeds) / len(seeds)
         base = groups.get((lr, "bf16"))
         rel = f"{100 * (mean / (sum(v for _, v in base) / len(base)) - 1):+.2f}%" if base else "-"
         lines.append(f"| {lr:g} | {variant} | " + ", ".join(f"{v:.4f} (seed {s})" for s, v in sorted(seeds))
                      + f" | {mean:.4f} | {max(v for _, v in seeds) - min(v for _, v in seeds):.4f} | {rel} |")
+    stopped = [r for r in runs if r["stopped"]]
+    if stopped:
+        lines.append("\nstopped before the end (read from the log; in the table below, not above): "
+                     + ", ".join(f"{r['name']} at iteration {r['stopped']}" for r in stopped))
     return "\n".join(lines)
+
+
+def trajectory(runs: list[dict], at: list[int]) -> str:
+    """Validation loss of every run at the given iterations (all its evaluations when ``at`` is empty)."""
+    per_iteration = {r["name"]: (r["tokens"][0] // r["iterations"][0]) if r["iterations"] else 1 for r in runs}
+    columns = at or sorted({t // per_iteration[r["name"]] for r in runs for t, _ in r["validation"]})
+    lines = ["| lr | variant | seed | " + " | ".join(str(i) for i in columns) + " |",
+             "|---|---|---|" + "---|" * len(columns)]
+    for r in sorted(runs, key=lambda r: (r["lr"], _variant_order(r["variant"]), r["seed"])):
+        seen = {t // per_iteration[r["name"]]: v for t, v in r["validation"]}
+        lines.append(f"| {r['lr']:g} | {r['variant']} | {r['seed']} | "
+                     + " | ".join(f"{seen[i]:.4f}" if i in seen else "-" for i in columns) + " |")
+    return "\n".join(lines)
+
+
+def _variant_order(variant: str) -> int:
+    return list(VARIANTS).index(variant) if variant in VARIANTS else len(VARIANTS)
 
 
 def plot(args) -> int:
     runs = load_runs(args.folders)
     if not runs:
-        raise SystemExit("convergence plot: no finished run (DIR/<run>.json) in " + " ".join(args.folders))
+        raise SystemExit("convergence plot: no run (DIR/<run>.json or .log) in " + " ".join(args.folders))
     print(table(runs))
+    print("\nvalidation loss by iteration\n" + trajectory(runs, args.at))
     try:
         import matplotlib
 
@@ -209,9 +259,10 @@ def plot(args) -> int:
         for r in at:
             shade = 1.0 - 0.45 * seeds.index(r["seed"]) / max(1, len(seeds) - 1)
             style = dict(color=colors.get(r["variant"], "black"), alpha=shade, linewidth=1.2,
-                         label=f"{r['variant']}, seed {r['seed']}")  # fmt: skip
+                         label=f"{r['variant']}, seed {r['seed']}"
+                               + (f" (stopped at {r['stopped']})" if r["stopped"] else ""))  # fmt: skip
             mt = [t / 1e6 for t in r["tokens"]]
-            axes[0].plot(mt, smooth(r["loss"]), **style)
+            axes[0].plot(mt, smooth(r["loss"], r["iterations"]), **style)
             if r["validation"]:
                 axes[1].plot([t / 1e6 for t, _ in r["validation"]], [v for _, v in r["validation"]], marker="o",
                              markersize=3, **style)  # fmt: skip
@@ -220,7 +271,7 @@ def plot(args) -> int:
             ax.set_title(title)
             ax.set_xlabel("tokens (millions)")
             ax.grid(alpha=0.3)
-        smoothed = sorted(v for r in at for v in smooth(r["loss"]) if math.isfinite(v))
+        smoothed = sorted(v for r in at for v in smooth(r["loss"], r["iterations"]) if math.isfinite(v))
         if smoothed:  # the first steps' losses (the top 5%) off the scale, so that the differences show
             axes[0].set_ylim(smoothed[0] * 0.97, smoothed[int(0.95 * (len(smoothed) - 1))] * 1.02)
         axes[2].set_yscale("log")
@@ -271,6 +322,8 @@ def main() -> int:
     q = sub.add_parser("plot")
     q.add_argument("folders", nargs="+")
     q.add_argument("--out", default=None, help="where the PNGs go (default: the first folder)")
+    q.add_argument("--at", type=lambda s: [int(x) for x in s.split(",")], default=[],
+                   help="iterations of the validation-loss table (default: every evaluation)")
     c = sub.add_parser("compare")
     c.add_argument("a")
     c.add_argument("b")

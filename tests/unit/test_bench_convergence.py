@@ -1,0 +1,45 @@
+"""bench/convergence.py's reading side: finished runs from their records, runs stopped by a time limit from their
+logs, the tables, and smoothing that does not depend on how often a run was sampled."""
+
+import json
+
+import pytest
+
+from bench import convergence
+
+
+def _folder(tmp_path):
+    names = ["fp4-lr0.0006-s1234", "fake-lr0.0006-s1234", "bf16-lr0.0006-s1234"]
+    (tmp_path / "runs.json").write_text(json.dumps({"lr": 6e-4, "tokens_per_iteration": 100,
+                                                    "commands": {n: [] for n in names}}))  # fmt: skip
+    records = [dict(iteration=i, loss=3.0 - i / 100, grad_norm=1.0) for i in range(1, 101)]
+    (tmp_path / f"{names[0]}.json").write_text(json.dumps(
+        {"records": records, "validation": [[50, 2.5], [100, 2.0]], "master_digest": "abc"}))
+    (tmp_path / f"{names[1]}.log").write_text(
+        "[###   ] iter    50/100 | loss 2.5000 | grad norm 0.750 | lr 6.00e-04 |   99.0 ms/step\n"
+        "validation loss at iteration 50: lm loss 2.4000 | lm loss PPL 11.0\n"
+        "[####  ] iter    60/100 | loss 2.4000 | grad norm 0.500 | lr 6.00e-04 |   99.0 ms/step\n"
+        "W1127 torch/distributed: Received 15 death signal, shutting down workers\n")
+    return tmp_path  # the bf16 run has neither record nor log: not read
+
+
+def test_finished_and_stopped_runs(tmp_path):
+    runs = {r["variant"]: r for r in convergence.load_runs([_folder(tmp_path)])}
+    assert set(runs) == {"fp4", "fake"}
+    assert runs["fp4"]["stopped"] is None and runs["fp4"]["digest"] == "abc" and len(runs["fp4"]["loss"]) == 100
+    fake = runs["fake"]
+    assert fake["stopped"] == 60 and fake["iterations"] == [50, 60] and fake["loss"] == [2.5, 2.4]
+    assert fake["grad_norm"] == [0.75, 0.5] and fake["validation"] == [(5000, 2.4)] and fake["digest"] is None
+    table = convergence.table(list(runs.values()))
+    assert "| 0.0006 | fp4 | 2.0000 (seed 1234)" in table and "| fake |" not in table
+    assert "fake-lr0.0006-s1234 at iteration 60" in table
+    rows = convergence.trajectory(list(runs.values()), [50, 100]).splitlines()
+    assert rows[2:] == ["| 0.0006 | fp4 | 1234 | 2.5000 | 2.0000 |", "| 0.0006 | fake | 1234 | 2.4000 | - |"]
+
+
+def test_smoothing_follows_iterations_not_samples():
+    every = convergence.smooth([1.0] * 10 + [2.0] * 90, list(range(1, 101)))
+    sparse = convergence.smooth([1.0, 2.0], [10, 100])
+    assert every[0] == pytest.approx(1.0) and sparse[0] == pytest.approx(1.0)
+    # 90 iterations at weight 0.98 after a constant start: the same average however they were sampled
+    assert sparse[1] == pytest.approx(every[-1], rel=1e-12)
