@@ -67,7 +67,7 @@ SUPPORTED = frozenset("""
     optimizer clip_grad
     use_distributed_optimizer overlap_grad_reduce overlap_param_gather ddp_bucket_size fp4_param_gather
     first_last_layers_bf16 num_layers_at_start_in_bf16 num_layers_at_end_in_bf16 check_for_nan_in_loss_and_grad
-    accumulate_allreduce_grads_in_fp32
+    accumulate_allreduce_grads_in_fp32 grad_reduce_in_bf16
     save load save_interval exit_interval
     data_path split eval_interval eval_iters tensorboard_dir tensorboard_log_interval log_interval logging_level
     seed bf16 deterministic_mode manual_gc manual_gc_interval distributed_backend use_cpu_initialization

@@ -95,3 +95,10 @@ def test_the_flags_it_implements_parse():
     args = pretrain_gpt.parse_args(TINY + ["--use-distributed-optimizer", "--fp4-param-gather", "--eval-interval",
                                            "2", "--eval-iters", "1", "--split", "90,10,0", "--log-interval", "1"])
     assert args.fp4_param_gather and args.eval_interval == 2 and {"eval_interval", "split"} <= args.fp4_given
+
+
+@pytest.mark.parametrize("extra, in_fp32", [([], True), (["--grad-reduce-in-bf16"], False)])
+def test_the_gradient_reduce_dtype_reaches_megatron_ddp(extra, in_fp32):
+    args = pretrain_gpt.parse_args(TINY + ["--use-distributed-optimizer", "--fp4-param-gather", *extra])
+    training = pretrain_gpt._megatron_training()[3]  # after the Python 3.11 shim
+    assert training.get_megatron_ddp_config(args).grad_reduce_in_fp32 is in_fp32
