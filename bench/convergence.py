@@ -12,8 +12,8 @@ Variants: ``bf16`` (plain bf16 weights), ``fp4`` (``--fp4-param-gather``: NVFP4 
 (``--fp4-fake-quant``: bf16 weights, the NVFP4 forward of every step; bitwise fp4's reference), ``fp4-fl`` (fp4
 with the first and the last layer in bf16), ``lean`` (fp4 without kept compute copies). Every run writes
 DIR/<variant>-lr<lr>-s<seed>.json (the trainer's record: loss, grad norm and lr of every iteration, validation
-losses; written at the end) and .log, and DIR/runs.json says how they were made; a run stopped before its end (a
-time limit) is plotted from its log. The plots read those files (matplotlib, an optional
+losses; written after each evaluation and at the end) and .log, and DIR/runs.json says how they were made; a run
+stopped before its end (a time limit) is plotted as far as its record, or without one its log, goes. The plots read those files (matplotlib, an optional
 bench dependency: ``pip install matplotlib``).
 """
 
@@ -144,17 +144,18 @@ def _last_iteration(log: Path) -> str:
 # ---------------------------------------------------------------------------------------------------- reading
 def load_runs(folders) -> list[dict]:
     """Every run of the folders: {name, variant, lr, seed, tokens, loss, grad_norm, iterations, validation,
-    stopped}. A run without its record (the trainer writes it at the end: a run stopped by a time limit) is read
-    from its log instead, every --log-interval iterations, with ``stopped`` set to the last iteration it logged."""
+    stopped}. ``stopped`` is the last iteration of a run that did not finish (a time limit): its record as of its
+    last evaluation, or without a record its log (every --log-interval iterations)."""
     runs = []
     for folder in map(Path, folders):
         meta = json.loads((folder / "runs.json").read_text())
         per_iteration = meta["tokens_per_iteration"]
         for name in meta["commands"]:
             path, log = folder / f"{name}.json", folder / f"{name}.log"
-            if path.exists():
+            if path.exists():  # complete: false while the run trains (written after each evaluation)
                 record = json.loads(path.read_text())
-                records, validation, stopped = record["records"], record["validation"], None
+                records, validation = record["records"], record["validation"]
+                stopped = None if record.get("complete", True) else (records[-1]["iteration"] if records else 0)
             elif log.exists():
                 records, validation = _read_log(log)
                 if not records:

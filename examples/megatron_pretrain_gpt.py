@@ -104,7 +104,8 @@ def add_fp4_dist_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--fp4-corpus", default=None, metavar="PATH",
                        help="text file or folder of *.txt (default: the corpus embedded in examples/data)")
     group.add_argument("--fp4-log-json", default=None, metavar="PATH",
-                       help="rank 0 writes the per-step records and the run summary here")
+                       help="rank 0 writes the per-step records and the run summary here (after each evaluation "
+                            "too, with complete: false)")
     group.add_argument("--fp4-master-digest", action="store_true",
                        help="at the end, hash every full fp32 master (compares runs bit for bit)")
     group.add_argument("--fp4-print-args", action="store_true", help="print Megatron's full argument table")
@@ -527,6 +528,8 @@ def train(args, model, optimizer, scheduler, device, start_iteration: int) -> Ru
             if args.eval_interval and (iteration % args.eval_interval == 0 or not go_on
                                        or iteration == args.train_iters):
                 _validate(args, valid, model, device, iteration, result, writer)
+                if args.fp4_log_json and dist.get_rank() == 0:  # a run stopped later keeps what it did so far
+                    write_record(args.fp4_log_json, result, complete=False)
             if not go_on:
                 break
             if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
@@ -667,9 +670,18 @@ def main(argv: Optional[Sequence[str]] = None) -> RunResult:
     if dist.get_rank() == 0:
         print(_summary(s.args, result), flush=True)
         if s.args.fp4_log_json:
-            with open(s.args.fp4_log_json, "w") as f:
-                json.dump(asdict(result), f, indent=1)
+            write_record(s.args.fp4_log_json, result, complete=True)
     return result
+
+
+def write_record(path: str, result: RunResult, *, complete: bool) -> None:
+    """The run's record as JSON, ``complete`` false while it trains (written after each evaluation, so that a run
+    stopped before its end, by a time limit say, keeps its steps and validation losses so far). Written to a
+    temporary file and renamed: a reader never sees half a record."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(dict(asdict(result), complete=complete), f, indent=1)
+    os.replace(tmp, path)
 
 
 def _cli() -> int:

@@ -9,7 +9,7 @@ from bench import convergence
 
 
 def _folder(tmp_path):
-    names = ["fp4-lr0.0006-s1234", "fake-lr0.0006-s1234", "bf16-lr0.0006-s1234"]
+    names = ["fp4-lr0.0006-s1234", "fake-lr0.0006-s1234", "bf16-lr0.0006-s1234", "fp4-fl-lr0.0006-s1234"]
     (tmp_path / "runs.json").write_text(json.dumps({"lr": 6e-4, "tokens_per_iteration": 100,
                                                     "commands": {n: [] for n in names}}))  # fmt: skip
     records = [dict(iteration=i, loss=3.0 - i / 100, grad_norm=1.0) for i in range(1, 101)]
@@ -20,12 +20,15 @@ def _folder(tmp_path):
         "validation loss at iteration 50: lm loss 2.4000 | lm loss PPL 11.0\n"
         "[####  ] iter    60/100 | loss 2.4000 | grad norm 0.500 | lr 6.00e-04 |   99.0 ms/step\n"
         "W1127 torch/distributed: Received 15 death signal, shutting down workers\n")
+    (tmp_path / f"{names[3]}.json").write_text(json.dumps(  # the record as of its last evaluation
+        {"records": records[:50], "validation": [[50, 2.6]], "master_digest": None, "complete": False}))
     return tmp_path  # the bf16 run has neither record nor log: not read
 
 
 def test_finished_and_stopped_runs(tmp_path):
     runs = {r["variant"]: r for r in convergence.load_runs([_folder(tmp_path)])}
-    assert set(runs) == {"fp4", "fake"}
+    assert set(runs) == {"fp4", "fake", "fp4-fl"}
+    assert runs.pop("fp4-fl")["stopped"] == 50
     assert runs["fp4"]["stopped"] is None and runs["fp4"]["digest"] == "abc" and len(runs["fp4"]["loss"]) == 100
     fake = runs["fake"]
     assert fake["stopped"] == 60 and fake["iterations"] == [50, 60] and fake["loss"] == [2.5, 2.4]

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[3]
 ARGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
         "--micro-batch-size 2 --global-batch-size 4 --bf16 --use-distributed-optimizer --lr 2e-3 --min-lr 2e-4 "
         "--lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1 --clip-grad 1.0 --train-iters 30 "
-        "--log-interval 30 --seed 1234 --fp4-master-digest").split()
+        "--log-interval 30 --seed 1234 --fp4-master-digest --eval-interval 15 --eval-iters 1").split()
 
 
 def _train(tmp_path: Path, mode: str) -> dict:
@@ -45,3 +45,5 @@ def test_fp4_equals_fake_quant_bitwise_with_clipping_at_dp1(tmp_path):
     assert norms == [r["grad_norm"] for r in fake["records"]], "gradient norms differ"
     assert [r["loss"] for r in fp4["records"]] == [r["loss"] for r in fake["records"]], "losses differ"
     assert fp4["master_digest"] == fake["master_digest"], "fp32 masters differ"
+    # the record, written after each evaluation with complete: false, ends complete
+    assert fp4["complete"] is True and [i for i, _ in fp4["validation"]] == [15, 30]
