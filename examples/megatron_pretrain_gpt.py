@@ -44,6 +44,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.nn.utils import parametrize
 
 from fp4_dist.format import DEFAULT_NUMERICS, NUMERICS
 from fp4_dist.launch import export_mpi_env, shutdown
@@ -415,11 +416,15 @@ def train_step(args, iteration, tokens, plan, model, optimizer, scheduler, devic
 
     model.zero_grad_buffer()
     optimizer.zero_grad()
-    reports = get_forward_backward_func()(
-        forward_step_func=_forward_step, data_iterator=microbatches(tokens, plan, iteration, device),
-        model=[model], num_microbatches=plan.num_microbatches, seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size, forward_only=False,
-    )
+    # --fp4-fake-quant: each weight quantized once per step, as an --fp4-param-gather run casts it once (without the
+    # cache every read of `module.weight` quantizes again: several per microbatch); the weights do not change
+    # until the optimizer step below.
+    with parametrize.cached() if args.fp4_fake_quant else contextlib.nullcontext():
+        reports = get_forward_backward_func()(
+            forward_step_func=_forward_step, data_iterator=microbatches(tokens, plan, iteration, device),
+            model=[model], num_microbatches=plan.num_microbatches, seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size, forward_only=False,
+        )
     if after_forward_backward is not None:
         after_forward_backward()
     ok, grad_norm, _ = optimizer.step()
