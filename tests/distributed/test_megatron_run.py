@@ -154,7 +154,9 @@ def test_dp2_with_overlap_evaluation_save_and_resume_at_dp2_and_dp3(tmp_path, da
     common = ("--data-path", data, "--train-iters", "6", "--eval-interval", "3", "--overlap-param-gather",
               "--overlap-grad-reduce", "--hidden-dropout", "0", "--attention-dropout", "0", "--ckpt-format", "torch")
     fp4 = train(tmp_path, "fp4", 2, *common, "--save", str(save), "--save-interval", "4")
-    assert_fp4_run(fp4, train(tmp_path, "bf16", 2, *common, fp4=False))
+    # The bf16 reference at data-parallel size 1: the same global batch, the same init (the masters' digest after
+    # setup does not depend on the data-parallel size), one rank's start-up fewer.
+    assert_fp4_run(fp4, train(tmp_path, "bf16", 1, *common, fp4=False))
     # iterations 3 and 6 in the loop, then the final validation and test sets
     assert fp4["stdout"].count("validation loss at iteration") == 4
     assert_exports_the_saved_weights(save / "iter_0000004", tmp_path / "export")
