@@ -115,13 +115,14 @@ def profile_gpu(mode: str, argv: list[str]) -> GpuRun:
 def _timing(optimizer, phases: dict, calls: dict):
     """Wall time and call count per phase (`phases`, `calls`) of the wrapped functions inside the block."""
     import megatron.core.pipeline_parallel as pipeline
-    from fp4_dist import optim
+    import fp4_dist.cast
     from fp4_dist.cast import master_weights as cast
     from fp4_dist.tensor import NVFP4Tensor
 
+    # fp4_dist.megatron.buffers imports fp4_dist.cast's post_all_gather_processing when it calls it
     targets = [(optimizer, "step", "optimizer step"),
                (cast.BoundCast, "run", "cast (host, launches, its non-finite check)"),
-               (optim, "post_all_gather_processing", "post-all-gather refresh")]  # fmt: skip
+               (fp4_dist.cast, "post_all_gather_processing", "post-all-gather refresh")]  # fmt: skip
     originals = [getattr(owner, name) for owner, name, _ in targets]
     for (owner, name, label), fn in zip(targets, originals):
         setattr(owner, name, timed(phases, calls, label, fn))
