@@ -337,14 +337,14 @@ def timed(phases: dict, calls: dict, label: str, fn, per_op: bool = False):
 def _lean_diagnostic(kind) -> tuple[dict, dict]:
     """Patch the lean mode for `--lean-diagnostic` (see its help); returns ({name: seconds}, {name: calls}),
     filled as the patched calls run."""
-    from fp4_dist.compute import lean
-    from fp4_dist.megatron import adapter
+    from fp4_dist.compute import lean, lean_claim, lean_order
+    from fp4_dist.megatron import layers
 
     seconds, calls = {}, {}
-    if kind == "timers":
+    if kind == "timers":  # layers.py calls compute_view by the name it imported
         for owner, name, label in ((lean.LeanView, "value", "lean forward uses (LeanView.value)"),
-                                   (lean._Use, "refill", "lean backward uses (_Use.refill)"),
-                                   (adapter, "compute_view", "kept copies' lookup (compute_view)")):  # fmt: skip
+                                   (lean_claim.Use, "refill", "lean backward uses (Use.refill)"),
+                                   (layers, "compute_view", "kept copies' lookup (compute_view)")):  # fmt: skip
             setattr(owner, name, timed(seconds, calls, label, getattr(owner, name)))
     elif kind == "nofill":
         class NoFill:
@@ -354,7 +354,7 @@ def _lean_diagnostic(kind) -> tuple[dict, dict]:
                     out.zero_()
                 return lambda: None
 
-        lean.kernels = NoFill
+        lean.kernels = lean_order.kernels = NoFill  # one weight's fill, and a batch's
     return seconds, calls
 
 
