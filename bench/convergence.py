@@ -13,8 +13,8 @@ Variants: ``bf16`` (plain bf16 weights), ``fp4`` (``--fp4-param-gather``: NVFP4 
 with the first and the last layer in bf16), ``lean`` (fp4 without kept compute copies). Every run writes
 DIR/<variant>-lr<lr>-s<seed>.json (the trainer's record: loss, grad norm and lr of every iteration, validation
 losses; written after each evaluation and at the end) and .log, and DIR/runs.json says how they were made; a run
-stopped before its end (a time limit) is plotted as far as its record, or without one its log, goes. The plots read those files (matplotlib, an optional
-bench dependency: ``pip install matplotlib``).
+stopped before its end (a time limit) is plotted as far as its record, or without one its log, goes. The plots
+read those files (matplotlib, an optional bench dependency: ``pip install matplotlib``).
 """
 
 from __future__ import annotations
@@ -137,8 +137,8 @@ def _last_iteration(log: Path) -> str:
         text = log.read_text(errors="replace")
     except OSError:
         return "?"
-    found = re.findall(r"\biter(?:ation)?\s+(\d+)\s*/", text)
-    return found[-1] if found else "0"
+    found = _LOG_STEP.findall(text)
+    return found[-1][0] if found else "0"
 
 
 # ---------------------------------------------------------------------------------------------------- reading
@@ -154,22 +154,22 @@ def load_runs(folders) -> list[dict]:
             path, log = folder / f"{name}.json", folder / f"{name}.log"
             if path.exists():  # complete: false while the run trains (written after each evaluation)
                 record = json.loads(path.read_text())
-                records, validation = record["records"], record["validation"]
-                stopped = None if record.get("complete", True) else (records[-1]["iteration"] if records else 0)
+                records, validation, digest = record["records"], record["validation"], record.get("master_digest")
+                finished = record.get("complete", True)
             elif log.exists():
-                records, validation = _read_log(log)
+                (records, validation), digest, finished = _read_log(log), None, False
                 if not records:
                     continue
-                stopped = records[-1]["iteration"]
             else:
                 continue
+            stopped = None if finished else (records[-1]["iteration"] if records else 0)
             variant, lr, seed = name.rsplit("-lr", 1)[0], meta["lr"], int(name.rsplit("-s", 1)[1])
             its = [r["iteration"] for r in records]
             runs.append(dict(name=name, variant=variant, lr=lr, seed=seed, iterations=its,
-                             tokens=[i * per_iteration for i in its], loss=[r["loss"] for r in records],
-                             grad_norm=[r["grad_norm"] for r in records],
+                             per_iteration=per_iteration, tokens=[i * per_iteration for i in its],
+                             loss=[r["loss"] for r in records], grad_norm=[r["grad_norm"] for r in records],
                              validation=[(i * per_iteration, v) for i, v in validation], stopped=stopped,
-                             digest=None if stopped else record.get("master_digest")))  # fmt: skip
+                             digest=digest))  # fmt: skip
     return runs
 
 
@@ -202,7 +202,7 @@ def table(runs: list[dict]) -> str:
     against bf16's mean. Runs stopped before their end are named below it, not averaged."""
     groups: dict = {}
     for r in runs:
-        if r["validation"] and not r["stopped"]:
+        if r["validation"] and r["stopped"] is None:
             groups.setdefault((r["lr"], r["variant"]), []).append((r["seed"], r["validation"][-1][1]))
     lines = ["| lr | variant | final validation loss per seed | mean | spread (max - min) | vs bf16 |",
              "|---|---|---|---|---|---|"]
@@ -212,21 +212,20 @@ def table(runs: list[dict]) -> str:
         rel = f"{100 * (mean / (sum(v for _, v in base) / len(base)) - 1):+.2f}%" if base else "-"
         lines.append(f"| {lr:g} | {variant} | " + ", ".join(f"{v:.4f} (seed {s})" for s, v in sorted(seeds))
                      + f" | {mean:.4f} | {max(v for _, v in seeds) - min(v for _, v in seeds):.4f} | {rel} |")
-    stopped = [r for r in runs if r["stopped"]]
+    stopped = [r for r in runs if r["stopped"] is not None]
     if stopped:
-        lines.append("\nstopped before the end (read from the log; in the table below, not above): "
+        lines.append("\nstopped before the end (not averaged above; in the table by iteration): "
                      + ", ".join(f"{r['name']} at iteration {r['stopped']}" for r in stopped))
     return "\n".join(lines)
 
 
 def trajectory(runs: list[dict], at: list[int]) -> str:
     """Validation loss of every run at the given iterations (all its evaluations when ``at`` is empty)."""
-    per_iteration = {r["name"]: (r["tokens"][0] // r["iterations"][0]) if r["iterations"] else 1 for r in runs}
-    columns = at or sorted({t // per_iteration[r["name"]] for r in runs for t, _ in r["validation"]})
+    columns = at or sorted({t // r["per_iteration"] for r in runs for t, _ in r["validation"]})
     lines = ["| lr | variant | seed | " + " | ".join(str(i) for i in columns) + " |",
              "|---|---|---|" + "---|" * len(columns)]
     for r in sorted(runs, key=lambda r: (r["lr"], _variant_order(r["variant"]), r["seed"])):
-        seen = {t // per_iteration[r["name"]]: v for t, v in r["validation"]}
+        seen = {t // r["per_iteration"]: v for t, v in r["validation"]}
         lines.append(f"| {r['lr']:g} | {r['variant']} | {r['seed']} | "
                      + " | ".join(f"{seen[i]:.4f}" if i in seen else "-" for i in columns) + " |")
     return "\n".join(lines)
@@ -261,7 +260,7 @@ def plot(args) -> int:
             shade = 1.0 - 0.45 * seeds.index(r["seed"]) / max(1, len(seeds) - 1)
             style = dict(color=colors.get(r["variant"], "black"), alpha=shade, linewidth=1.2,
                          label=f"{r['variant']}, seed {r['seed']}"
-                               + (f" (stopped at {r['stopped']})" if r["stopped"] else ""))  # fmt: skip
+                               + (f" (stopped at {r['stopped']})" if r["stopped"] is not None else ""))  # fmt: skip
             mt = [t / 1e6 for t in r["tokens"]]
             axes[0].plot(mt, smooth(r["loss"], r["iterations"]), **style)
             if r["validation"]:
