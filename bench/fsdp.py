@@ -1,7 +1,7 @@
 """FSDP2 training step with NVFP4 weights (fp4_dist.fsdp) against plain bf16 FSDP2, same model, same run.
 
     torchrun --nproc-per-node N bench/fsdp.py [--hidden 2048] [--layers 8] [--tokens 8192] [--steps 10] [--rounds 5]
-        [--slow-link] [--profile]
+        [--slow-link] [--profile] [--phases] [--no-optimizer]
 
 A GPT-like stack of pre-norm blocks (attention projections qkv [3h, h] and out [h, h], MLP [4h, h] and [h, 4h];
 the attention itself is left out: it does not touch the weights) sharded per block. Variants take turns in
@@ -11,6 +11,10 @@ fp4_dist.fsdp.fully_shard_nvfp4 with the same policy (linear weights gathered as
 the forward). Prints the median step time of each (forward + backward + AdamW step), the
 bytes per step of each collective (counted on the real calls) and, on GPUs, each collective's exposed time (the
 part of its kernels no other kernel overlaps, from a device trace). --slow-link runs NCCL over sockets.
+--phases times the host per step and phase (forward, backward, optimizer step; nothing traced, no synchronisation
+added) and, inside them, fp4_dist's own calls (the cast, FSDP2's two extension hooks, the batched dequantize) and
+FSDP2's per-group and per-parameter work: what the NVFP4 step adds on the host, call by call, against bf16's.
+--no-optimizer leaves the optimizer step out (no cast after the first step): the gather path alone.
 """
 
 from __future__ import annotations
@@ -118,11 +122,13 @@ def traced(fn, steps: int):
     return prof.events()
 
 
-def step_fn(model, opt, x):
+def step_fn(model, opt, x, optimize: bool = True):
     def step():
         model(x).float().square().mean().backward()
-        opt.step()
+        if optimize:
+            opt.step()
         opt.zero_grad(set_to_none=True)
+    step.parts = (model, opt, x)
     return step
 
 
@@ -200,6 +206,106 @@ def profile_variant(variant: str, fn, args, report: bool, events) -> None:
     print("\n".join(lines), flush=True)
 
 
+PHASES = ("forward", "backward", "optimizer", "zero_grad")
+
+
+class HostClock:
+    """Host milliseconds spent inside chosen functions (wrapped, not mocked: the real call runs), summed per step."""
+
+    def __init__(self, targets):
+        self.targets = targets  # (label, owner, attribute name)
+        self.ms = {label: 0.0 for label, _, _ in targets}
+        self.calls = {label: 0 for label, _, _ in targets}
+        self._saved = []
+
+    def __enter__(self):
+        for label, owner, name in self.targets:
+            real = owner.__dict__[name]
+            fn = real.fget if isinstance(real, property) else real
+
+            def timed(*a, _fn=fn, _label=label, **k):
+                t0 = time.perf_counter()
+                try:
+                    return _fn(*a, **k)
+                finally:
+                    self.ms[_label] += 1e3 * (time.perf_counter() - t0)
+                    self.calls[_label] += 1
+
+            setattr(owner, name, property(timed, doc=real.__doc__) if isinstance(real, property) else timed)
+            self._saved.append((owner, name, real))
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, real in reversed(self._saved):
+            setattr(owner, name, real)
+
+
+def fsdp2_targets() -> list:
+    """FSDP2's own per-group and per-parameter work, timed in both variants alike (where the NVFP4 path's extension
+    hooks make FSDP2 itself do more)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group as pg
+
+    group, param = pg.FSDPParamGroup, _fsdp_param.FSDPParam
+    out = [(f"FSDP2 {name}", group, name) for name in ("unshard", "wait_for_unshard", "reshard", "post_backward")
+           if name in group.__dict__]
+    out += [(f"FSDP2 {name}", pg, name) for name in ("foreach_all_gather", "foreach_all_gather_copy_out",
+                                                      "foreach_reduce") if name in pg.__dict__]
+    out += [(f"FSDP2 param.{name}", param, name) for name in ("init_unsharded_param", "all_gather_inputs",
+                                                              "free_unsharded_param") if name in param.__dict__]
+    return out
+
+
+def phases(steps: dict, args, report: bool) -> None:
+    """Host milliseconds per step by phase, runs of `args.steps` steps in the order bf16, nvfp4, nvfp4, bf16 (x
+    rounds), medians over steps; the fp4_dist rows are sums over the step of the calls named (rank 0 prints)."""
+    from fp4_dist.fsdp import dequant_batch, master, shard
+
+    targets = [("cast (root pre-forward)", shard._Registry, "precompute"),
+               ("fsdp_pre_all_gather", master._BoundPreAllGather, "__call__"),
+               ("fsdp_post_all_gather", master.NVFP4Master, "fsdp_post_all_gather"),
+               ("  of which dequantize launches", dequant_batch.DequantBatch, "flush"),
+               ("non-finite verdict (root post-forward)", shard._Registry, "after_forward")]
+    targets += fsdp2_targets()
+    rows = {v: {k: [] for k in (*PHASES, "step", *(t[0] for t in targets))} for v in steps}
+    calls = {}
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(args.rounds):
+        for v in ("bf16", "nvfp4", "nvfp4", "bf16"):
+            model, opt, x = steps[v].parts
+            sync()
+            for _ in range(args.steps):
+                with HostClock(targets) as clock:
+                    t = [time.perf_counter()]
+                    out = model(x)
+                    t.append(time.perf_counter())
+                    out.float().square().mean().backward()
+                    t.append(time.perf_counter())
+                    if not args.no_optimizer:
+                        opt.step()
+                    t.append(time.perf_counter())
+                    opt.zero_grad(set_to_none=True)
+                    t.append(time.perf_counter())
+                for i, k in enumerate(PHASES):
+                    rows[v][k].append(1e3 * (t[i + 1] - t[i]))
+                rows[v]["step"].append(1e3 * (t[-1] - t[0]))
+                for label, ms in clock.ms.items():
+                    rows[v][label].append(ms)
+                calls[v] = clock.calls
+            sync()
+    if not report:
+        return
+    med = {v: {k: statistics.median(x) for k, x in r.items()} for v, r in rows.items()}
+    lines = [f"\nHost ms per step by phase (median of {args.rounds * 2 * args.steps} steps per variant; the host "
+             "enqueues without waiting, so a phase that outruns the GPU shows its host cost, one that waits on a "
+             "full launch queue shows the GPU's)", "", "| phase | bf16 | nvfp4 | nvfp4 - bf16 | nvfp4 calls per step |",
+             "|---|---|---|---|---|"]
+    for k in (*PHASES, "step", *(t[0] for t in targets)):
+        n = calls.get("nvfp4", {}).get(k, "")
+        lines.append(f"| {k} | {med['bf16'][k]:.2f} | {med['nvfp4'][k]:.2f} | {med['nvfp4'][k] - med['bf16'][k]:+.2f} "
+                     f"| {n} |")
+    print("\n".join(lines), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=2048)
@@ -210,6 +316,10 @@ def main() -> None:
     p.add_argument("--out", default=os.environ.get("OUT"))
     p.add_argument("--profile", action="store_true",
                    help="also say where each variant's step time goes: host, waits, device gaps, cProfile (rank 0)")
+    p.add_argument("--phases", action="store_true",
+                   help="host time per step by phase and of fp4_dist's own calls, bf16 against nvfp4 (rank 0)")
+    p.add_argument("--no-optimizer", action="store_true",
+                   help="steps without the optimizer step (so no NVFP4 cast after the first): the gather path alone")
     p.add_argument("--slow-link", action="store_true",
                    help="NCCL over sockets only (no NVLink, shared memory or InfiniBand): a proxy for data "
                         "parallelism across nodes")
@@ -220,7 +330,7 @@ def main() -> None:
     dev = info.device
     x = torch.randn(args.tokens // 8, 8, args.hidden, device=dev, generator=None).to(torch.bfloat16)
     runs = {v: build(v, args, dev) for v in ("bf16", "nvfp4")}
-    steps = {v: step_fn(m, o, x) for v, (m, o) in runs.items()}
+    steps = {v: step_fn(m, o, x, not args.no_optimizer) for v, (m, o) in runs.items()}
     moved = {}
     for v, fn in steps.items():
         for _ in range(3):
@@ -230,6 +340,8 @@ def main() -> None:
         moved[v] = c.bytes
     times = {v: [] for v in steps}
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    if args.phases:  # before any tracing: the profiler leaves CUDA launches slower for the rest of the process
+        phases(steps, args, info.rank == 0)
     rounds = []  # each round runs bf16, nvfp4, nvfp4, bf16 (ABBA): a drift of the machine hits both alike
     for _ in range(args.rounds):
         got = {v: [] for v in steps}
