@@ -4,7 +4,6 @@ that tests/distributed/torch_user_cases.py and export_cases.py print (no pytest 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -30,11 +29,13 @@ def run_cases(script: Path, cases: list[str], ranks: int, timeout_s: float) -> d
 
 
 def _launch(script: Path, args: list, ranks: int, timeout_s: float, split, keys) -> dict:
+    from . import forked_ranks  # here: the case scripts import this module on its own, outside the package
+
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", str(script),
            *map(str, args)]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+    proc = forked_ranks.run(cmd, env=env, timeout=timeout_s)
     results: dict = {key: {} for key in keys}
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):

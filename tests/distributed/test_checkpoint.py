@@ -5,13 +5,13 @@ at others (gloo, CPU), every master, Adam moment and step and every NVFP4 weight
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
+from . import forked_ranks
 from .test_launch import REPO, TIMEOUT_S, _env
 from .shared import once_per_session
 
@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 def _launch(world_size: int, mode: str, ckpt: Path, out: Path) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
            str(SCRIPT), "--mode", mode, "--dir", str(ckpt), "--out", str(out)]
-    proc = subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
+    proc = forked_ranks.run(cmd, env=_env(), timeout=TIMEOUT_S)
     assert proc.returncode == 0 and out.exists(), f"{mode} at world size {world_size} failed:\n" + \
         (proc.stdout + proc.stderr)[-6000:]
     return json.loads(out.read_text())

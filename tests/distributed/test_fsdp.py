@@ -9,13 +9,13 @@ equals the uninterrupted one. On a GPU (marked gpu): the train suite at one rank
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
+from . import forked_ranks
 from .test_launch import REPO, TIMEOUT_S, _env
 from .shared import once_per_session
 
@@ -29,7 +29,7 @@ def _launch(world_size: int, *args: str) -> dict:
     out = Path(tempfile.mkdtemp(prefix=f"fp4_dist_fsdp_ws{world_size}_")) / "report.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
            str(SCRIPT), "--out", str(out), *args]
-    proc = subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
+    proc = forked_ranks.run(cmd, env=_env(), timeout=TIMEOUT_S)
     log = (proc.stdout + proc.stderr)[-6000:]
     assert out.exists(), f"fsdp_suite {args} at {world_size} ranks wrote no report (exit {proc.returncode}):\n{log}"
     report = json.loads(out.read_text())

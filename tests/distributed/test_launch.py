@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from . import forked_ranks
 from .shared import once_per_session
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,7 +50,7 @@ def megatron_env() -> dict:
 
 
 def _run(cmd: list, out: Path) -> dict:
-    proc = subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
+    proc = forked_ranks.run(cmd, env=_env(), timeout=TIMEOUT_S)
     report = json.loads(out.read_text()) if out.exists() else {}
     report["returncode"] = proc.returncode
     report["log"] = (proc.stdout + proc.stderr)[-6000:]

@@ -7,12 +7,13 @@ DistributedOptimizer (see megatron_suite.py); the tests below read its JSON repo
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+
+from . import forked_ranks
 from .shared import once_per_session
 from .test_launch import megatron_env
 
@@ -32,7 +33,7 @@ def report(dp: int) -> dict:
     env = dict(megatron_env(), PYTHONWARNINGS="ignore")  # the CPU/gloo suites, also on a GPU machine
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={dp}", str(SCRIPT),
            "--out", str(out), "--suites", SUITES[dp]]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    proc = forked_ranks.run(cmd, env=env, timeout=TIMEOUT_S)
     rep = json.loads(out.read_text()) if out.exists() else {"suites": {}, "failures": []}
     rep["log"] = (proc.stdout + proc.stderr)[-6000:]
     rep["returncode"] = proc.returncode

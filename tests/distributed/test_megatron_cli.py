@@ -14,6 +14,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
+from . import forked_ranks  # noqa: E402
 from .test_launch import REPO, megatron_env  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.megatron, pytest.mark.slow]
@@ -25,11 +26,13 @@ TINY = ("--num-layers 1 --hidden-size 48 --num-attention-heads 4 --group-query-a
 SUITE = REPO / "tests" / "distributed" / "megatron_suite.py"
 
 
-def run(nproc: int, *args: str, module: bool = True, timeout: int = TIMEOUT_S) -> subprocess.CompletedProcess:
+def run(nproc: int, *args: str, module: bool = True, timeout: int = TIMEOUT_S,
+        fork: bool = True) -> subprocess.CompletedProcess:  # fmt: skip
+    """`fork=False`: real torchrun (a test of what the launcher does), else ranks from `forked_ranks`."""
     target = ["-m", "examples.megatron_pretrain_gpt"] if module else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *target, *args]
     env = megatron_env()
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return forked_ranks.run(cmd, env=env, timeout=timeout, fork=fork)
 
 
 def test_data_path_evaluation_and_tensorboard_work_as_in_megatron(tmp_path):
@@ -90,7 +93,7 @@ def test_resume_at_another_data_parallel_size_restores_masters_and_weights_bit_f
 def test_an_error_on_one_rank_is_shown_with_its_cause_and_the_job_exits_promptly():
     start = time.monotonic()
     proc = run(3, str(REPO / "tests" / "distributed" / "megatron_fail_rank.py"), "2", *TINY, "--global-batch-size",
-               "6", "--train-iters", "3", module=False, timeout=120)  # fmt: skip
+               "6", "--train-iters", "3", module=False, timeout=120, fork=False)  # fmt: skip
     elapsed = time.monotonic() - start
     assert proc.returncode != 0
     assert "[rank 2] pretrain_gpt: error: injected failure on rank 2: no such file data/shard_2.bin" in proc.stderr

@@ -16,18 +16,16 @@ masters start from the dequantized weights was 9% off at iteration 50 in the iss
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("megatron.core")
 
+from . import forked_ranks  # noqa: E402
 from .test_launch import REPO, _env, megatron_env  # noqa: E402
 from .test_megatron_cli import _mpirun  # noqa: E402
 
@@ -68,38 +66,13 @@ def launch(nproc: int, args, *, log: Path = None, check: bool = True, refused: b
 
 
 def run_or_dump_stacks(cmd: list, env: dict) -> subprocess.CompletedProcess:
-    """`cmd` to its end, or past `TIMEOUT_S` the job stopped with SIGABRT, so that every rank's faulthandler
-    (PYTHONFAULTHANDLER) prints where each of its threads waits, and the test fails showing it."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
+    """`cmd` to its end (ranks from `forked_ranks`), or past `TIMEOUT_S` the job stopped with SIGABRT, so that every
+    rank's faulthandler (PYTHONFAULTHANDLER) prints where each of its threads waits, and the test fails showing it."""
     try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        for rank in _children(proc.pid):  # the launcher starts each rank in a session of its own
-            os.kill(rank, signal.SIGABRT)
-        time.sleep(3)
-        os.killpg(proc.pid, signal.SIGABRT)
-        try:
-            out, err = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-        pytest.fail(f"{' '.join(cmd[-6:])}: no end after {TIMEOUT_S} s; the ranks' stacks:\n{err[-20000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (Linux /proc)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
+        return forked_ranks.run(cmd, env=env, timeout=TIMEOUT_S, dump_stacks=True)
+    except subprocess.TimeoutExpired as stopped:
+        pytest.fail(f"{' '.join(cmd[-6:])}: no end after {TIMEOUT_S} s; the ranks' stacks:\n"
+                    f"{(stopped.stderr or '')[-20000:]}")
 
 
 def train(tmp_path: Path, name: str, nproc: int, *args: str, fp4: bool = True, runner: tuple = ()) -> dict:
