@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fp4_dist  # noqa: E402
 from fp4_dist import kernels  # noqa: E402
+from timing import require_gpu  # noqa: E402 - bench/timing.py, beside this script
 
 
 def per_call(fn, calls: int, warmup: int = 20) -> float:
@@ -43,6 +44,7 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--profile", action="store_true", help="also cProfile the lean forward + backward loop")
     args = p.parse_args()
+    require_gpu("bench/host_per_use.py", "host time per weight use of the CUDA launches")
     dev = torch.device("cuda")
     torch.manual_seed(0)
     x = torch.randn(args.tokens, args.size, device=dev, dtype=torch.bfloat16, requires_grad=True)

@@ -22,7 +22,7 @@ import torch
 import fp4_dist.kernels as K
 from fp4_dist.format import columnwise_data_shape, columnwise_scale_shape, rowwise_scale_shape
 from fp4_dist.kernels import _launch
-from timing import median_ms, publish  # noqa: E402 - bench/timing.py, beside this script
+from timing import median_ms, publish, require_gpu  # noqa: E402 - bench/timing.py, beside this script
 
 DEV = torch.device("cuda")
 
@@ -200,6 +200,7 @@ def main() -> None:
     p.add_argument("--out", default=os.environ.get("OUT"))
     p.add_argument("--variants", action="store_true", help="also time the launch variants (grid, transpose unit)")
     args = p.parse_args()
+    require_gpu("bench/kernels.py", "the CUDA kernels' device time and bandwidth")
     name = torch.cuda.get_device_name()
     copy_gbs = copy_bandwidth()
     sizes = size_table(args.max_log2, copy_gbs, args.reps)

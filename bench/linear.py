@@ -37,7 +37,7 @@ import torch.nn.functional as F
 import fp4_dist
 from fp4_dist.compute.copy import refresh_compute_copies
 from fp4_dist.kernels import reference
-from timing import Span, publish  # noqa: E402 - bench/timing.py, beside this script
+from timing import Span, publish, require_gpu  # noqa: E402 - bench/timing.py, beside this script
 
 DEV = torch.device("cuda")
 SHAPES = ((2048, 2048), (8192, 2048), (2048, 8192))
@@ -168,6 +168,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--out", default=os.environ.get("OUT"))
     args = p.parse_args()
+    require_gpu("bench/linear.py", "an NVFP4 linear layer's device time against bf16's")
     name = torch.cuda.get_device_name()
     rows = []
     for m, k in SHAPES:

@@ -154,7 +154,8 @@ def paired(base: list[str], fp4: list[str], steps: int, variants: dict | None = 
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"\n=== paired: {', '.join(['bf16', *variants])} models in alternating steps, {steps} steps each",
               flush=True)
-    argv = ["--train-iters", str(steps)]
+    # the schedule of the steps this runs (the base's warm-up was sized for --steps: past a short run's end otherwise)
+    argv = ["--train-iters", str(steps), "--lr-warmup-iters", str(max(1, steps // 10))]
     sessions = {"bf16": pretrain_gpt.setup(base + argv)}
     sessions.update({name: pretrain_gpt.setup(v + argv) for name, v in variants.items()})
     times = {k: [] for k in sessions}

@@ -6,6 +6,7 @@ keep their tables.
     publish(text, ...)     print a table, and keep it with its numbers under --out
     SLOW_LINK              the NCCL environment of the benches' slow-link mode (no NVLink, shared memory or
                            InfiniBand: NCCL over sockets, a proxy for data parallelism across nodes)
+    require_gpu(script, what)  stop a GPU-only bench on a machine without CUDA, saying so
 """
 
 from __future__ import annotations
@@ -20,6 +21,13 @@ import torch
 
 
 SLOW_LINK = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
+
+
+def require_gpu(script: str, what: str) -> None:
+    """Stop with a sentence (exit status 1) when no CUDA device is here: `script` measures `what` on a GPU only."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script}: measures {what} on a CUDA GPU, and this machine has none (torch sees no CUDA "
+                         "device); run it on a GPU machine (README, 'GPU tests and benchmarks')")
 
 
 class Span:

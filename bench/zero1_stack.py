@@ -26,7 +26,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fp4_dist  # noqa: E402
 from fp4_dist.optim import Zero1Optimizer  # noqa: E402
-from timing import median_ms  # noqa: E402 - bench/timing.py, beside this script
+from timing import median_ms, require_gpu  # noqa: E402 - bench/timing.py, beside this script
 
 MODES = ("bf16", "default", "lean")
 
@@ -96,6 +96,7 @@ def main() -> None:
     p.add_argument("--modes", default=",".join(MODES), help="which modes to run (comma-separated)")
     p.add_argument("--mode", choices=MODES, help="run one mode here and print its JSON (the driver's child)")
     args = p.parse_args()
+    require_gpu("bench/zero1_stack.py", "Zero1Optimizer's step time and peak GPU memory")
     if args.mode:
         print(json.dumps(run_mode(args.mode, args)))
         return

@@ -1,0 +1,63 @@
+"""The benchmark scripts still run: each bench that works on CPU ranks runs once with a tiny model and prints its
+table (the numbers are not looked at: they are for GPUs), and each GPU-only bench stops on a machine without CUDA
+with a sentence saying so. A bench that patches or imports something the package no longer has fails here instead
+of on the GPU machine."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from . import forked_ranks
+from .test_launch import REPO, megatron_env
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+TIMEOUT_S = 240
+
+
+def _bench(*args: str, ranks: int = 0) -> subprocess.CompletedProcess:
+    """`bench/SCRIPT args` on `ranks` gloo CPU ranks under torchrun, or as a plain process (0), CUDA hidden."""
+    env = dict(megatron_env(), PYTHONWARNINGS="ignore")
+    if ranks:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *args]
+        return forked_ranks.run(cmd, env=env, timeout=TIMEOUT_S)
+    return subprocess.run([sys.executable, *args], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)  # fmt: skip
+
+
+def _ran(proc: subprocess.CompletedProcess, *expected: str) -> None:
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    for text in expected:
+        assert text in proc.stdout, f"{text!r} is not in the output:\n{proc.stdout[-3000:]}"
+
+
+def test_fsdp_bench_times_both_variants_with_its_phases():
+    proc = _bench("bench/fsdp.py", "--hidden", "64", "--layers", "1", "--tokens", "64", "--steps", "1", "--rounds",
+                  "1", "--phases", ranks=2)  # fmt: skip
+    _ran(proc, "| nvfp4 |", "| cast (root pre-forward) |", "| FSDP2 param.init_unsharded_param |")
+
+
+@pytest.mark.megatron
+def test_megatron_benches_run_paired_and_profiled():
+    pytest.importorskip("megatron.core")
+    paired = _bench("bench/megatron_compare.py", "--tiny", "--paired-only", "fp4,lean", "--paired-steps", "6",
+                    "--phases", "--lean-diagnostic", "timers", ranks=2)  # fmt: skip
+    _ran(paired, "lean vs plain bf16, paired", "(diagnostic) phases, fp4", "host in lean forward uses")
+    profiled = _bench("bench/megatron_profile.py", "--model", "tiny", "--steps", "8", "--phases", ranks=2)
+    _ran(profiled, "| cast (host, launches, its non-finite check) |", "| post-all-gather refresh |")
+
+
+def test_traffic_and_projection_print_their_tables():
+    _ran(_bench("bench/traffic.py", "--world-sizes", "2"), "| 2 | fsdp2 | all_gather_single |")
+    _ran(_bench("bench/projection.py", "--ranks", "8", "64"), "7B-class")
+
+
+@pytest.mark.parametrize("script", ["kernels.py", "linear.py", "host_per_use.py", "zero1_stack.py"])
+def test_gpu_only_benches_say_they_need_a_gpu(script):
+    proc = _bench(f"bench/{script}")
+    assert proc.returncode != 0
+    assert f"bench/{script}: measures" in proc.stderr and "has none" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
