@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fp4_dist.fsdp import fully_shard_nvfp4  # noqa: E402
 from fp4_dist.launch import init_distributed, shutdown  # noqa: E402
 from device_trace import exposed_collectives  # noqa: E402 - bench/device_trace.py, beside this script
-from timing import SLOW_LINK, publish  # noqa: E402 - bench/timing.py, beside this script
+from timing import SLOW_LINK, patched, publish  # noqa: E402 - bench/timing.py, beside this script
 
 
 class Block(nn.Module):
@@ -209,48 +209,17 @@ def profile_variant(variant: str, fn, args, report: bool, events) -> None:
 PHASES = ("forward", "backward", "optimizer", "zero_grad")
 
 
-class HostClock:
-    """Host milliseconds spent inside chosen functions (wrapped, not mocked: the real call runs), summed per step."""
-
-    def __init__(self, targets):
-        self.targets = targets  # (label, owner, attribute name)
-        self.ms = {label: 0.0 for label, _, _ in targets}
-        self.calls = {label: 0 for label, _, _ in targets}
-        self._saved = []
-
-    def __enter__(self):
-        for label, owner, name in self.targets:
-            real = owner.__dict__[name]
-            fn = real.fget if isinstance(real, property) else real
-
-            def timed(*a, _fn=fn, _label=label, **k):
-                t0 = time.perf_counter()
-                try:
-                    return _fn(*a, **k)
-                finally:
-                    self.ms[_label] += 1e3 * (time.perf_counter() - t0)
-                    self.calls[_label] += 1
-
-            setattr(owner, name, property(timed, doc=real.__doc__) if isinstance(real, property) else timed)
-            self._saved.append((owner, name, real))
-        return self
-
-    def __exit__(self, *exc):
-        for owner, name, real in reversed(self._saved):
-            setattr(owner, name, real)
-
-
 def fsdp2_targets() -> list:
     """FSDP2's own per-group and per-parameter work, timed in both variants alike (where the NVFP4 path's extension
     hooks make FSDP2 itself do more)."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group as pg
 
     group, param = pg.FSDPParamGroup, _fsdp_param.FSDPParam
-    out = [(f"FSDP2 {name}", group, name) for name in ("unshard", "wait_for_unshard", "reshard", "post_backward")
+    out = [(group, name, f"FSDP2 {name}") for name in ("unshard", "wait_for_unshard", "reshard", "post_backward")
            if name in group.__dict__]
-    out += [(f"FSDP2 {name}", pg, name) for name in ("foreach_all_gather", "foreach_all_gather_copy_out",
+    out += [(pg, name, f"FSDP2 {name}") for name in ("foreach_all_gather", "foreach_all_gather_copy_out",
                                                       "foreach_reduce") if name in pg.__dict__]
-    out += [(f"FSDP2 param.{name}", param, name) for name in ("init_unsharded_param", "all_gather_inputs",
+    out += [(param, name, f"FSDP2 param.{name}") for name in ("init_unsharded_param", "all_gather_inputs",
                                                               "free_unsharded_param") if name in param.__dict__]
     return out
 
@@ -260,21 +229,25 @@ def phases(steps: dict, args, report: bool) -> None:
     rounds), medians over steps; the fp4_dist rows are sums over the step of the calls named (rank 0 prints)."""
     from fp4_dist.fsdp import dequant_batch, master, shard
 
-    targets = [("cast (root pre-forward)", shard._Registry, "precompute"),
-               ("fsdp_pre_all_gather", master._BoundPreAllGather, "__call__"),
-               ("fsdp_post_all_gather", master.NVFP4Master, "fsdp_post_all_gather"),
-               ("  of which dequantize launches", dequant_batch.DequantBatch, "flush"),
-               ("non-finite verdict (root post-forward)", shard._Registry, "after_forward")]
+    targets = [(shard._Registry, "precompute", "cast (root pre-forward)"),
+               (master._BoundPreAllGather, "__call__", "fsdp_pre_all_gather"),
+               (master.NVFP4Master, "fsdp_post_all_gather", "fsdp_post_all_gather"),
+               (dequant_batch.DequantBatch, "flush", "  of which dequantize launches"),
+               (shard._Registry, "after_forward", "non-finite verdict (root post-forward)")]
     targets += fsdp2_targets()
-    rows = {v: {k: [] for k in (*PHASES, "step", *(t[0] for t in targets))} for v in steps}
+    labels = [label for _, _, label in targets]
+    rows = {v: {k: [] for k in (*PHASES, "step", *labels)} for v in steps}
     calls = {}
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    for _ in range(args.rounds):
-        for v in ("bf16", "nvfp4", "nvfp4", "bf16"):
-            model, opt, x = steps[v].parts
-            sync()
-            for _ in range(args.steps):
-                with HostClock(targets) as clock:
+    seconds, step_calls = {}, {}  # of the step that runs, cleared before each
+    with patched(targets, seconds, step_calls):
+        for _ in range(args.rounds):
+            for v in ("bf16", "nvfp4", "nvfp4", "bf16"):
+                model, opt, x = steps[v].parts
+                sync()
+                for _ in range(args.steps):
+                    seconds.clear()
+                    step_calls.clear()
                     t = [time.perf_counter()]
                     out = model(x)
                     t.append(time.perf_counter())
@@ -285,13 +258,13 @@ def phases(steps: dict, args, report: bool) -> None:
                     t.append(time.perf_counter())
                     opt.zero_grad(set_to_none=True)
                     t.append(time.perf_counter())
-                for i, k in enumerate(PHASES):
-                    rows[v][k].append(1e3 * (t[i + 1] - t[i]))
-                rows[v]["step"].append(1e3 * (t[-1] - t[0]))
-                for label, ms in clock.ms.items():
-                    rows[v][label].append(ms)
-                calls[v] = clock.calls
-            sync()
+                    for i, k in enumerate(PHASES):
+                        rows[v][k].append(1e3 * (t[i + 1] - t[i]))
+                    rows[v]["step"].append(1e3 * (t[-1] - t[0]))
+                    for label in labels:
+                        rows[v][label].append(1e3 * seconds.get(label, 0.0))
+                    calls[v] = dict(step_calls)
+                sync()
     if not report:
         return
     med = {v: {k: statistics.median(x) for k, x in r.items()} for v, r in rows.items()}
@@ -299,7 +272,7 @@ def phases(steps: dict, args, report: bool) -> None:
              "enqueues without waiting, so a phase that outruns the GPU shows its host cost, one that waits on a "
              "full launch queue shows the GPU's)", "", "| phase | bf16 | nvfp4 | nvfp4 - bf16 | nvfp4 calls per step |",
              "|---|---|---|---|---|"]
-    for k in (*PHASES, "step", *(t[0] for t in targets)):
+    for k in (*PHASES, "step", *labels):
         n = calls.get("nvfp4", {}).get(k, "")
         lines.append(f"| {k} | {med['bf16'][k]:.2f} | {med['nvfp4'][k]:.2f} | {med['nvfp4'][k] - med['bf16'][k]:+.2f} "
                      f"| {n} |")

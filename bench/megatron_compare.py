@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from examples import megatron_pretrain_gpt as pretrain_gpt  # noqa: E402
 from fp4_dist.launch import shutdown  # noqa: E402
 from fp4_dist.compute import pool_stats  # noqa: E402
-from timing import SLOW_LINK, Span  # noqa: E402 - bench/timing.py, beside this script
+from timing import SLOW_LINK, Span, timed  # noqa: E402 - bench/timing.py, beside this script
 
 MODELS = {
     "gpt256": ("--num-layers 4 --hidden-size 256 --num-attention-heads 4 --ffn-hidden-size 1024 "
@@ -319,20 +319,6 @@ def table(rounds: list[dict[str, list]], fp4b, gather, pair: Paired) -> tuple[li
         step_ok = True
         rows.append(("(info, CPU ranks) " + what, value, ""))
     return rows, ok and step_ok
-
-
-def timed(phases: dict, calls: dict, label: str, fn, per_op: bool = False):
-    """`fn`, adding its wall time to `phases[label]` and counting its calls in `calls` (by op for the dispatch)."""
-
-    def run(*a, **k):
-        t = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            phases[label] = phases.get(label, 0.0) + time.perf_counter() - t
-            key = f"{label} {a[1]}" if per_op else label  # dispatch(cls, func, ...): count by op
-            calls[key] = calls.get(key, 0) + 1
-    return run
 
 
 def _lean_diagnostic(kind) -> tuple[dict, dict]:

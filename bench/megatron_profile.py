@@ -36,7 +36,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.device_trace import counting_waits, exposed_collectives, short, summarize  # noqa: E402
-from bench.megatron_compare import COMMON, MODELS, timed  # noqa: E402
+from bench.megatron_compare import COMMON, MODELS  # noqa: E402
+from bench.timing import patched, timed  # noqa: E402
 from examples import megatron_pretrain_gpt as pretrain_gpt  # noqa: E402
 from fp4_dist.launch import shutdown  # noqa: E402
 
@@ -123,19 +124,15 @@ def _timing(optimizer, phases: dict, calls: dict):
     targets = [(optimizer, "step", "optimizer step"),
                (cast.BoundCast, "run", "cast (host, launches, its non-finite check)"),
                (fp4_dist.cast, "post_all_gather_processing", "post-all-gather refresh")]  # fmt: skip
-    originals = [getattr(owner, name) for owner, name, _ in targets]
-    for (owner, name, label), fn in zip(targets, originals):
-        setattr(owner, name, timed(phases, calls, label, fn))
     get_fb = pipeline.get_forward_backward_func
     pipeline.get_forward_backward_func = lambda: timed(phases, calls, "forward-backward", get_fb())
     dispatch = NVFP4Tensor.__dict__["__torch_dispatch__"]
     NVFP4Tensor.__torch_dispatch__ = classmethod(timed(phases, calls, "NVFP4Tensor dispatch", dispatch.__func__,
                                                         per_op=True))  # fmt: skip
     try:
-        yield
+        with patched(targets, phases, calls):
+            yield
     finally:
-        for (owner, name, _), fn in zip(targets, originals):
-            setattr(owner, name, fn)
         pipeline.get_forward_backward_func = get_fb
         NVFP4Tensor.__torch_dispatch__ = dispatch
 

@@ -7,6 +7,8 @@ keep their tables.
     SLOW_LINK              the NCCL environment of the benches' slow-link mode (no NVLink, shared memory or
                            InfiniBand: NCCL over sockets, a proxy for data parallelism across nodes)
     require_gpu(script, what)  stop a GPU-only bench on a machine without CUDA, saying so
+    timed(seconds, calls, label, fn)   fn, its host wall time and calls added up under `label`
+    patched(targets, seconds, calls)   functions and properties replaced by their `timed` form inside a block
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 import os
 import statistics
 import time
+from contextlib import contextmanager
 from typing import Callable, Optional
 
 import torch
@@ -28,6 +31,40 @@ def require_gpu(script: str, what: str) -> None:
     if not torch.cuda.is_available():
         raise SystemExit(f"{script}: measures {what} on a CUDA GPU, and this machine has none (torch sees no CUDA "
                          "device); run it on a GPU machine (README, 'GPU tests and benchmarks')")
+
+
+def timed(seconds: dict, calls: dict, label: str, fn, per_op: bool = False):
+    """`fn`, adding its host wall time to `seconds[label]` and counting its calls in `calls` (by op for a
+    ``__torch_dispatch__``: `per_op`)."""
+
+    def run(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            seconds[label] = seconds.get(label, 0.0) + time.perf_counter() - t
+            key = f"{label} {a[1]}" if per_op else label  # dispatch(cls, func, ...): count by op
+            calls[key] = calls.get(key, 0) + 1
+    return run
+
+
+@contextmanager
+def patched(targets, seconds: dict, calls: dict):
+    """Inside the block each (owner, attribute name, label) of `targets` is its `timed` form (a property's getter
+    timed, as a property); the originals come back after. Wrapped, not mocked: the real call runs."""
+    saved = []
+    try:
+        for owner, name, label in targets:
+            real = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+            if isinstance(real, property):
+                setattr(owner, name, property(timed(seconds, calls, label, real.fget), doc=real.__doc__))
+            else:
+                setattr(owner, name, timed(seconds, calls, label, real))
+            saved.append((owner, name, real))
+        yield
+    finally:
+        for owner, name, real in reversed(saved):
+            setattr(owner, name, real)
 
 
 class Span:
