@@ -30,6 +30,7 @@ import io
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -123,16 +124,23 @@ def _real(cmd, env, cwd, timeout, dump_stacks) -> subprocess.CompletedProcess:
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        if dump_stacks:
-            for pid in _children(proc.pid):  # torchrun starts each rank in a session of its own
-                _signal(pid, signal.SIGABRT)
-            time.sleep(3)
-        _signal(-proc.pid, signal.SIGKILL)
-        for pid in _children(proc.pid):
-            _signal(-pid, signal.SIGKILL)
+        _stop(-proc.pid, _children(proc.pid), dump_stacks)  # torchrun starts each rank in a session of its own
         out, err = proc.communicate()
         raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _stop(launcher: int, ranks: list[int], dump_stacks: bool) -> None:
+    """A job past its timeout: with `dump_stacks` every rank gets SIGABRT first and 3 s (its faulthandler prints
+    where each thread waits); then SIGKILL for the launcher (`launcher`: a pid, or minus a process group) and for
+    each rank's session."""
+    if dump_stacks:
+        for pid in ranks:
+            _signal(pid, signal.SIGABRT)
+        time.sleep(3)
+    _signal(launcher, signal.SIGKILL)
+    for pid in ranks:
+        _signal(-pid, signal.SIGKILL)
 
 
 def _children(pid: int) -> list[int]:
@@ -231,15 +239,9 @@ class Zygote:
             self.close()
             return _real(cmd, env, cwd, timeout, dump_stacks)
         done = self._reply(timeout)
-        if done is None:  # past the timeout: stop the job as _torchrun does
+        if done is None:  # past the timeout: stopped as _real stops torchrun's job
             ranks = [int(p) for p in (out_dir / "ranks").read_text().split()] if (out_dir / "ranks").exists() else []
-            if dump_stacks:
-                for pid in ranks:
-                    _signal(pid, signal.SIGABRT)
-                time.sleep(3)
-            _signal(started["agent"], signal.SIGKILL)
-            for pid in ranks:
-                _signal(-pid, signal.SIGKILL)
+            _stop(started["agent"], ranks, dump_stacks)
             self._reply(30.0)
             out, err = _read(out_dir)
             raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err)
@@ -250,7 +252,10 @@ class Zygote:
 
 
 def _read(out_dir: Path) -> tuple[str, str]:
-    return tuple((out_dir / name).read_text(errors="backslashreplace") for name in ("stdout", "stderr"))
+    """The job's stdout and stderr; its folder goes (a suite runs hundreds of jobs)."""
+    out = tuple((out_dir / name).read_text(errors="backslashreplace") for name in ("stdout", "stderr"))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------------ zygote
