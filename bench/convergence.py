@@ -256,13 +256,14 @@ def plot(args) -> int:
         at = [r for r in runs if r["lr"] == lr]
         seeds = sorted({r["seed"] for r in at})
         fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-        for r in at:
+        smoothed = [smooth(r["loss"], r["iterations"]) for r in at]  # runs of two folders may share a name
+        for r, loss in zip(at, smoothed):
             shade = 1.0 - 0.45 * seeds.index(r["seed"]) / max(1, len(seeds) - 1)
             style = dict(color=colors.get(r["variant"], "black"), alpha=shade, linewidth=1.2,
                          label=f"{r['variant']}, seed {r['seed']}"
                                + (f" (stopped at {r['stopped']})" if r["stopped"] is not None else ""))  # fmt: skip
             mt = [t / 1e6 for t in r["tokens"]]
-            axes[0].plot(mt, smooth(r["loss"], r["iterations"]), **style)
+            axes[0].plot(mt, loss, **style)
             if r["validation"]:
                 axes[1].plot([t / 1e6 for t, _ in r["validation"]], [v for _, v in r["validation"]], marker="o",
                              markersize=3, **style)  # fmt: skip
@@ -271,9 +272,9 @@ def plot(args) -> int:
             ax.set_title(title)
             ax.set_xlabel("tokens (millions)")
             ax.grid(alpha=0.3)
-        smoothed = sorted(v for r in at for v in smooth(r["loss"], r["iterations"]) if math.isfinite(v))
-        if smoothed:  # the first steps' losses (the top 5%) off the scale, so that the differences show
-            axes[0].set_ylim(smoothed[0] * 0.97, smoothed[int(0.95 * (len(smoothed) - 1))] * 1.02)
+        shown = sorted(v for values in smoothed for v in values if math.isfinite(v))
+        if shown:  # the first steps' losses (the top 5%) off the scale, so that the differences show
+            axes[0].set_ylim(shown[0] * 0.97, shown[int(0.95 * (len(shown) - 1))] * 1.02)
         axes[2].set_yscale("log")
         axes[1].legend(fontsize=8)
         fig.suptitle(f"{len(at)} runs at lr {lr:g}")
