@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 import fp4_dist
-from fp4_dist.compute.copy import refresh_compute_copies
+from fp4_dist.tensor.copy import refresh_compute_copies
 from fp4_dist.kernels import reference
 from timing import Span, publish, require_gpu  # noqa: E402 - bench/timing.py, beside this script
 

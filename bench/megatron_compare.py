@@ -324,8 +324,8 @@ def table(rounds: list[dict[str, list]], fp4b, gather, pair: Paired) -> tuple[li
 def _lean_diagnostic(kind) -> tuple[dict, dict]:
     """Patch the lean mode for `--lean-diagnostic` (see its help); returns ({name: seconds}, {name: calls}),
     filled as the patched calls run."""
-    from fp4_dist.compute import lean, lean_claim, lean_order
-    from fp4_dist.megatron import layers
+    from fp4_dist.compute import lean, lean_order
+    from fp4_dist.megatron import layers, lean_claim
 
     seconds, calls = {}, {}
     if kind == "timers":  # layers.py calls compute_view by the name it imported

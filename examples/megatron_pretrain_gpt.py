@@ -553,7 +553,7 @@ def train(args, model, optimizer, scheduler, device, start_iteration: int) -> Ru
         from fp4_dist.megatron.parity import master_digest
 
         result.master_digest = master_digest(model.module, optimizer)
-    from fp4_dist.compute.copy import compute_copy_bytes
+    from fp4_dist.tensor.copy import compute_copy_bytes
 
     result.compute_copy_bytes = compute_copy_bytes(model.module)
     if device.type == "cuda":

@@ -10,10 +10,10 @@ A ZeRO-style cast of fp32 master shards into NVFP4 bytes runs the same stages wh
     partial_cast     the owned nibbles into the weights' bytes (or the caller's byte fragments)
 
 The three public casts differ only in what crosses ranks and where scales go, so they are thin adapters over
-`CastCore`: TransformerEngine's signature (`cast.py`: every tile amax, fused_scale; its calls first check that
-the ranks agree, `cast_agreement.py`),
-`Zero1Optimizer` (`sharded_cast.py`: tensor amaxes and the tiles cut by rank boundaries, owner_scales) and
-FSDP2 (`fp4_dist.fsdp.precompute`: tensor amaxes only, owner_scales over whole 16-row bands).
+`CastCore`: TransformerEngine's signature (`fp4_dist.cast.master_weights`: every tile amax, fused_scale; its calls
+first check that the ranks agree, `fp4_dist.cast.agreement`), `Zero1Optimizer` (`fp4_dist.cast.sharded`: tensor
+amaxes and the tiles cut by rank boundaries, owner_scales) and FSDP2 (`fp4_dist.fsdp.precompute`: tensor amaxes
+only, owner_scales over whole 16-row bands).
 
 Weights are grouped by (model dtype, numerics) because a stage launch takes one of each. All groups share one
 amax buffer, and so one all-reduce::

@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 import torch
 
 from .. import kernels
-from ..compute.copy import mark_pending
+from ..tensor.copy import mark_pending
 from ..format import DEFAULT_NUMERICS, MASTER_DTYPES, byte_window, check_even_boundary, check_weight_shape
 from ..shared_amax import group_of
 from ..tensor import NVFP4Tensor, is_nvfp4_tensor
@@ -183,7 +183,7 @@ def cast_master_weights_to_nvfp4(
     rely on every rank holding every scale before the gather.
     Raises ValueError/TypeError naming the weight, with no byte written, for bad shards, offsets, dtypes,
     devices, or non-finite master values (those at ``resolve()`` with `defer_check`, the weights written);
-    `fp4_dist.optim.RankMismatchError` on every rank when the ranks passed different weights or shards that do not
+    `fp4_dist.cast.RankMismatchError` on every rank when the ranks passed different weights or shards that do not
     cover each weight exactly once.
     """
     key = _call_key(model_weights, master_weights, start_offsets, fsdp_shard_model_weights, group)

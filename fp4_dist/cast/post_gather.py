@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from ..compute.copy import BoundRefresh
+from ..tensor.copy import BoundRefresh
 from ..format import has_columnwise
 from ..tensor import is_nvfp4_tensor
 from .core import BINDINGS

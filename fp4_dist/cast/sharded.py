@@ -35,7 +35,7 @@ from .. import kernels
 from ..buffers import ShardBuffer
 from ..buffers.layout import BufferLayout
 from ..buffers.tile_owners import TileExchange, tile_exchange
-from ..compute.copy import BoundRefresh, mark_pending
+from ..tensor.copy import BoundRefresh, mark_pending
 from ..tensor import NVFP4Tensor
 from .core import CastCore, CastPlan, plan_for, shard_bytes, weight_name
 from .collectives import CommStats, all_gather_inplace

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..tensor import NVFP4Tensor
-from ..tensor_ops import ALIAS_FORMAT
+from ..tensor.ops import ALIAS_FORMAT
 
 
 def alias_onto(w: NVFP4Tensor, memory: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Lean compute: a layer's model-dtype copy of its NVFP4 weight exists only around its use.
 
-With ``compute_copy=False`` a weight keeps no copy between updates (`fp4_dist.compute.copy`). An `NVFP4Linear` or
+With ``compute_copy=False`` a weight keeps no copy between updates (`fp4_dist.tensor.copy`). An `NVFP4Linear` or
 a Megatron parallel linear then computes as follows, with the same values and the same GEMMs as with a kept copy,
 so losses and gradients are bitwise those of the default mode:
 
@@ -38,7 +38,7 @@ import torch
 from .. import kernels
 from ..tensor import NVFP4Tensor
 from .alias import alias_onto
-from .copy import bound, rowwise_fields, version_key
+from ..tensor.copy import bound, rowwise_fields, version_key
 from .lean_order import BWD, FWD, ORDER, Batch
 from .pool import POOL, Buffer, copy_token, use_count
 

@@ -9,7 +9,7 @@ never a value.
 from __future__ import annotations
 
 from .. import kernels
-from .copy import bound
+from ..tensor.copy import bound
 from .pool import POOL, copy_token
 
 # A lean use is made in one of two directions: a forward, or a backward writing its copy again.

@@ -21,7 +21,7 @@ import weakref
 import torch
 
 from .._user import user_stacklevel
-from .copy import version_key
+from ..tensor.copy import version_key
 
 
 _STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)

@@ -39,7 +39,7 @@ from torch import nn
 from ..tensor import NVFP4Tensor
 from . import lean
 from .alias import alias_onto
-from .copy import refresh_compute_copies, version_key
+from ..tensor.copy import refresh_compute_copies, version_key
 
 _ATTR = "_fp4_compute_view"
 

@@ -25,7 +25,7 @@ Two forms per stage:
   tensors and are never cached here.
 
 Every stage bumps the version counters of the tensors it writes, as a torch op would: autograd then refuses a
-stale saved tensor, and compute copies (`fp4_dist.compute.copy`) see that bytes changed.
+stale saved tensor, and compute copies (`fp4_dist.tensor.copy`) see that bytes changed.
 """
 
 from __future__ import annotations

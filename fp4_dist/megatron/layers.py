@@ -5,7 +5,7 @@ from __future__ import annotations
 from .. import tensor as _tensor
 from ..compute.view import compute_view, forget
 from ..compute.lean import is_lean
-from ..compute.lean_claim import claim, lean_call_refilled
+from .lean_claim import claim, lean_call_refilled
 
 
 def make_forward_impl(original):

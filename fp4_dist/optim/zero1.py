@@ -542,7 +542,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
     def param_memory_bytes(self) -> Dict[str, int]:
         """Bytes this rank holds for the model's parameters: {"nvfp4": the packed gather buffer, "dense": the
         dense params' buffers, "compute_copies": the NVFP4 weights' model-dtype compute copies}."""
-        from ..compute.copy import compute_copy_bytes
+        from ..tensor.copy import compute_copy_bytes
 
         nbytes = {True: 0, False: 0}
         for sec in self._sections:

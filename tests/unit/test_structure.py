@@ -1,5 +1,8 @@
 """The package's import graph: no module imports one that imports it back (directly or through others), at module
-level or inside a function, and nothing below the trainers imports them (the cast does not import optim/)."""
+level or inside a function, and every import points down the layers of `LAYERS` (the storage knows nothing of what
+computes with it, the cast nothing of the trainers)."""
+
+
 
 from __future__ import annotations
 
@@ -75,11 +78,44 @@ def test_no_module_imports_one_that_imports_it_back():
     assert not cycles, f"import cycles: {cycles}"
 
 
-def test_the_layers_below_the_trainers_do_not_import_them():
+# The package's layers, bottom first. A module imports only from layers below its own (and from its own package):
+# the storage (`tensor`) knows nothing of what computes with it, the cast nothing of the trainers.
+LAYERS = (
+    ("format", "_user", "compare", "_moved"),
+    ("kernels", "shared_amax", "launch"),
+    ("buffers",),
+    ("tensor",),
+    ("quantize", "compute", "cast"),
+    ("convert", "testing"),
+    ("optim", "fsdp", "export", "megatron", "examples"),
+)
+
+
+def _unit(module: str) -> str:
+    """The top-level unit of `module` below fp4_dist ('' for the package itself)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_every_module_sits_in_a_layer():
+    layered = {u for layer in LAYERS for u in layer}
+    missing = sorted({_unit(m) for m in _modules()} - layered - {""})
+    assert not missing, f"units of fp4_dist in no layer of LAYERS (add them where their imports put them): {missing}"
+
+
+def test_no_module_imports_from_a_layer_above_or_beside_its_own():
     modules = _modules()
-    below = ("fp4_dist.format", "fp4_dist.kernels", "fp4_dist.buffers", "fp4_dist.tensor", "fp4_dist.compute",
-             "fp4_dist.cast", "fp4_dist.quantize", "fp4_dist.shared_amax")  # fmt: skip
-    trainers = ("fp4_dist.optim", "fp4_dist.fsdp", "fp4_dist.megatron", "fp4_dist.export")
-    wrong = [(m, t) for m, p in modules.items() if m.startswith(below)
-             for t in _imports(m, p, modules) if t.startswith(trainers)]  # fmt: skip
-    assert not wrong, f"imports of a trainer from below it: {wrong}"
+    level = {u: i for i, layer in enumerate(LAYERS) for u in layer}
+    wrong = []
+    for m, p in modules.items():
+        if _unit(m) == "":  # the package's face imports what it exports
+            continue
+        for t in _imports(m, p, modules):
+            if _unit(t) != _unit(m) and level[_unit(t)] >= level[_unit(m)]:
+                wrong.append(f"{m} (layer {level[_unit(m)]}) imports {t} (layer {level[_unit(t)]})")
+    assert not wrong, "imports that do not point down:\n" + "\n".join(sorted(wrong))
+
+
+def test_the_package_root_holds_at_most_ten_modules():
+    root = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
+    assert len(root) <= 10, f"{len(root)} modules in fp4_dist/ (at most 10: give new ones a package): {root}"

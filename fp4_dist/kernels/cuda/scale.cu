@@ -114,7 +114,7 @@ template __global__ void fused_scale_kernel<NumericsTe>(const ScaleDesc*, const 
 template __global__ void fused_scale_kernel<NumericsTe214>(const ScaleDesc*, const i64*, int, const float*, float*);
 
 // ---------------------------------------------------------------------------------------------------------
-// The compact scale exchange (ZeRO, fp4_dist.optim.sharded_cast). Every tile has one owner: the rank that owns
+// The compact scale exchange (ZeRO, fp4_dist.cast.sharded). Every tile has one owner: the rank that owns
 // its first element. A rank's amaxes are complete on every tile its shard touches (tiles it owns whole, and
 // tiles cut by a rank boundary, whose amaxes were all-reduced), so it can:
 //   owner_scales:  encode multipliers of the tiles its shard touches (for partial_cast), the scale bytes of

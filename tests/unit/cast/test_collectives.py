@@ -1,4 +1,4 @@
-"""fp4_dist/optim/collectives.py without an initialised process group: one rank, local copies, no calls."""
+"""`fp4_dist.cast.collectives` without an initialised process group: one rank, local copies, no calls."""
 
 import pytest
 import torch

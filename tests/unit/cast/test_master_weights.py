@@ -1,6 +1,6 @@
-"""fp4_dist/optim/cast.py in one process: cast of master shards, validation, post-all-gather processing.
+"""`fp4_dist.cast.master_weights` in one process: cast of master shards, validation, post-all-gather processing.
 
-The multi-rank parity (amaxes merged by the all-reduce) is in tests/distributed/parity_cast.py.
+The multi-rank parity (amaxes merged by the all-reduce) is in tests/distributed/suite_cast.py.
 """
 
 import random

@@ -1,4 +1,4 @@
-"""fp4_dist/optim/sharded_cast.py (ShardedCast) and the bound-cast cache of cast_master_weights_to_nvfp4, in one
+"""`fp4_dist.cast.sharded.ShardedCast` and the bound-cast cache of cast_master_weights_to_nvfp4, in one
 process. Multi-rank parity of ShardedCast (ws 1-6, gloo) is in tests/distributed/suite_cast.py and suite_train.py.
 """
 

@@ -58,7 +58,7 @@ def test_clone_and_deepcopy_still_copy_every_field():
 
 
 def test_the_alias_format_alone_gives_nan_not_stale_memory():
-    from fp4_dist.tensor_ops import ALIAS_FORMAT
+    from fp4_dist.tensor.ops import ALIAS_FORMAT
 
     placeholder = _weight().clone(memory_format=ALIAS_FORMAT)
     assert type(placeholder) is torch.Tensor and bool(placeholder.detach().isnan().all())

@@ -1,5 +1,5 @@
-"""fp4_dist/compute/copy.py: ops on an NVFP4 weight read a copy made once per change of its bytes, never a
-stale one, whatever route changed the bytes (CPU; the GPU kernel's bytes are in kernels/test_dequantize.py)."""
+"""`fp4_dist.tensor.copy`: ops on an NVFP4 weight read a copy made once per change of its bytes, never a
+stale one, whatever route changed the bytes (CPU; the GPU kernel's bytes are in kernels/test_stages_dequantize.py)."""
 
 import io
 import warnings
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fp4_dist
-from fp4_dist.compute.copy import compute_copy_bytes, refresh_compute_copies
+from fp4_dist.tensor.copy import compute_copy_bytes, refresh_compute_copies
 from fp4_dist.optim import Zero1Config, Zero1Optimizer
 from fp4_dist.cast import cast_master_weights_to_nvfp4, post_all_gather_processing
 from fp4_dist.testing import assert_bytes_equal, random_weight
@@ -260,7 +260,7 @@ def test_tes_manual_false_refreshes_the_copy_at_the_first_use_after_the_cast_onc
     import fp4_dist.tensor
 
     refreshes = []
-    for module in (fp4_dist.compute.view, fp4_dist.tensor):
+    for module in (fp4_dist.compute.view, fp4_dist.tensor.nvfp4):
         real = module.refresh_compute_copies
         monkeypatch.setattr(module, "refresh_compute_copies", lambda ws, real=real: (refreshes.append(1), real(ws)))
     lin = nvfp4_linear()

@@ -13,8 +13,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import fp4_dist
-from fp4_dist.compute import lean, lean_claim, pool
-from fp4_dist.compute.copy import compute_copy_bytes
+from fp4_dist.compute import lean, pool
+from fp4_dist.megatron import lean_claim
+from fp4_dist.tensor.copy import compute_copy_bytes
 from fp4_dist.compute.pool import held_copies
 from fp4_dist.optim import Zero1Optimizer
 
@@ -354,7 +355,7 @@ def _write_unversioned(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def test_bytes_an_all_gather_writes_after_a_cast_are_seen_though_no_version_moves():
-    from fp4_dist.compute.copy import mark_pending
+    from fp4_dist.tensor.copy import mark_pending
 
     net = build(lean=True)
     lin = net.blocks[0].up

@@ -1,14 +1,14 @@
 """NVFP4Tensor: a container for one NVFP4 2D weight that PyTorch modules can use as a parameter.
 
-It reports the logical shape [M, K] and the model dtype (bf16 by default) and holds the packed fields of
-`format.py`. Ops fall in three groups, all routed through the op table (`tensor_ops.py`):
+It reports the logical shape [M, K] and the model dtype (bf16 by default) and holds the packed fields
+`fp4_dist.format` lays out. Ops fall in three groups, all routed through the op table (`fp4_dist.tensor.ops`):
 
 - storage-preserving (detach, alias, clone, _to_copy to another device, copy_): keep the packed form;
   `copy_` from a high-precision tensor re-quantizes in place, keeping every field's storage (the rowwise bytes
   may be a view into a data-parallel all-gather buffer);
 - in-place ops that would reinterpret or mutate the packed bytes: NotImplementedError naming the op;
 - everything else (linear, matmul, t, ...): runs on the weight's value in the model dtype, so autograd hands a
-  plain [M, K] gradient to the parameter. That value is the weight's compute copy (`fp4_dist.compute.copy`):
+  plain [M, K] gradient to the parameter. That value is the weight's compute copy (`fp4_dist.tensor.copy`):
   dequantized once per change of the bytes, not once per use.
 """
 
@@ -18,9 +18,9 @@ from typing import Callable, Optional
 
 import torch
 
-from . import kernels
-from .compute.copy import ComputeCopy, refresh_compute_copies
-from .format import (
+from .. import kernels
+from .copy import ComputeCopy, refresh_compute_copies
+from ..format import (
     DEFAULT_NUMERICS,
     MODEL_DTYPES,
     check_numerics,
@@ -32,8 +32,8 @@ from .format import (
     rowwise_data_shape,
     rowwise_scale_shape,
 )
-from .shared_amax import group_amax, group_of
-from .tensor_ops import NO_KWARGS, OPS, compute, refuse
+from ..shared_amax import group_amax, group_of
+from .ops import NO_KWARGS, OPS, compute, refuse
 
 aten = torch.ops.aten
 
@@ -169,7 +169,7 @@ class NVFP4Tensor(torch.Tensor):
 
     @property
     def copy_state(self) -> ComputeCopy:
-        """The state of this weight's compute copy, shared by its aliases (`fp4_dist.compute.copy` keeps it)."""
+        """The state of this weight's compute copy, shared by its aliases (`fp4_dist.tensor.copy` keeps it)."""
         return self._compute_copy
 
     @property
@@ -325,8 +325,11 @@ def _rebuild(shape, dtype, fields, numerics, requires_grad, compute_copy=True):
                        compute_copy=compute_copy)  # fmt: skip
 
 
-# torch.load's default weights_only unpickler calls only allow-listed functions; the rebuild takes plain tensors,
-# a dtype, a shape tuple and a string, so it is as safe as loading those.
+# Pickles name the rebuild by module path: `fp4_dist.tensor._rebuild`, the package that re-exports it, so files
+# saved by any version of the package load alike. torch.load's default weights_only unpickler calls only
+# allow-listed functions; the rebuild takes plain tensors, a dtype, a shape tuple and a string, so it is as safe as
+# loading those.
+_rebuild.__module__ = "fp4_dist.tensor"
 torch.serialization.add_safe_globals([_rebuild])
 
 

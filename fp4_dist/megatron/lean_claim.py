@@ -14,11 +14,11 @@ from typing import Callable
 import torch
 
 from ..tensor import NVFP4Tensor
-from .alias import alias_onto
-from .copy import bound
-from .lean import LeanView, lean_call, lean_view, raise_changed, stamp, weight_name
-from .lean_order import BWD
-from .pool import POOL, copy_token
+from ..compute.alias import alias_onto
+from ..tensor.copy import bound
+from ..compute.lean import LeanView, lean_call, lean_view, raise_changed, stamp, weight_name
+from ..compute.lean_order import BWD
+from ..compute.pool import POOL, copy_token
 
 # The id of the backward pass this thread runs in, -1 outside one.
 _graph_task_id = torch._C._current_graph_task_id
