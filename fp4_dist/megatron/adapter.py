@@ -108,6 +108,10 @@ HOOKS: tuple[Hook, ...] = (
     Hook((_DDP,), "DistributedDataParallel.__init__", startup.make_ddp_init,
          "NVFP4 weights with fp4_param_gather or the distributed optimizer off would sit in the bf16 buffer and "
          "never be cast from the updated masters (they silently stop training): refused at construction"),
+    Hook((_DO,), "DistributedOptimizer.__init__", startup.make_distrib_optimizer_init,
+         "upstream clears a quantized weight's high-precision init value only where its rank owns a piece of it "
+         "(DO 431-439): the bf16 init of a weight owned by other data-parallel ranks stayed alive all run (half the "
+         "bf16 weights at dp 2, 3/4 at dp 4); every NVFP4 weight's is released once the masters are built"),
     Hook((_DO,), "DistributedOptimizer._set_main_param_and_optimizer_states", checkpoint.make_set_states,
          "loading Megatron's own dp_zero optimizer checkpoint (load_parameter_state) with the torch.optim "
          "fallback raises KeyError('step') (DO 1219-1226); keys the file lacks keep their restored value"),

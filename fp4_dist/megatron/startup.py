@@ -140,6 +140,17 @@ def make_ddp_init(original):
 
 
 
+def make_distrib_optimizer_init(original):
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        from .model import release_init_values
+
+        # Every parameter of the optimizer's buffers, not only those this rank owns a piece of.
+        release_init_values(p for buffer in self.buffers for p in buffer.params)
+
+    return __init__
+
+
 def _convert_before_ddp(chunks, ddp_config, data_parallel: str) -> None:
     """Make the linear weights of every model chunk NVFP4 parameters when the run asks for
     ``--fp4-param-gather``: the moment is Megatron's own, after ``.cuda()`` / Float16Module (which would swap the

@@ -8,8 +8,9 @@ data-parallel sizes 2, 3 and 4 (hidden 48, 4 heads of 12 channels, 1 KV group, f
 proj [48, 48], fc1 [64, 48], fc2 [48, 64]).
 
   parity    after every step, every rank's gathered NVFP4 bytes (rowwise, scales, amax, columnwise) equal
-            quantize(full fp32 master); the real buffers' packed layout has no stale byte; overlap of the
-            param gather and grad reduce off, then on with several buckets and bf16 first/last layers.
+            quantize(full fp32 master); the real buffers' packed layout has no stale byte; no weight keeps its
+            bf16 init value past setup; overlap of the param gather and grad reduce off, then on with several
+            buckets and bf16 first/last layers.
   upstream  the same with megatron-core's own packed layout: stale bytes in the buffers, and the step-1 check
             fails (the bug this integration fixes, reproduced with Megatron's code).
   resume    N steps + save + load + M steps == N + M steps: losses, fp32 masters, Adam state, NVFP4 bytes.
@@ -81,6 +82,10 @@ def suite_parity(t: Suite) -> None:
         stale = sum(stale_packed_bytes(b) for b in bufs)
         t.check(bool(bufs) and stale == 0, f"{name}: {len(bufs)} NVFP4 buffers, {stale} stale bytes")
         t.check(result.nvfp4_weights == 4, f"{name}: {result.nvfp4_weights} NVFP4 weights, expected 4")
+        # The bf16 init values serve the masters' construction only: a weight owned whole by another rank keeps
+        # none either (upstream clears only the ones its rank owns a piece of).
+        held = [n for n, p in s.model.module.named_parameters() if "_fp4_dist_init_value" in p.__dict__]
+        t.check(not held, f"{name}: NVFP4 weights still holding their bf16 init value after setup: {held}")
         t.check(all(l == l for l in result.losses), f"{name}: non-finite loss {result.losses}")
         t.results[name] = {"checks": checks, "buckets": sum(len(b.buckets) for b in bufs),
                            "losses": result.losses}
