@@ -39,6 +39,7 @@ from .startup import refuse_unsupported_args  # noqa: F401
 _PGB = "megatron.core.distributed.param_and_grad_buffer"
 _DO = "megatron.core.optimizer.distrib_optimizer"
 _OPT = "megatron.core.optimizer.optimizer"
+_CLIP = "megatron.core.optimizer.clip_grads"
 _FP4 = "megatron.core.fp4_utils"
 _FP8 = "megatron.core.fp8_utils"
 _DDP = "megatron.core.distributed.distributed_data_parallel"
@@ -121,6 +122,10 @@ HOOKS: tuple[Hook, ...] = (
     Hook((_OPT,), "MegatronOptimizer._filter_grads_for_norm", gradnorm.make_filter_grads_for_norm,
          "sum the gradient norm in the model's parameter order, not the per-dtype buffers' (OPT 231-278): the clip "
          "coefficient of an fp4 run then equals its bf16 and fake-quantization runs' at data-parallel size 1"),
+    Hook((_CLIP,), "l2_norm_impl", gradnorm.make_l2_norm,
+         "without TE or Apex the fallback l2 norm reads every gradient tensor's norm to the host (utils 1331: one "
+         "device sync each; 63 per step at GPT 4096 TP 2 x DP 2 with --fp4-param-gather, 40 in bf16): the same "
+         "norms read in one copy and reduced on the host as upstream does, the same bits; TE's or Apex's kernel stays"),
     Hook((_DO,), "DistributedOptimizer._is_distopt_quantized_param", buffers.make_is_distopt_quantized,
          "false for fp4_dist.NVFP4Tensor without reading `param.data` (an alias through Python dispatch, for every "
          "NVFP4 weight in every step's _copy_main_params_to_model_params; DO 1125-1127, 2868): same answer"),
