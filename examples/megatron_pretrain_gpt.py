@@ -397,6 +397,9 @@ class RunResult:
     """Bytes of the NVFP4 weights' compute copies at the end of the run (next to the param buffers)."""
     peak_allocated_bytes: int = 0
     """CUDA: the most memory torch had allocated on this rank's device during the iterations (0 on CPU)."""
+    start_allocated_bytes: int = 0
+    """CUDA: memory torch had allocated when the first iteration began (model, buffers, optimizer state made at
+    setup; 0 on CPU)."""
     checkpoints: list[str] = field(default_factory=list)
     master_digest: Optional[str] = None
     validation: list = field(default_factory=list)
@@ -526,6 +529,7 @@ def train(args, model, optimizer, scheduler, device, start_iteration: int) -> Ru
     iteration = start_iteration
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        result.start_allocated_bytes = torch.cuda.memory_allocated(device)
     try:
         for iteration in range(start_iteration + 1, args.train_iters + 1):
             go_on = _train_iteration(args, iteration, tokens, plan, model, optimizer, scheduler, device, result)

@@ -48,6 +48,9 @@ def test_megatron_benches_run_paired_and_profiled():
     _ran(paired, "lean vs plain bf16, paired", "(diagnostic) phases, fp4", "host in lean forward uses")
     profiled = _bench("bench/megatron_profile.py", "--model", "tiny", "--steps", "8", "--phases", ranks=2)
     _ran(profiled, "| cast (host, launches, its non-finite check) |", "| post-all-gather refresh |")
+    memory = _bench("bench/megatron_compare.py", "--tiny", "--memory-only", "lean", "--steps", "3",
+                    "--cast-diagnostic", "noread", ranks=2)  # fmt: skip
+    _ran(memory, "memory lean: peak allocated", "lean pool")
 
 
 def test_traffic_and_projection_print_their_tables():
@@ -55,7 +58,7 @@ def test_traffic_and_projection_print_their_tables():
     _ran(_bench("bench/projection.py", "--ranks", "8", "64"), "7B-class")
 
 
-@pytest.mark.parametrize("script", ["kernels.py", "linear.py", "host_per_use.py", "zero1_stack.py"])
+@pytest.mark.parametrize("script", ["kernels.py", "linear.py", "host_per_use.py", "zero1_stack.py", "lean_l2.py"])
 def test_gpu_only_benches_say_they_need_a_gpu(script):
     proc = _bench(f"bench/{script}")
     assert proc.returncode != 0
