@@ -16,7 +16,9 @@ Folder layout (names follow Megatron's ``--ckpt-format torch`` so the files are 
 
 The fp32 masters are the source of truth. Loading restores them and then re-casts every NVFP4 weight from
 them and all-gathers (the same path as an optimizer step), so the bytes equal those of the run that saved;
-`load_checkpoint` checks that against ``model.pt`` and raises if not.
+`load_checkpoint` checks that against ``model.pt`` and raises if not. It reads every file weights-only, so a
+checkpoint from elsewhere runs no code: one that holds anything but tensors, plain values and NumPy's RNG state is
+refused (``--trust-checkpoint`` / ``trusted=True`` unpickles it in full).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch.distributed as dist
 
 from fp4_dist.tensor import is_nvfp4_tensor
 from fp4_dist.compare import bytes_mismatch
+from fp4_dist.safe_load import load_checkpoint_file
 
 LATEST = "latest_checkpointed_iteration.txt"
 
@@ -72,6 +75,17 @@ def compare_model_state(model: torch.nn.Module, saved: dict[str, Any]) -> list[s
                  if isinstance(a, dict) else [(name, a, b)])
         problems += [m for label, x, y in pairs if (m := bytes_mismatch(x, y, label))]
     return problems
+
+
+def _numpy_rng_globals() -> tuple:
+    """What pickle names for NumPy's RNG state (``np.random.get_state()``, whose keys are a uint32 array): the
+    array's rebuild function, ndarray, dtype and the uint32 dtype class."""
+    keys = np.random.get_state()[1]
+    return keys.__reduce__()[0], np.ndarray, np.dtype, type(keys.dtype)
+
+
+NUMPY_RNG_GLOBALS = _numpy_rng_globals()
+"""What ``rng.pt`` may hold beyond torch's own types."""
 
 
 def _rng_state() -> dict[str, Any]:
@@ -124,18 +138,27 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, run_
     return folder
 
 
-def load_checkpoint(root: str, model, optimizer, scheduler, run_config: dict) -> int:
+def load_checkpoint(root: str, model, optimizer, scheduler, run_config: dict, *, trusted: bool = False) -> int:
     """Restore the latest checkpoint under ``root`` (collective); returns its iteration.
 
+    ``common.pt``, ``rng.pt`` and ``model.pt`` are read weights-only, before anything is restored: they may hold
+    tensors, numbers, strings and containers, and ``rng.pt`` NumPy's RNG state (`NUMPY_RNG_GLOBALS`);
+    ``distrib_optim.pt`` is read by Megatron's ``load_parameter_state``, weights-only too (torch.load's default).
+    ``trusted`` unpickles the first three in full, which runs any code stored in them: only for a checkpoint you
+    made or whose source you trust.
+
     Raises:
-        FileNotFoundError if there is none; ValueError if the model configuration differs from the one saved
-        or the re-cast weights do not reproduce the saved ones.
+        FileNotFoundError if there is none; UnsafeCheckpointError (a ValueError) naming the file and what it asked
+        for when one holds anything else; ValueError if the model configuration differs from the one saved or the
+        re-cast weights do not reproduce the saved ones.
     """
     iteration = latest_iteration(root)
     if iteration is None:
         raise FileNotFoundError(f"--load {root}: no {LATEST} there; nothing to resume")
     folder = iteration_dir(root, iteration)
-    common = torch.load(folder / "common.pt", weights_only=False)
+    common = load_checkpoint_file(folder / "common.pt", trusted=trusted)
+    rng = load_checkpoint_file(folder / "rng.pt", NUMPY_RNG_GLOBALS, trusted=trusted)
+    saved_model = load_checkpoint_file(folder / "model.pt", trusted=trusted)
     changed = {k: (common["config"].get(k), v) for k, v in run_config.items() if common["config"].get(k) != v}
     if changed:
         raise ValueError(f"--load {folder}: checkpoint was written with a different configuration "
@@ -143,7 +166,6 @@ def load_checkpoint(root: str, model, optimizer, scheduler, run_config: dict) ->
     optimizer.load_state_dict(common["optimizer"])
     optimizer.load_parameter_state(str(folder / "distrib_optim.pt"))
     scheduler.load_state_dict(common["scheduler"])
-    rng = torch.load(folder / "rng.pt", weights_only=False)
     if rng["world_size"] == dist.get_world_size():
         _set_rng_state(rng["states"][dist.get_rank()])
     elif dist.get_rank() == 0:  # per-rank streams cannot map onto another number of ranks
@@ -151,7 +173,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, run_config: dict) ->
               "masters, optimizer state and LR schedule are restored bit for bit; RNG streams start from --seed",
               flush=True)
     recast_model_params(model, optimizer)
-    problems = compare_model_state(model.module, torch.load(folder / "model.pt", weights_only=False))
+    problems = compare_model_state(model.module, saved_model)
     if problems:
         raise ValueError(f"--load {folder}: weights re-cast from the loaded masters differ from the saved model: "
                          + "; ".join(problems[:5]))

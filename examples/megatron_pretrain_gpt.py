@@ -117,6 +117,10 @@ def add_fp4_dist_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--fp4-columnwise", action="store_true",
                        help="also build the columnwise NVFP4 copies after every param all-gather, as "
                             "TransformerEngine does (nothing in this compute path reads them)")
+    group.add_argument("--trust-checkpoint", action="store_true",
+                       help="unpickle --load's files in full, which runs any code stored in them: only for a "
+                            "checkpoint you made or whose source you trust (default: read weights-only, and refuse a "
+                            "file that holds anything but tensors, plain values and NumPy's RNG state)")
     return parser
 
 
@@ -666,7 +670,8 @@ def setup(argv: Optional[Sequence[str]] = None) -> Session:
     if args.load:
         from .megatron_checkpoint import load_checkpoint
 
-        session.start_iteration = load_checkpoint(args.load, model, optimizer, scheduler, _run_config(args))
+        session.start_iteration = load_checkpoint(args.load, model, optimizer, scheduler, _run_config(args),
+                                                  trusted=args.trust_checkpoint)
         if dist.get_rank() == 0:
             print(f"resumed from {args.load} at iteration {session.start_iteration}", flush=True)
     return session

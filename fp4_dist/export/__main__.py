@@ -1,4 +1,4 @@
-"""python -m fp4_dist.export megatron SAVE_DIR OUT_DIR [--iteration N] [--max-shard-bytes B]
+"""python -m fp4_dist.export megatron SAVE_DIR OUT_DIR [--iteration N] [--max-shard-bytes B] [--trust-checkpoint]
 
 Export the NVFP4 weights of a Megatron checkpoint (written with --save SAVE_DIR --ckpt-format torch by a run through
 fp4_dist.megatron.run or the example trainer) as a compressed-tensors checkpoint folder that vLLM serves and
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..safe_load import UnsafeCheckpointError
 from .ct_format import DEFAULT_SHARD_BYTES
 from .save import export_megatron_checkpoint
 
@@ -28,9 +29,16 @@ def main(argv=None) -> int:
                      help="the iteration to export (default: the latest)")
     meg.add_argument("--max-shard-bytes", type=int, default=DEFAULT_SHARD_BYTES, metavar="B",
                      help=f"largest safetensors shard in bytes (default {DEFAULT_SHARD_BYTES})")
+    meg.add_argument("--trust-checkpoint", action="store_true",
+                     help="unpickle the checkpoint in full, which runs any code stored in it: only for a checkpoint "
+                     "you made or whose source you trust (default: read weights-only, and refuse a file that holds "
+                     "anything but tensors, NVFP4 weights and what Megatron's own loader allows)")
     args = p.parse_args(argv)
-    report = export_megatron_checkpoint(args.save_dir, args.out_dir, iteration=args.iteration,
-                                        max_shard_bytes=args.max_shard_bytes)  # fmt: skip
+    try:
+        report = export_megatron_checkpoint(args.save_dir, args.out_dir, iteration=args.iteration,
+                                            max_shard_bytes=args.max_shard_bytes, trusted=args.trust_checkpoint)
+    except UnsafeCheckpointError as e:
+        p.exit(1, f"python -m fp4_dist.export: {e}\n")
     print(report)
     return 0
 

@@ -21,6 +21,8 @@ from torch import nn
 
 from ..convert import weight_owners
 from ..kernels import reference
+from ..megatron.safe_globals import megatron_checkpoint_globals
+from ..safe_load import load_checkpoint_file
 from ..cast.collectives import in_distributed_job, rank_and_size
 from ..quantize import quantize
 from ..shared_amax import group_amax, sibling_groups
@@ -134,7 +136,8 @@ def export_compressed_tensors(model: nn.Module, out_dir, *, config: Any = None,
 
 
 def export_megatron_checkpoint(save_dir, out_dir, *, iteration: Optional[int] = None,
-                               max_shard_bytes: int = ct_format.DEFAULT_SHARD_BYTES) -> ExportReport:  # fmt: skip
+                               max_shard_bytes: int = ct_format.DEFAULT_SHARD_BYTES,
+                               trusted: bool = False) -> ExportReport:  # fmt: skip
     """Export the weights of a Megatron checkpoint with NVFP4 weights under Megatron's parameter names
     (``decoder.layers.0.self_attention.linear_qkv.weight_packed``, ...): its fused linear_qkv and linear_fc1 each
     hold one amax, so one global scale. No architecture mapping is applied; the config.json holds only the
@@ -145,12 +148,21 @@ def export_megatron_checkpoint(save_dir, out_dir, *, iteration: Optional[int] = 
     `examples/megatron_pretrain_gpt.py`. Megatron synchronises the parameter all-gather before it saves, so the
     weights there are the gathered ones.
 
+    The files are read weights-only (`fp4_dist.safe_load.load_checkpoint_file`): ``model.pt`` may hold tensors and
+    plain values (numbers, strings, tuples, dicts), ``model_optim_rng.pt`` also what megatron-core's own loader allows
+    (`fp4_dist.megatron.safe_globals.megatron_checkpoint_globals`) and NVFP4 weights.
+
     Args:
         save_dir: the ``--save`` folder (with latest_checkpointed_iteration.txt) or one ``iter_*`` folder.
         iteration: which iteration of `save_dir` (default: the latest).
+        trusted: unpickle the checkpoint in full, which runs any code it holds: only for a checkpoint you made
+            or whose source you trust.
+    Raises:
+        UnsafeCheckpointError (a ValueError) naming the file and what it asked for, when the checkpoint holds
+        anything else; nothing is written then.
     """
     folder = _megatron_iteration_dir(Path(save_dir), iteration)
-    entries = _megatron_entries(folder)
+    entries = _megatron_entries(folder, trusted)
     report = ExportReport(str(out_dir))
     tensors, amaxes, _ = _encode(entries, set(), report)
     targets = sorted(ct_format.module_of(n) for n in report.nvfp4)
@@ -176,11 +188,11 @@ def _megatron_iteration_dir(root: Path, iteration: Optional[int]) -> Path:
     return folder
 
 
-def _megatron_entries(folder: Path) -> dict:
+def _megatron_entries(folder: Path, trusted: bool) -> dict:
     """{name: NVFP4Entry | tensor} of one Megatron iteration folder (either format)."""
     if (folder / "model.pt").is_file():  # examples/megatron_checkpoint.py: packed fields as dicts
         entries = {}
-        for name, v in torch.load(folder / "model.pt", map_location="cpu", weights_only=False).items():
+        for name, v in load_checkpoint_file(folder / "model.pt", trusted=trusted).items():
             if isinstance(v, dict):
                 dtype = getattr(torch, str(v["dtype"]).removeprefix("torch."))
                 entries[name] = NVFP4Entry(v["rowwise_data"], v["rowwise_scale_inv"], v["amax"], dtype)
@@ -192,7 +204,8 @@ def _megatron_entries(folder: Path) -> dict:
         raise ValueError(f"{folder}: expected one mp_rank_00/model_optim_rng.pt (Megatron's --ckpt-format torch at "
                          f"tensor and pipeline parallel size 1), found {[r.name for r in ranks]}: a tensor- or "
                          "pipeline-parallel checkpoint holds slices of the weights, which this export does not join")
-    state = torch.load(ranks[0] / "model_optim_rng.pt", map_location="cpu", weights_only=False)["model"]
+    path = ranks[0] / "model_optim_rng.pt"
+    state = load_checkpoint_file(path, megatron_checkpoint_globals(path), trusted=trusted)["model"]
     entries = {}
     for name, v in state.items():
         if is_nvfp4_tensor(v):

@@ -107,7 +107,7 @@ def suite_upstream(t: Suite) -> None:
 
 
 def _load(path: Path):
-    return torch.load(path, weights_only=False)
+    return torch.load(path, weights_only=True)
 
 
 def _walk(x, prefix=""):

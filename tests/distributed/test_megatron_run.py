@@ -106,9 +106,12 @@ def assert_exports_the_saved_weights(folder: Path, out: Path) -> None:
                           env=_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0 and "exported 8 NVFP4 weights" in proc.stdout, proc.stdout + proc.stderr[-3000:]
     from fp4_dist.export import ct_format
+    from fp4_dist.megatron.safe_globals import megatron_checkpoint_globals
+    from fp4_dist.safe_load import load_checkpoint_file
 
     tensors, amaxes, _ = ct_format.read_checkpoint(out)
-    saved = torch.load(folder / "mp_rank_00" / "model_optim_rng.pt", map_location="cpu", weights_only=False)["model"]
+    path = folder / "mp_rank_00" / "model_optim_rng.pt"
+    saved = load_checkpoint_file(path, megatron_checkpoint_globals(path))["model"]
     qkv = saved["decoder.layers.1.self_attention.linear_qkv.weight"]
     assert torch.equal(tensors["decoder.layers.1.self_attention.linear_qkv.weight_packed"], qkv.rowwise_data)
     assert amaxes["decoder.layers.1.self_attention.linear_qkv.weight"] == float(qkv.amax)

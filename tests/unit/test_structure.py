@@ -85,9 +85,10 @@ LAYERS = (
     ("kernels", "shared_amax", "launch"),
     ("buffers",),
     ("tensor",),
-    ("quantize", "compute", "cast"),
+    ("quantize", "compute", "cast", "safe_load"),
     ("convert", "testing"),
-    ("optim", "fsdp", "export", "megatron", "examples"),
+    ("optim", "fsdp", "megatron", "examples"),
+    ("export",),  # reads what every trainer saved (Megatron's checkpoints name Megatron's classes)
 )
 
 
