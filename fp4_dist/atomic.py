@@ -30,7 +30,7 @@ import warnings
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-__all__ = ["FolderWrite", "commit_folder", "resolve", "recover", "write_file_atomically"]
+__all__ = ["FolderWrite", "commit_folder", "temporary_folder", "swap_in", "resolve", "recover", "write_file_atomically"]
 
 _TMP, _OLD, _DEL = "tmp", "old", "del"
 
@@ -158,11 +158,9 @@ class FolderWrite:
         return path
 
 
-@contextlib.contextmanager
-def commit_folder(target, *, foreign: Optional[Callable[[Path], list[str]]] = None) -> Iterator[FolderWrite]:
-    """``with commit_folder(target) as w: write into w.file(name)...``: the files written replace `target` whole
-    when the block ends without an error (steps in the module docstring); on an error the temporary folder is
-    deleted and `target` is left as it was.
+def temporary_folder(target, *, foreign: Optional[Callable[[Path], list[str]]] = None) -> Path:
+    """Step 1's folder for a new version of `target` (made empty, beside it), after `recover`; the caller writes
+    into it and then calls `swap_in`, or deletes it.
 
     Args:
         target: the folder to (re)place; its parent is made if missing.
@@ -179,24 +177,38 @@ def commit_folder(target, *, foreign: Optional[Callable[[Path], list[str]]] = No
         shown = ", ".join(strange[:5]) + (f" and {len(strange) - 5} more" if len(strange) > 5 else "")
         raise ValueError(f"{target} holds files that are not part of an earlier version ({shown}); a write replaces "
                          "the whole folder, so it refuses: move them, or write to another folder")
-    token = _writer_token()
-    tmp = _side(target, _TMP, token)
+    tmp = _side(target, _TMP, _writer_token())
     tmp.mkdir()
-    try:
-        yield FolderWrite(tmp)
-        _fsync_tree(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = _side(target, _OLD, token) if target.exists() else None
+    return tmp
+
+
+def swap_in(tmp, target) -> None:
+    """Steps 2-4: flush the written folder `tmp` and make it `target`, deleting the earlier version after."""
+    tmp, target = Path(tmp), Path(target)
+    _fsync_tree(tmp)
+    old = _side(target, _OLD, tmp.name.rpartition(f".{_TMP}-")[2]) if target.exists() else None
     if old is not None:
         _rename(target, old)
     _rename(tmp, target)
     _fsync(target.parent)
     if old is not None:
-        trash = _side(target, _DEL, token)
+        trash = _side(target, _DEL, old.name.rpartition(f".{_OLD}-")[2])
         _rename(old, trash)
         _delete(trash)
+
+
+@contextlib.contextmanager
+def commit_folder(target, *, foreign: Optional[Callable[[Path], list[str]]] = None) -> Iterator[FolderWrite]:
+    """``with commit_folder(target) as w: write into w.file(name)...``: the files written replace `target` whole
+    when the block ends without an error (`temporary_folder`, then `swap_in`); on an error the temporary folder
+    is deleted and `target` is left as it was. `foreign`: as for `temporary_folder`."""
+    tmp = temporary_folder(target, foreign=foreign)
+    try:
+        yield FolderWrite(tmp)
+        swap_in(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def write_file_atomically(path, data: bytes | str) -> None:

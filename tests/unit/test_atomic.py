@@ -11,21 +11,7 @@ from pathlib import Path
 
 from fp4_dist import atomic
 
-
-def die_at(k: int, write) -> None:
-    """Fork; the child runs `write()` and SIGKILLs itself at hook point `k`; waits for it."""
-    pid = os.fork()
-    if pid == 0:
-        try:
-            count = iter(range(10**9))
-            atomic._step = lambda action, path: next(count) == k and os.kill(os.getpid(), signal.SIGKILL)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                write()
-        finally:
-            os._exit(3)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) in (-signal.SIGKILL, 3)
+from .killed_writer import die_at
 
 
 def test_a_file_written_by_a_killed_process_holds_the_old_or_the_new_text(tmp_path):
@@ -33,7 +19,7 @@ def test_a_file_written_by_a_killed_process_holds_the_old_or_the_new_text(tmp_pa
     seen = []
     for k in range(6):
         path.write_text("old")
-        die_at(k, lambda: atomic.write_file_atomically(path, "new"))
+        assert die_at(k, lambda: atomic.write_file_atomically(path, "new")) in (-signal.SIGKILL, 3)
         seen.append(path.read_text())
     assert set(seen) == {"old", "new"} and seen == sorted(seen, key=["old", "new"].index), seen
 
@@ -53,7 +39,7 @@ def test_a_folder_committed_by_a_killed_process_is_the_old_or_the_new_one(tmp_pa
     for k in range(12):
         target = tmp_path / f"k{k}" / "out"
         folder(target, "old")
-        die_at(k, lambda: folder(target, "new"))
+        assert die_at(k, lambda: folder(target, "new")) in (-signal.SIGKILL, 3)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             found = read(atomic.resolve(target))

@@ -2,11 +2,10 @@
 then loads as the earlier export or the new one, byte for byte, never a mixture and never nothing.
 
 Each kill runs in a forked child that exports and stops itself at its k-th write, fsync, rename or delete
-(`fp4_dist.atomic._step`, the commit's hook for this); the folder is then read as a user would read it."""
+(`killed_writer.die_at`); the folder is then read as a user would read it."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import warnings
@@ -18,6 +17,7 @@ import torch
 from fp4_dist import atomic
 from fp4_dist.export import export_compressed_tensors, load_compressed_tensors
 
+from ..killed_writer import die_at
 from .test_export import llama
 
 pytest.importorskip("transformers")
@@ -66,21 +66,6 @@ def steps_of_an_export(model, tmp_path: Path) -> list[str]:
     return seen
 
 
-def export_and_die_at(model, target: Path, k: int) -> int:
-    """Fork; the child exports `model` into `target` and SIGKILLs itself on reaching hook point `k` (0-based).
-    Returns the child's exit status as os.waitstatus_to_exitcode gives it."""
-    pid = os.fork()
-    if pid == 0:  # the child: never returns
-        try:
-            count = iter(range(10**9))
-            atomic._step = lambda action, path: next(count) == k and os.kill(os.getpid(), signal.SIGKILL)
-            export_quietly(model, target)
-        finally:
-            os._exit(3)  # not killed: the point was past the end
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
-
-
 @pytest.fixture(scope="module")
 def two_exports(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("exports")
@@ -106,7 +91,7 @@ def test_an_export_killed_at_any_point_leaves_the_old_or_the_new_export_never_a_
     for k in points:
         target = tmp_path / f"at{k}" / "llama"
         shutil.copytree(tmp / "old", target)
-        assert export_and_die_at(new_model, target, k) == -signal.SIGKILL, f"point {k} of {total} was not reached"
+        assert die_at(k, lambda: export_quietly(new_model, target)) == -signal.SIGKILL, f"point {k} of {total} not reached"
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             found = files_of(atomic.resolve(target))
