@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 from typing import Optional
 
 from _harness import count_collectives
@@ -60,5 +61,6 @@ class KillSwitch:
         k = self.counts.get(key, 0)
         self.counts[key] = k + 1
         if self.target == (self.rank, name, step, k):
-            print(f"kill_switch: rank {self.rank} kills itself at {key} event {k} ({what})", flush=True)
+            print(f"kill_switch: rank {self.rank} kills itself at {key} event {k} ({what}) at {time.time():.3f}",
+                  flush=True)  # fmt: skip
             os.kill(os.getpid(), signal.SIGKILL)
