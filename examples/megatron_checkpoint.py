@@ -23,7 +23,6 @@ refused (``--trust-checkpoint`` / ``trusted=True`` unpickles it in full).
 
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 from typing import Any, Optional
@@ -32,6 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from fp4_dist import atomic
 from fp4_dist.tensor import is_nvfp4_tensor
 from fp4_dist.compare import bytes_mismatch
 from fp4_dist.safe_load import load_checkpoint_file
@@ -130,10 +130,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, run_
         torch.save(model_state(model.module), folder / "model.pt")
         torch.save({"world_size": len(rng), "states": rng}, folder / "rng.pt")
     dist.barrier()
-    if rank == 0:
-        tmp = Path(root) / (LATEST + ".tmp")
-        tmp.write_text(str(iteration))
-        os.replace(tmp, Path(root) / LATEST)  # atomic: a crash mid-save leaves the previous checkpoint current
+    if rank == 0:  # after every rank wrote: a process killed mid-save leaves the previous checkpoint current
+        atomic.write_file_atomically(Path(root) / LATEST, str(iteration))
     dist.barrier()
     return folder
 

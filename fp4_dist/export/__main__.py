@@ -24,7 +24,7 @@ def main(argv=None) -> int:
     meg.add_argument("save_dir", metavar="SAVE_DIR", help="the run's --save folder (holds "
                      "latest_checkpointed_iteration.txt and iter_*/ folders)")
     meg.add_argument("out_dir", metavar="OUT_DIR", help="the compressed-tensors folder to write (created if missing; "
-                     "a checkpoint already there is replaced)")
+                     "an export already there is replaced whole, atomically)")
     meg.add_argument("--iteration", type=int, default=None, metavar="N",
                      help="the iteration to export (default: the latest)")
     meg.add_argument("--max-shard-bytes", type=int, default=DEFAULT_SHARD_BYTES, metavar="B",

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Iterator, Mapping, Optional
 
 import torch
 
+from .. import atomic
 from ..format import TILE, ceil_div
 
 FORMAT = "nvfp4-pack-quantized"
@@ -99,36 +101,46 @@ def write_checkpoint(out_dir, tensors: Mapping[str, torch.Tensor], amaxes: Mappi
     """Write `tensors` (name -> CPU tensor, in order) as safetensors files in `out_dir` and `config` as its
     config.json; the amax of each NVFP4 weight goes into the metadata of the file that holds its codes, and
     `side_fields` ({weight.field: tensor} of NVFP4 weights stored dense) into `SIDE_FILE`.
+
+    The folder is committed whole (`fp4_dist.atomic.commit_folder`): written beside `out_dir`, flushed and
+    renamed into place, so a process stopped at any point leaves the earlier export or this one, never a mixture.
+    Raises ValueError, before writing, when `out_dir` holds files an export does not write (`foreign_files`).
     Returns the file names written."""
     st = _require_safetensors()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     shards = list(_shards(tensors, max_shard_bytes))
     names = [SINGLE_FILE] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
-    for fname, shard in zip(names, shards):
-        mine = {w: a for w, a in amaxes.items() if f"{module_of(w)}.weight_packed" in shard}
-        meta = {"format": "pt", AMAX_METADATA: json.dumps({w: float(a).hex() for w, a in mine.items()})}
-        st.save_file(shard, str(out / fname), metadata=meta)
-        weight_map.update({n: fname for n in shard})
-    for stale in _checkpoint_files(out):  # a previous export with another shard count must not be picked up
-        if stale.name not in names:
-            stale.unlink()
-    if len(names) > 1:
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                                 indent=2, sort_keys=True))  # fmt: skip
-    elif (out / INDEX_FILE).exists():
-        (out / INDEX_FILE).unlink()
-    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
-    side = out / SIDE_FILE
-    if side_fields:
-        side.parent.mkdir(exist_ok=True)
-        st.save_file(dict(side_fields), str(side), metadata={"format": "pt"})
-    elif side.exists():
-        side.unlink()
+    with atomic.commit_folder(out_dir, foreign=foreign_files) as out:
+        for fname, shard in zip(names, shards):
+            mine = {w: a for w, a in amaxes.items() if f"{module_of(w)}.weight_packed" in shard}
+            meta = {"format": "pt", AMAX_METADATA: json.dumps({w: float(a).hex() for w, a in mine.items()})}
+            st.save_file(shard, str(out.file(fname)), metadata=meta)
+            weight_map.update({n: fname for n in shard})
+        if len(names) > 1:
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            out.file(INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                       indent=2, sort_keys=True))  # fmt: skip
+        out.file(CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
+        if side_fields:
+            st.save_file(dict(side_fields), str(out.file(SIDE_FILE)), metadata={"format": "pt"})
     return names + ([INDEX_FILE] if len(names) > 1 else []) + [CONFIG_FILE] + ([SIDE_FILE] if side_fields else [])
+
+
+def foreign_files(folder: Path) -> list[str]:
+    """Entries of `folder` that no export writes (an export replaces the whole folder, so it refuses these)."""
+    side_dir = SIDE_FILE.split("/")[0]
+    ours = {SINGLE_FILE, INDEX_FILE, CONFIG_FILE}
+    found = []
+    for p in sorted(folder.iterdir()):
+        if p.name == side_dir and p.is_dir():
+            found += [f"{side_dir}/{q.name}" for q in sorted(p.iterdir()) if f"{side_dir}/{q.name}" != SIDE_FILE]
+        elif not (p.name in ours or _SHARD_NAME.fullmatch(p.name)) or not p.is_file():
+            found.append(p.name)
+    return found
+
+
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 def _checkpoint_files(folder: Path) -> list[Path]:
@@ -184,9 +196,11 @@ def read_checkpoint(folder) -> tuple[dict[str, torch.Tensor], dict[str, float], 
     """(tensors by name, fp4_dist amaxes by weight name (empty for other writers), config.json as a dict).
 
     Raises FileNotFoundError when the folder holds no checkpoint or its index names a shard that is not there, and
-    `DamagedCheckpointError` naming a file that cannot be read; every file is read before anything is returned."""
+    `DamagedCheckpointError` naming a file that cannot be read; every file is read before anything is returned.
+    A folder missing because an export into it was stopped mid-commit is read from its complete earlier version
+    (`fp4_dist.atomic.resolve`, with a warning)."""
     _require_safetensors()
-    folder = Path(folder)
+    folder = atomic.resolve(folder)
     files = _checkpoint_files(folder)
     index = folder / INDEX_FILE
     if index.is_file():

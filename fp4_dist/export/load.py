@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .. import atomic
 from .._user import user_stacklevel
 from ..convert import install_nvfp4, model_dtype_of
 from ..format import DEFAULT_NUMERICS, TILE, ceil_div, check_weight_shape
@@ -60,6 +61,7 @@ def load_compressed_tensors(model: nn.Module, folder, *, strict: bool = True) ->
         ValueError naming the weight and tile when a weight's scales are not constant within a 16x16 tile, or
         its shape differs from the model's; nothing is changed then.
     """
+    folder = atomic.resolve(folder)
     tensors, amaxes, config = ct_format.read_checkpoint(folder)
     ct_format.check_format(config, folder)
     report = LoadReport()

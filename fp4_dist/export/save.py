@@ -99,7 +99,9 @@ def export_compressed_tensors(model: nn.Module, out_dir, *, config: Any = None,
 
     Args:
         model: a module with NVFP4Tensor weights, or one sharded by `fully_shard_nvfp4`.
-        out_dir: folder to write (created; files of an earlier export there are replaced).
+        out_dir: folder to write (created). An earlier export there is replaced whole and atomically: a process
+            stopped at any point leaves the earlier export or this one (`fp4_dist.atomic.commit_folder`). A folder
+            holding other files is refused with a ValueError naming them, before anything is written.
         config: the model's Hugging Face config (a `PretrainedConfig` or a dict); default ``model.config`` when the
             model has one. Its dict is written as config.json with the quantization config added.
         max_shard_bytes: largest safetensors file (Hugging Face's sharding, with an index file).

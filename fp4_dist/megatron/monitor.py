@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
+from .. import atomic
 from ..tensor import is_nvfp4_tensor
 from . import parity
 from .options import current_options
@@ -128,10 +128,7 @@ class Monitor:
     def _write(self, path: str) -> None:
         if dist.get_rank() != 0:
             return
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.record, f, indent=1)
-        os.replace(tmp, path)
+        atomic.write_file_atomically(path, json.dumps(self.record, indent=1))
 
 
 def _float(x) -> Optional[float]:

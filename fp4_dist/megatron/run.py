@@ -36,6 +36,11 @@ from . import defaults
 from ..format import DEFAULT_NUMERICS, NUMERICS
 
 ERROR_GRACE_S = 3.0
+# What gloo raises on a rank whose peer's process ended during a collective (its connection closes or resets).
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer")
+PEER_LOST_HINT = (" -- a peer rank's process ended while this rank waited on it (killed, out of memory or crashed; the "
+                  "launcher's summary names it). Restart with the same command: --load of the --save folder resumes "
+                  "from the newest complete checkpoint")
 USAGE = "python -m fp4_dist.megatron.run [launcher options] SCRIPT.py [script arguments]"
 
 
@@ -122,13 +127,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # One line per rank naming it: what stopped the job is read on every rank alike. A refusal or failed check
         # (raised by fp4_dist itself, or Megatron's own argument checks) is that line and nothing more; anything
         # else also prints its traceback, which a bug report needs. A short grace before exiting: a launcher stops
-        # every rank once one exits, and a peer refusing the same run a moment later should still get its line in.
-        print(f"fp4_dist.megatron.run: rank {os.environ.get('RANK', '?')}: {type(e).__name__}: {e}", file=sys.stderr,
-              flush=True)  # fmt: skip
+        # every rank once one exits, and a peer refusing the same run a moment later should still get its line in;
+        # not when a peer's process is gone (nothing is coming from it, and the others lost it too).
+        lost = peer_lost(e)
+        print(f"fp4_dist.megatron.run: rank {os.environ.get('RANK', '?')}: {type(e).__name__}: {e}"
+              + (PEER_LOST_HINT if lost else ""), file=sys.stderr, flush=True)  # fmt: skip
         if not deliberate(e):
             traceback.print_exc()
-        time.sleep(ERROR_GRACE_S)
+        if not lost:
+            time.sleep(ERROR_GRACE_S)
         return 1
+
+
+def peer_lost(error: BaseException) -> bool:
+    """Whether `error` is gloo's account of a peer rank whose process is gone."""
+    return isinstance(error, RuntimeError) and any(m in str(error) for m in PEER_LOST)
 
 
 def deliberate(error: BaseException) -> bool:

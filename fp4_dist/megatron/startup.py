@@ -40,6 +40,7 @@ def make_validate_args(original):
         # Before Megatron's own checks: the flags refused here are read as parsed, and Megatron's checks of some of
         # them fail on a CPU rank with an unrelated message (--moe-grouped-gemm asks torch for CUDA).
         refuse_unsupported_args(args)
+        note_unfinished_saves(args)
         return hidden(args, *rest, **kwargs)
 
     return validate_args
@@ -55,6 +56,14 @@ def refuse_unsupported_args(args) -> None:
             f"--load {load}, a torch_dist checkpoint: megatron-core without TransformerEngine or apex "
             "cannot load a torch_dist distributed-optimizer checkpoint (distrib_optimizer.py asserts on the "
             "torch.optim fallback's missing state, bf16 runs too); save and load with --ckpt-format torch")
+    tracker = _tracker_text(load) if load else None
+    if tracker is not None and not (tracker.isdigit() or tracker == "release"):
+        problems.append(
+            f"--load {load}: latest_checkpointed_iteration.txt holds {tracker!r}, not an iteration: a save was "
+            "killed while writing it, after every rank had written that iteration's folder (megatron-core would "
+            "print an error on rank 0 and exit with status 0, having trained nothing). Write the iteration of "
+            "the last save the killed run's log reports complete into the file (the newest folders: "
+            f"{', '.join(_iteration_folders(load)[-3:]) or 'none'}), then restart")
     step = getattr(args, "ckpt_step", None)
     latest = _latest_iteration(load) if load else None
     if (step is not None and latest not in (None, step) and getattr(args, "ckpt_format", None) == "torch"
@@ -96,15 +105,48 @@ def _is_distributed_checkpoint(path: str) -> bool:
     return iteration is not None and os.path.isfile(os.path.join(path, f"iter_{iteration:07d}", "metadata.json"))
 
 
-def _latest_iteration(path: str) -> Optional[int]:
+def note_unfinished_saves(args) -> None:
+    """On rank 0, name the iteration folders under ``--load`` that the load passes over: Megatron writes
+    latest_checkpointed_iteration.txt only after every rank has written an iteration's files, and loads the
+    iteration it names; a newer folder is a save that did not finish (its job was killed mid-save)."""
+    import os
+
+    load = getattr(args, "load", None)
+    if not load or os.environ.get("RANK", "0") != "0" or getattr(args, "ckpt_step", None) is not None:
+        return
+    latest = _latest_iteration(load)
+    newer = [f for f in _iteration_folders(load) if latest is None or int(f[len("iter_"):]) > latest]
+    if newer:
+        where = f"iteration {latest}" if latest is not None else "the initial weights (no complete checkpoint)"
+        print(f"fp4_dist.megatron: --load {load} resumes from {where}; skipped {', '.join(newer)}: newer than "
+              "latest_checkpointed_iteration.txt, saves that did not finish", flush=True)
+
+
+def _tracker_text(path: str) -> Optional[str]:
     import os
 
     try:
         with open(os.path.join(path, "latest_checkpointed_iteration.txt")) as f:
-            text = f.read().strip()
+            return f.read().strip()
     except OSError:
         return None
-    return int(text) if text.isdigit() else None
+
+
+def _latest_iteration(path: str) -> Optional[int]:
+    text = _tracker_text(path)
+    return int(text) if text is not None and text.isdigit() else None
+
+
+def _iteration_folders(path: str) -> list[str]:
+    """The ``iter_<7 digits>`` folders under `path`, oldest first."""
+    import os
+    import re
+
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return []
+    return sorted(n for n in names if re.fullmatch(r"iter_\d{7}", n) and os.path.isdir(os.path.join(path, n)))
 
 
 def _have_te_or_apex() -> bool:

@@ -36,6 +36,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from .. import atomic, checkpoint
 from ..cast.collectives import in_distributed_job
 
 try:
@@ -248,10 +249,11 @@ def load_sharded_state_dict(opt, sd: dict) -> None:
 
 
 def save_checkpoint(opt, path) -> None:
-    """``torch.distributed.checkpoint.save`` of the optimizer's sharded state dict to ``path`` (collective)."""
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save({"optimizer": sharded_state_dict(opt)}, checkpoint_id=path)
+    """``torch.distributed.checkpoint.save`` of the optimizer's sharded state dict to ``path`` (collective),
+    committed whole (`fp4_dist.checkpoint.save`): a job killed mid-save leaves ``path`` as it was, and an earlier
+    checkpoint there is replaced at once. Save each checkpoint to a folder of its own
+    (`fp4_dist.checkpoint.step_folder`) to keep the earlier ones."""
+    checkpoint.save({"optimizer": sharded_state_dict(opt)}, path)
 
 
 def load_checkpoint(opt, path) -> None:
@@ -260,6 +262,7 @@ def load_checkpoint(opt, path) -> None:
     the checkpoint's metadata, loads, and restores as `load_sharded_state_dict`."""
     import torch.distributed.checkpoint as dcp
 
+    path = atomic.resolve(path)
     materialize_fresh_state(opt)
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     prefix = "optimizer.state."

@@ -45,8 +45,9 @@ class Context:
 
 
 @contextlib.contextmanager
-def count_collectives():
-    """Wrap (not mock) every torch.distributed collective with a counter; the real call still runs."""
+def count_collectives(before=None):
+    """Wrap (not mock) every torch.distributed collective with a counter; the real call still runs, after
+    `before(name)` when given."""
     counts = Counter()
     saved = {}
     for name in COLLECTIVES:
@@ -57,6 +58,8 @@ def count_collectives():
 
         def wrapper(*args, __fn=fn, __name=name, **kwargs):
             counts[CANONICAL.get(__name, __name)] += 1
+            if before is not None:
+                before(__name)
             return __fn(*args, **kwargs)
 
         setattr(dist, name, wrapper)

@@ -108,3 +108,57 @@ def test_the_zero1_snippet_runs_as_written_on_two_ranks(tmp_path):
     proc = _torchrun(script, tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stdout.count("SNIPPET DONE") == 2
+
+
+RECIPE_RUNS = '''
+for steps in (4, 6):                   # the recipe twice: it saves steps 2 and 4, then resumes at 4 and saves 6
+    model, {opt} = build()
+    exec(RECIPE)
+    print(f"RECIPE trained steps {{start}}..{{steps}}", flush=True)
+fp4_dist.launch.shutdown()
+'''
+ZERO_RECIPE_PREAMBLE = ZERO_PREAMBLE + '''
+import fp4_dist
+from fp4_dist.launch import init_distributed
+from fp4_dist.optim import Zero1Optimizer
+info = init_distributed()
+save_every = 2
+def build():
+    torch.manual_seed(0)
+    model = MyModel().to(torch.bfloat16)
+    fp4_dist.convert_linear_weights(model)
+    return model, Zero1Optimizer(model.named_parameters(), lambda groups: torch.optim.AdamW(groups, lr=1e-3))
+def batch_at(step):
+    return torch.randn(4, 32, generator=torch.Generator().manual_seed(10 * step + info.rank)).to(torch.bfloat16)
+'''
+FSDP2_RECIPE_PREAMBLE = FSDP2_PREAMBLE + '''
+import fp4_dist
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from fp4_dist.fsdp import fully_shard_nvfp4
+save_every = 2
+def build():
+    torch.manual_seed(0)
+    model = MyTransformer()
+    fully_shard_nvfp4(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+                      shard_modules=list(model.blocks))
+    return model, torch.optim.AdamW(model.parameters(), lr=3e-4)
+def batch_at(step):
+    return torch.randn(4, 64, generator=torch.Generator().manual_seed(10 * step + torch.distributed.get_rank()))
+'''
+
+
+@pytest.mark.parametrize("doc, preamble, opt", [("zero.md", ZERO_RECIPE_PREAMBLE, "opt"),
+                                                ("fsdp2.md", FSDP2_RECIPE_PREAMBLE, "optimizer")],
+                         ids=["zero1", "fsdp2"])  # fmt: skip
+def test_the_checkpoint_recipe_runs_as_written_and_resumes_from_the_newest_save(doc, preamble, opt, tmp_path):
+    from . import forked_ranks
+
+    recipe = next(b for b in re.findall(r"```python\n(.*?)```", (REPO / "docs" / doc).read_text(), flags=re.S)
+                  if "latest_complete_checkpoint" in b)  # fmt: skip
+    script = tmp_path / "recipe.py"
+    script.write_text(preamble + f"RECIPE = {recipe!r}\n" + RECIPE_RUNS.format(opt=opt))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    proc = forked_ranks.run(cmd, env=_env(), cwd=tmp_path, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("RECIPE trained steps 0..4") == 2 and proc.stdout.count("RECIPE trained steps 4..6") == 2
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000002", "step_00000004", "step_00000006"]

@@ -78,3 +78,32 @@ def test_each_unsupported_fp4_run_is_refused_naming_the_flag(change, named):
 def test_pipeline_and_expert_parallel_runs_pass_the_start_up_checks():
     pytest.importorskip("megatron.core")
     refuse_unsupported_args(_args(pipeline_model_parallel_size=2, num_experts=4, moe_grouped_gemm=False))
+
+
+def test_a_tracker_file_left_empty_by_a_killed_save_is_refused_naming_it(tmp_path):
+    pytest.importorskip("megatron.core")
+    for name in ("iter_0000004", "iter_0000006"):
+        (tmp_path / name).mkdir()
+    tracker = tmp_path / "latest_checkpointed_iteration.txt"
+    tracker.write_text("")  # a save killed between opening the file and writing the number
+    with pytest.raises(ValueError, match=r"holds '', not an iteration: a save was killed.*iter_0000006"):
+        refuse_unsupported_args(_args(load=str(tmp_path)))
+    tracker.write_text("4")
+    refuse_unsupported_args(_args(load=str(tmp_path)))
+
+
+def test_a_load_names_the_iterations_newer_than_the_tracker_it_skips(tmp_path, capsys, monkeypatch):
+    from fp4_dist.megatron.startup import note_unfinished_saves
+
+    monkeypatch.setenv("RANK", "0")
+    for name in ("iter_0000002", "iter_0000004", "iter_0000006"):
+        (tmp_path / name).mkdir()
+    note_unfinished_saves(_args(load=str(tmp_path)))
+    assert "resumes from the initial weights (no complete checkpoint); skipped iter_0000002, iter_0000004, " \
+           "iter_0000006" in capsys.readouterr().out
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("4")
+    note_unfinished_saves(_args(load=str(tmp_path)))
+    assert "resumes from iteration 4; skipped iter_0000006: newer than" in capsys.readouterr().out
+    (tmp_path / "iter_0000006").rmdir()
+    note_unfinished_saves(_args(load=str(tmp_path)))
+    assert capsys.readouterr().out == ""  # nothing skipped, nothing said

@@ -1,0 +1,119 @@
+"""Training checkpoints that a killed process cannot spoil: torch.distributed.checkpoint (DCP) folders committed
+whole, one per step under a root, and the newest complete one found again on restart.
+
+    root/step_00000040/                 .metadata, __0_0.distcp, __1_0.distcp, ...      complete
+    root/.step_00000060.tmp-<writer>/   a save in progress, or one whose job was killed: never read
+
+DCP writes ``.metadata`` last: rank 0, once every rank has written and fsynced its files, through a temporary file
+and a rename. So a DCP folder holding ``.metadata`` is complete, unless a later save wrote into the same folder:
+that save overwrites the data files in place under the earlier ``.metadata`` and, killed, leaves a mixture that
+still looks complete. `save` therefore writes into a temporary folder beside the target and renames it into
+place once DCP returns on every rank (`fp4_dist.atomic.swap_in`): the target holds the earlier checkpoint or the
+new one at every instant. `latest_complete_checkpoint` takes the newest ``step_*`` folder that holds
+``.metadata`` and names the ones it skipped.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from . import atomic
+
+__all__ = ["StepCheckpoint", "step_folder", "save", "latest_complete_checkpoint"]
+
+METADATA = ".metadata"
+_ENTRY = re.compile(r"step_(\d+)|\.step_(\d+)\.(tmp|old)-.+")  # a step folder, or what a save leaves beside it
+
+
+@dataclass(frozen=True)
+class StepCheckpoint:
+    """The checkpoint a run resumes from."""
+
+    step: int
+    """The step number in its folder's name (the number of steps trained when it was saved, by the recipe)."""
+    path: Path
+    """Its folder: pass it to ``dcp.load`` / `fp4_dist.optim.load_checkpoint`."""
+    skipped: list[str] = field(default_factory=list)
+    """What was passed over on the way, newest first, each with the reason: newer ``step_*`` folders without
+    ``.metadata`` and the temporary folders of newer saves that did not finish."""
+
+
+def step_folder(root, step: int) -> Path:
+    """``root/step_<step, 8 digits>``: the folder of the checkpoint saved after `step` steps."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0 (a count of steps trained), got {step}")
+    return Path(root) / f"step_{step:08d}"
+
+
+def save(state_dict: dict[str, Any], path, *, process_group=None) -> Path:
+    """``torch.distributed.checkpoint.save(state_dict, checkpoint_id=path)`` committed whole (collective: every
+    rank of `process_group` calls). DCP writes into a temporary folder beside `path` that rank 0 names; once
+    ``dcp.save`` returns (every rank has written), rank 0 renames it to `path`, replacing an earlier checkpoint
+    there whole, and every rank returns after that. A job killed at any point leaves at `path` the earlier
+    checkpoint (or none) or this one, never a part; what it leaves beside `path` is never read, and the next save
+    to `path` deletes it.
+
+    Returns:
+        `path` as a Path.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank(process_group) if distributed else 0
+    box = [str(atomic.temporary_folder(path)) if rank == 0 else None]
+    if distributed:  # one name for all ranks; rank 0's (a .tmp- name carries its host and pid)
+        dist.broadcast_object_list(box, src=dist.get_global_rank(process_group, 0) if process_group else 0,
+                                   group=process_group)  # fmt: skip
+    tmp = Path(box[0])
+    dcp.save(state_dict, checkpoint_id=tmp, process_group=process_group)
+    if rank == 0:  # DCP's save ends when rank 0 has every rank's write results and has written .metadata
+        atomic.swap_in(tmp, path)
+    if distributed:
+        dist.barrier(group=process_group)  # no rank goes on (and reads `path`) before it is in place
+    return path
+
+
+def latest_complete_checkpoint(root) -> Optional[StepCheckpoint]:
+    """The newest ``root/step_*`` folder that holds a complete DCP checkpoint (its ``.metadata``), or None when
+    there is none (or no `root`). What it passes over on the way is named in the result and in a warning (on
+    rank 0): newer ``step_*`` folders without ``.metadata`` (a plain ``dcp.save`` killed mid-write) and the
+    temporary folders of newer `save` calls that did not finish. A ``step_*`` folder missing because a `save`
+    replacing it was stopped between its two renames is read from its earlier version (`fp4_dist.atomic.resolve`).
+    """
+    root = Path(root)
+    entries: dict[int, dict[str, list[Path]]] = {}
+    for p in sorted(root.iterdir()) if root.is_dir() else []:
+        m = _ENTRY.fullmatch(p.name)
+        if m and p.is_dir():
+            step, kind = (m.group(1), "") if m.group(1) else (m.group(2), m.group(3))
+            entries.setdefault(int(step), {}).setdefault(kind, []).append(p)
+    skipped = []
+    for step in sorted(entries, reverse=True):
+        kinds = entries[step]
+        skipped += [f"{p} (a save of step {step} that did not finish)" for p in kinds.get("tmp", [])]
+        folder = step_folder(root, step)
+        if "" in kinds or "old" in kinds:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # said below with the rest
+                found = atomic.resolve(folder)
+            if (found / METADATA).is_file():
+                if found != folder:
+                    skipped.append(f"{folder} (missing: a save replacing it was stopped between its renames; "
+                                   f"reading its earlier version {found.name})")
+                _note(f"resuming from {found}", skipped)
+                return StepCheckpoint(step, found, skipped)
+            skipped.append(f"{folder} (no {METADATA}: its save did not finish)")
+    _note(f"no complete checkpoint under {root}", skipped)
+    return None
+
+
+def _note(head: str, skipped: list[str]) -> None:
+    if skipped and (not dist.is_initialized() or dist.get_rank() == 0):
+        warnings.warn(f"fp4_dist: {head}; skipped " + "; ".join(skipped), UserWarning, stacklevel=3)

@@ -1,0 +1,65 @@
+"""fp4_dist.atomic: a file or folder written by a process killed at any point is the old version or the new one,
+and what killed writers leave is cleaned up only once they are gone."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import warnings
+from pathlib import Path
+
+from fp4_dist import atomic
+
+from .killed_writer import die_at
+
+
+def test_a_file_written_by_a_killed_process_holds_the_old_or_the_new_text(tmp_path):
+    path = tmp_path / "run.json"
+    seen = []
+    for k in range(6):
+        path.write_text("old")
+        assert die_at(k, lambda: atomic.write_file_atomically(path, "new")) in (-signal.SIGKILL, 3)
+        seen.append(path.read_text())
+    assert set(seen) == {"old", "new"} and seen == sorted(seen, key=["old", "new"].index), seen
+
+
+def folder(path: Path, text: str) -> None:
+    with atomic.commit_folder(path) as w:
+        w.file("a.txt").write_text(text)
+        w.file("sub/b.txt").write_text(text * 2)
+
+
+def read(path: Path) -> dict:
+    return {str(p.relative_to(path)): p.read_text() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_a_folder_committed_by_a_killed_process_is_the_old_or_the_new_one(tmp_path):
+    outcomes = []
+    for k in range(12):
+        target = tmp_path / f"k{k}" / "out"
+        folder(target, "old")
+        assert die_at(k, lambda: folder(target, "new")) in (-signal.SIGKILL, 3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            found = read(atomic.resolve(target))
+        assert found in ({"a.txt": "old", "sub/b.txt": "oldold"}, {"a.txt": "new", "sub/b.txt": "newnew"}), (k, found)
+        outcomes.append(found["a.txt"])
+        left = sorted(os.listdir(target.parent))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            notes = atomic.recover(target)  # what the next write does first: one note per thing put right
+        assert len(notes) == len(left) - ("out" in left), (left, notes)
+        assert os.listdir(target.parent) == ["out"] and read(target) == found
+    assert outcomes[0] == "old" and outcomes[-1] == "new"
+
+
+def test_what_a_live_writer_or_another_hosts_writer_left_is_not_deleted(tmp_path):
+    target = tmp_path / "out"
+    folder(target, "old")
+    live = tmp_path / f".out.tmp-{socket.gethostname()}-{os.getpid()}-abcd"
+    elsewhere = tmp_path / ".out.tmp-some-other-host-1-abcd"
+    for side in (live, elsewhere):
+        side.mkdir()
+    assert atomic.recover(target) == []
+    assert live.is_dir() and elsewhere.is_dir()
