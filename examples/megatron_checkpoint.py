@@ -31,10 +31,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fp4_dist import atomic
+from fp4_dist.checkpoint import atomic
 from fp4_dist.tensor import is_nvfp4_tensor
 from fp4_dist.compare import bytes_mismatch
-from fp4_dist.safe_load import load_checkpoint_file
+from fp4_dist.checkpoint.safe_load import load_checkpoint_file
 
 LATEST = "latest_checkpointed_iteration.txt"
 

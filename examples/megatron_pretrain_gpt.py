@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.utils import parametrize
 
-from fp4_dist import atomic
+from fp4_dist.checkpoint import atomic
 from fp4_dist.format import DEFAULT_NUMERICS, NUMERICS
 from fp4_dist.launch import export_mpi_env, shutdown
 from fp4_dist.megatron import adapter, defaults
@@ -692,7 +692,7 @@ def main(argv: Optional[Sequence[str]] = None) -> RunResult:
 def write_record(path: str, result: RunResult, *, complete: bool) -> None:
     """The run's record as JSON, ``complete`` false while it trains (written after each evaluation, so that a run
     stopped before its end, by a time limit say, keeps its steps and validation losses so far). Written to a
-    temporary file, flushed and renamed (`fp4_dist.atomic.write_file_atomically`): a reader never sees half a
+    temporary file, flushed and renamed (`fp4_dist.checkpoint.atomic.write_file_atomically`): a reader never sees half a
     record, also after the process is killed."""
     atomic.write_file_atomically(path, json.dumps(dict(asdict(result), complete=complete), indent=1))
 

@@ -8,7 +8,7 @@
 docs/export.md has the commands and the exactness bound.
 """
 
-from ..safe_load import UnsafeCheckpointError
+from ..checkpoint.safe_load import UnsafeCheckpointError
 from .ct_format import DamagedCheckpointError
 from .global_scale import GlobalScale, choose_global_scale
 from .load import LoadReport, load_compressed_tensors

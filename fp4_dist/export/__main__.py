@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..safe_load import UnsafeCheckpointError
+from ..checkpoint.safe_load import UnsafeCheckpointError
 from .ct_format import DEFAULT_SHARD_BYTES
 from .save import export_megatron_checkpoint
 

@@ -24,7 +24,7 @@ from typing import Iterator, Mapping, Optional
 
 import torch
 
-from .. import atomic
+from ..checkpoint import atomic
 from ..format import TILE, ceil_div
 
 FORMAT = "nvfp4-pack-quantized"
@@ -102,7 +102,7 @@ def write_checkpoint(out_dir, tensors: Mapping[str, torch.Tensor], amaxes: Mappi
     config.json; the amax of each NVFP4 weight goes into the metadata of the file that holds its codes, and
     `side_fields` ({weight.field: tensor} of NVFP4 weights stored dense) into `SIDE_FILE`.
 
-    The folder is committed whole (`fp4_dist.atomic.commit_folder`): written beside `out_dir`, flushed and
+    The folder is committed whole (`fp4_dist.checkpoint.atomic.commit_folder`): written beside `out_dir`, flushed and
     renamed into place, so a process stopped at any point leaves the earlier export or this one, never a mixture.
     Raises ValueError, before writing, when `out_dir` holds files an export does not write (`foreign_files`).
     Returns the file names written."""
@@ -198,7 +198,7 @@ def read_checkpoint(folder) -> tuple[dict[str, torch.Tensor], dict[str, float], 
     Raises FileNotFoundError when the folder holds no checkpoint or its index names a shard that is not there, and
     `DamagedCheckpointError` naming a file that cannot be read; every file is read before anything is returned.
     A folder missing because an export into it was stopped mid-commit is read from its complete earlier version
-    (`fp4_dist.atomic.resolve`, with a warning)."""
+    (`fp4_dist.checkpoint.atomic.resolve`, with a warning)."""
     _require_safetensors()
     folder = atomic.resolve(folder)
     files = _checkpoint_files(folder)

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .. import atomic
+from ..checkpoint import atomic
 from .._user import user_stacklevel
 from ..convert import install_nvfp4, model_dtype_of
 from ..format import DEFAULT_NUMERICS, TILE, ceil_div, check_weight_shape

@@ -22,7 +22,7 @@ from torch import nn
 from ..convert import weight_owners
 from ..kernels import reference
 from ..megatron.safe_globals import megatron_checkpoint_globals
-from ..safe_load import load_checkpoint_file
+from ..checkpoint.safe_load import load_checkpoint_file
 from ..cast.collectives import in_distributed_job, rank_and_size
 from ..quantize import quantize
 from ..shared_amax import group_amax, sibling_groups
@@ -100,7 +100,7 @@ def export_compressed_tensors(model: nn.Module, out_dir, *, config: Any = None,
     Args:
         model: a module with NVFP4Tensor weights, or one sharded by `fully_shard_nvfp4`.
         out_dir: folder to write (created). An earlier export there is replaced whole and atomically: a process
-            stopped at any point leaves the earlier export or this one (`fp4_dist.atomic.commit_folder`). A folder
+            stopped at any point leaves the earlier export or this one (`fp4_dist.checkpoint.atomic.commit_folder`). A folder
             holding other files is refused with a ValueError naming them, before anything is written.
         config: the model's Hugging Face config (a `PretrainedConfig` or a dict); default ``model.config`` when the
             model has one. Its dict is written as config.json with the quantization config added.
@@ -150,7 +150,7 @@ def export_megatron_checkpoint(save_dir, out_dir, *, iteration: Optional[int] = 
     `examples/megatron_pretrain_gpt.py`. Megatron synchronises the parameter all-gather before it saves, so the
     weights there are the gathered ones.
 
-    The files are read weights-only (`fp4_dist.safe_load.load_checkpoint_file`): ``model.pt`` may hold tensors and
+    The files are read weights-only (`fp4_dist.checkpoint.safe_load.load_checkpoint_file`): ``model.pt`` may hold tensors and
     plain values (numbers, strings, tuples, dicts), ``model_optim_rng.pt`` also what megatron-core's own loader allows
     (`fp4_dist.megatron.safe_globals.megatron_checkpoint_globals`) and NVFP4 weights.
 

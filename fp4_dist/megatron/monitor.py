@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .. import atomic
+from ..checkpoint import atomic
 from ..tensor import is_nvfp4_tensor
 from . import parity
 from .options import current_options

@@ -5,13 +5,13 @@ weights."""
 
 from __future__ import annotations
 
-from ..safe_load import NVFP4_GLOBALS
+from ..checkpoint.safe_load import NVFP4_GLOBALS
 
 __all__ = ["megatron_checkpoint_globals"]
 
 
 def megatron_checkpoint_globals(path) -> list:
-    """The classes and functions `fp4_dist.safe_load.load_checkpoint_file` may unpickle from the Megatron
+    """The classes and functions `fp4_dist.checkpoint.safe_load.load_checkpoint_file` may unpickle from the Megatron
     checkpoint file `path` (named in the error when megatron-core is missing)."""
     try:
         from megatron.core.safe_globals import SAFE_GLOBALS

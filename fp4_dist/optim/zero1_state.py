@@ -36,7 +36,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import atomic, checkpoint
+from ..checkpoint import atomic, steps as checkpoint
 from ..cast.collectives import in_distributed_job
 
 try:

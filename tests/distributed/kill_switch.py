@@ -5,7 +5,7 @@
 PHASE is ``step`` (the training step that starts after STEP steps) or ``save`` (the checkpoint save after STEP
 steps); the script marks them with `KillSwitch.phase`. Inside a phase every torch.distributed collective call
 (wrapped by `_harness.count_collectives`, the real call still runs) and every write, fsync, rename and delete of
-`fp4_dist.atomic` is one event, counted from 0; rank RANK kills itself (SIGKILL, as the out-of-memory killer or a
+`fp4_dist.checkpoint.atomic` is one event, counted from 0; rank RANK kills itself (SIGKILL, as the out-of-memory killer or a
 preempting scheduler would) just before event K. Without the variable nothing is killed and the counts of every
 phase are kept: an uninterrupted run reports them, and the test chooses its kill points among them.
 """
@@ -37,8 +37,8 @@ class KillSwitch:
         """"phase:step" -> events seen there."""
 
     def install(self) -> "KillSwitch":
-        """Count collectives and fp4_dist.atomic's steps from now on, for the life of the process."""
-        from fp4_dist import atomic
+        """Count collectives and fp4_dist.checkpoint.atomic's steps from now on, for the life of the process."""
+        from fp4_dist.checkpoint import atomic
 
         self._collectives = count_collectives(before=self.event)
         self._collectives.__enter__()

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from fp4_dist import atomic  # noqa: E402
+from fp4_dist.checkpoint import atomic  # noqa: E402
 from fp4_dist.checkpoint import latest_complete_checkpoint, step_folder  # noqa: E402
 from fp4_dist.launch import init_distributed, shutdown  # noqa: E402
 from kill_switch import KillSwitch  # noqa: E402

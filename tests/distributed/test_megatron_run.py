@@ -107,7 +107,7 @@ def assert_exports_the_saved_weights(folder: Path, out: Path) -> None:
     assert proc.returncode == 0 and "exported 8 NVFP4 weights" in proc.stdout, proc.stdout + proc.stderr[-3000:]
     from fp4_dist.export import ct_format
     from fp4_dist.megatron.safe_globals import megatron_checkpoint_globals
-    from fp4_dist.safe_load import load_checkpoint_file
+    from fp4_dist.checkpoint.safe_load import load_checkpoint_file
 
     tensors, amaxes, _ = ct_format.read_checkpoint(out)
     path = folder / "mp_rank_00" / "model_optim_rng.pt"

@@ -1,5 +1,5 @@
 """A writer killed part-way: `die_at` forks, and the child runs a write and SIGKILLs itself (as the out-of-memory
-killer or a preempting scheduler would) on reaching the k-th write, fsync, rename or delete of `fp4_dist.atomic`
+killer or a preempting scheduler would) on reaching the k-th write, fsync, rename or delete of `fp4_dist.checkpoint.atomic`
 (its `_step` hook, replaced in the child only)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 import signal
 import warnings
 
-from fp4_dist import atomic
+from fp4_dist.checkpoint import atomic
 
 
 def die_at(k: int, write) -> int:

@@ -1,4 +1,4 @@
-"""fp4_dist.atomic: a file or folder written by a process killed at any point is the old version or the new one,
+"""fp4_dist.checkpoint.atomic: a file or folder written by a process killed at any point is the old version or the new one,
 and what killed writers leave is cleaned up only once they are gone."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import socket
 import warnings
 from pathlib import Path
 
-from fp4_dist import atomic
+from fp4_dist.checkpoint import atomic
 
 from .killed_writer import die_at
 

@@ -1,4 +1,4 @@
-"""fp4_dist.safe_load: a checkpoint file that names code is refused before the code runs; one that holds NVFP4
+"""fp4_dist.checkpoint.safe_load: a checkpoint file that names code is refused before the code runs; one that holds NVFP4
 weights and plain state loads as saved."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fp4_dist
-from fp4_dist.safe_load import NVFP4_GLOBALS, UnsafeCheckpointError, load_checkpoint_file
+from fp4_dist.checkpoint.safe_load import NVFP4_GLOBALS, UnsafeCheckpointError, load_checkpoint_file
 from fp4_dist.testing import assert_bytes_equal
 
 from .pickle_payload import TouchOnLoad, assert_refused

@@ -85,7 +85,7 @@ LAYERS = (
     ("kernels", "shared_amax", "launch"),
     ("buffers",),
     ("tensor",),
-    ("quantize", "compute", "cast", "safe_load"),
+    ("quantize", "compute", "cast", "checkpoint"),
     ("convert", "testing"),
     ("optim", "fsdp", "megatron", "examples"),
     ("export",),  # reads what every trainer saved (Megatron's checkpoints name Megatron's classes)

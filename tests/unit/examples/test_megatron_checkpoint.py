@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from examples.megatron_checkpoint import LATEST, iteration_dir, load_checkpoint
-from fp4_dist.safe_load import UnsafeCheckpointError
+from fp4_dist.checkpoint.safe_load import UnsafeCheckpointError
 
 from ..pickle_payload import TouchOnLoad, assert_refused
 

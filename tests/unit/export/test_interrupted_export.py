@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp4_dist import atomic
+from fp4_dist.checkpoint import atomic
 from fp4_dist.export import export_compressed_tensors, load_compressed_tensors
 
 from ..killed_writer import die_at

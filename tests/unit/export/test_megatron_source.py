@@ -15,7 +15,7 @@ import torch
 import fp4_dist
 from fp4_dist.export import ct_format, export_megatron_checkpoint
 from fp4_dist.export.__main__ import main
-from fp4_dist.safe_load import UnsafeCheckpointError
+from fp4_dist.checkpoint.safe_load import UnsafeCheckpointError
 
 from ..pickle_payload import TouchOnLoad, assert_refused
 

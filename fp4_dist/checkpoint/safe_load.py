@@ -18,7 +18,7 @@ from typing import Any, Iterable
 
 import torch
 
-from .tensor import _rebuild
+from ..tensor import _rebuild
 
 __all__ = ["load_checkpoint_file", "UnsafeCheckpointError", "NVFP4_GLOBALS"]
 

@@ -1,0 +1,17 @@
+"""What users keep on disk, written so that a killed process cannot spoil it and read so that it cannot run code.
+
+    atomic.py     a whole folder (an export, a checkpoint) or one file (a run record) committed by renames: a
+                  process killed at any instant leaves the old version or the new one
+    steps.py      training checkpoints (torch.distributed.checkpoint) one folder per step, each committed whole
+                  (`save`, `step_folder`), and the newest complete one found on restart (`latest_complete_checkpoint`)
+    safe_load.py  the one reader of ``.pt`` files: weights-only, with an allow-list per kind of file
+                  (`load_checkpoint_file`, `UnsafeCheckpointError`)
+"""
+
+from __future__ import annotations
+
+from .safe_load import NVFP4_GLOBALS, UnsafeCheckpointError, load_checkpoint_file
+from .steps import StepCheckpoint, latest_complete_checkpoint, save, step_folder
+
+__all__ = ["save", "step_folder", "latest_complete_checkpoint", "StepCheckpoint", "load_checkpoint_file",
+           "UnsafeCheckpointError", "NVFP4_GLOBALS"]  # fmt: skip
