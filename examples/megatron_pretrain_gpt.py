@@ -47,10 +47,10 @@ import torch.distributed as dist
 from torch.nn.utils import parametrize
 
 from fp4_dist.checkpoint import atomic
-from fp4_dist.format import DEFAULT_NUMERICS, NUMERICS
 from fp4_dist.launch import export_mpi_env, shutdown
 from fp4_dist.megatron import adapter, defaults
 from fp4_dist.megatron.defaults import Default
+from fp4_dist.megatron.options import AdapterOptions
 from .megatron_data import VOCAB_SIZE, BatchPlan, load_indexed, load_tokens, microbatches, split_stream
 
 UNSUPPORTED_BACKEND_FLAGS = ("--fp4-format", "--fp4-recipe")
@@ -88,36 +88,25 @@ def _megatron_training():
 
 
 # --------------------------------------------------------------------------------------------- arguments
+FLAG_PREFIX = "fp4-"
+"""The adapter's options are the launcher's flags behind this prefix here (``--fp4-check-every`` for its
+``--check-every``), beside Megatron's own."""
+
 def add_fp4_dist_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("fp4_dist")
-    group.add_argument("--fp4-numerics", default=DEFAULT_NUMERICS, choices=NUMERICS,
-                       help="NVFP4 block-scale formula (TransformerEngine main, or its v2.14 variant)")
+    # The adapter's options, spelled as the launcher's behind the prefix (fp4_dist.megatron.AdapterOptions).
+    AdapterOptions.add_arguments(group, prefix=FLAG_PREFIX)
     group.add_argument("--fp4-fake-quant", action="store_true",
                        help="bf16 weights and bf16 param gather, NVFP4 fake-quantized in the forward (the "
                             "reference an --fp4-param-gather run matches bit for bit)")
-    group.add_argument("--fp4-check-every", type=int, default=0, metavar="N",
-                       help="every N steps, check on every rank that the gathered NVFP4 weights equal "
-                            "quantize(full fp32 master); stop with an error on a mismatch (0: off)")
     group.add_argument("--fp4-upstream-layout", action="store_true",
                        help="diagnostic: keep megatron-core's own packed NVFP4 layout (reproduces its stale "
                             "bytes at some data-parallel sizes; use with --fp4-check-every)")
-    group.add_argument("--fp4-allow-untested-megatron", action="store_true",
-                       help="run with a megatron-core version outside the tested range")
     group.add_argument("--fp4-corpus", default=None, metavar="PATH",
                        help="text file or folder of *.txt (default: the corpus embedded in examples/data)")
-    group.add_argument("--fp4-log-json", default=None, metavar="PATH",
-                       help="rank 0 writes the per-step records and the run summary here (after each evaluation "
-                            "too, with complete: false)")
     group.add_argument("--fp4-master-digest", action="store_true",
                        help="at the end, hash every full fp32 master (compares runs bit for bit)")
     group.add_argument("--fp4-print-args", action="store_true", help="print Megatron's full argument table")
-    group.add_argument("--fp4-no-compute-copy", action="store_true",
-                       help="lean: keep no bf16 compute copy of the NVFP4 weights between updates; each linear "
-                            "dequantizes its weight around each use and again in backward (saves 2 bytes per weight "
-                            "element, costs a dequantize per use; same values)")
-    group.add_argument("--fp4-columnwise", action="store_true",
-                       help="also build the columnwise NVFP4 copies after every param all-gather, as "
-                            "TransformerEngine does (nothing in this compute path reads them)")
     group.add_argument("--trust-checkpoint", action="store_true",
                        help="unpickle --load's files in full, which runs any code stored in them: only for a "
                             "checkpoint you made or whose source you trust (default: read weights-only, and refuse a "
@@ -242,7 +231,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     export_mpi_env()  # mpirun/mpiexec: one job of N ranks, as under torchrun
     args.rank = int(os.getenv("RANK", "0"))
     args.world_size = int(os.getenv("WORLD_SIZE", "1"))
-    if not args.fp4_allow_untested_megatron:
+    if not options_of(args).allow_untested_version:
         adapter.check_megatron_version(adapter.installed_megatron_version())
     check_fp4_args(args)
     if args.tensor_model_parallel_size > 1:  # what Megatron asks of a TP launch (before CUDA starts)
@@ -272,8 +261,13 @@ def _install_adapter(args: argparse.Namespace) -> None:
     exclude = adapter.UPSTREAM_LAYOUT if args.fp4_upstream_layout else ()
     if adapter.is_installed():
         adapter.uninstall()  # a previous run in this process may have used other rows
-    adapter.install(allow_untested_version=args.fp4_allow_untested_megatron, exclude=exclude,
-                    options=adapter.AdapterOptions(columnwise=args.fp4_columnwise))
+    options = options_of(args)
+    adapter.install(allow_untested_version=options.allow_untested_version, exclude=exclude, options=options)
+
+
+def options_of(args: argparse.Namespace) -> AdapterOptions:
+    """The adapter's options this run's flags give (``--fp4-numerics``, ``--fp4-no-compute-copy``, ...)."""
+    return AdapterOptions.from_args(args, prefix=FLAG_PREFIX)
 
 
 # --------------------------------------------------------------------------------------------- setup
@@ -331,9 +325,9 @@ def build(args: argparse.Namespace, device: torch.device):
     config = argument_utils.core_transformer_config_from_args(args)
     model = build_gpt_model(
         config, vocab_size=VOCAB_SIZE, max_sequence_length=args.max_position_embeddings, weights=weight_mode(args),
-        numerics=args.fp4_numerics, position_embedding_type=args.position_embedding_type,
+        numerics=options_of(args).numerics, position_embedding_type=args.position_embedding_type,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights, device=device,
-        compute_copy=not args.fp4_no_compute_copy,
+        compute_copy=options_of(args).compute_copy,
     )
     ddp_config = training.get_megatron_ddp_config(args)  # fp4_param_gather flows in by field name
     layout = None

@@ -6,7 +6,8 @@ It knows nothing of fp4_dist; run it through the launcher to train with NVFP4 we
     torchrun --nproc-per-node 2 -m fp4_dist.megatron.run examples/pretrain_gpt.py \\
         --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 \\
         --micro-batch-size 2 --global-batch-size 8 --train-iters 20 --lr 2e-3 --bf16 --use-distributed-optimizer \\
-        --tokenizer-type NullTokenizer --vocab-size 256 --data-path DATA_PREFIX --split 80,10,10 --fp4-param-gather
+        --tokenizer-type NullTokenizer --vocab-size 256 --data-path DATA_PREFIX --split 80,10,10 --log-interval 5 \\
+        --eval-iters 2 --fp4-param-gather
 
 (`python -m examples.megatron_preprocess --input TEXT --output-prefix DATA_PREFIX` writes the indexed dataset.)
 Megatron-LM's ``pretrain_gpt.py`` takes the same command; this one leaves out its options (SFT, FIM, MTP, context

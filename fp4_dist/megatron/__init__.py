@@ -20,33 +20,38 @@ ranks (docs/megatron.md).
 from __future__ import annotations
 
 from typing import Optional
-from ..format import DEFAULT_NUMERICS
 
-__all__ = ["enable", "disable", "is_enabled"]
+from .options import AdapterOptions
+
+__all__ = ["enable", "disable", "is_enabled", "AdapterOptions"]
 
 
-def enable(*, cpu: Optional[bool] = None, allow_untested_version: bool = False, columnwise: bool = False,
-           numerics: str = DEFAULT_NUMERICS, compute_copy: bool = True, check_every: int = 0,
-           log_json: Optional[str] = None) -> None:  # fmt: skip
+def enable(*, cpu: Optional[bool] = None, options: Optional[AdapterOptions] = None, **choices) -> None:
     """Install the hook table into megatron-core (idempotent).
 
     Args:
         cpu: also install the CPU/gloo compatibility rows; default: when CUDA is unavailable.
-        allow_untested_version: accept a megatron-core release outside the tested range.
-        columnwise: build the NVFP4 weights' columnwise copies after every param all-gather (as
-            TransformerEngine does). Off by default: the compute path reads the compute copies, not these.
-        numerics, compute_copy: for the weights converted when ``megatron.training`` wraps the model in DDP.
-        check_every: every N iterations of ``megatron.training``'s loop, check on every rank that the gathered
-            NVFP4 weights equal ``quantize(full fp32 master)`` (0: off).
-        log_json: rank 0 writes the run's record (losses, checks, master digests) to this path.
+        options: the run's `AdapterOptions` (numerics, lean compute, columnwise copies, parity checks, run record,
+            untested megatron-core versions: one definition, shared with the launcher's flags); or give its fields
+            as keywords (``enable(check_every=10)``), not both.
     Raises:
-        RuntimeError for an unsupported megatron-core version or a missing hook target (nothing patched).
+        TypeError for an unknown option; RuntimeError for an unsupported megatron-core version or a missing hook
+        target (nothing patched).
     """
+    from dataclasses import fields
+
     from . import adapter
 
-    options = adapter.AdapterOptions(columnwise=columnwise, numerics=numerics, compute_copy=compute_copy,
-                                     check_every=check_every, log_json=log_json)  # fmt: skip
-    adapter.install(cpu=cpu, allow_untested_version=allow_untested_version, options=options)
+    if options is not None and choices:
+        raise TypeError(f"fp4_dist.megatron.enable: give options= or its fields as keywords, not both (got options "
+                        f"and {sorted(choices)})")
+    if options is None:
+        known = [f.name for f in fields(AdapterOptions)]
+        unknown = sorted(set(choices) - set(known))
+        if unknown:
+            raise TypeError(f"fp4_dist.megatron.enable: unknown option(s) {unknown}; the options are {known}")
+        options = AdapterOptions(**choices)
+    adapter.install(cpu=cpu, allow_untested_version=options.allow_untested_version, options=options)
 
 
 def disable() -> None:

@@ -79,6 +79,9 @@ HOOKS: tuple[Hook, ...] = (
          "--fp4-param-gather selects fp4_dist here, not TransformerEngine: validate_args would demand --fp4-format "
          "(TE >= 2.7); what fp4_dist does not serve is refused first (refuse_unsupported_args), then the flag is "
          "hidden from it and restored"),
+    Hook((_ARGS,), "_print_args", startup.make_print_args,
+         "validate_args prints its argument table inside the checks that run with --fp4-param-gather hidden (above): "
+         "the table shows the flag on, as the run uses it (arguments 1904)"),
     Hook((_ARGU, _ARGS), "core_transformer_config_from_args", startup.hiding_fp4_param_gather,
          "the TransformerConfig's fp4_param would ask TE for NVFP4 model init (and refuses it without --fp4-format); "
          "fp4_dist converts the weights itself. Bound in argument_utils (its home, and gpt_config_from_args's) and "

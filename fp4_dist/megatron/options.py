@@ -1,29 +1,83 @@
-"""What `fp4_dist.megatron.enable()` chooses for the whole run, and the choice in force."""
+"""What a Megatron run with fp4_dist chooses, defined once: `AdapterOptions`, its command-line flags, and the choice
+in force.
+
+Every way in reads the same fields: the launcher (``python -m fp4_dist.megatron.run --check-every 10 SCRIPT ...``),
+the example trainer (``--fp4-check-every 10``: the same flags behind a prefix, beside Megatron's own) and the Python
+API (``fp4_dist.megatron.enable(check_every=10)`` or ``enable(options=AdapterOptions(...))``). A new option is one
+field here, with its help text; `AdapterOptions.add_arguments` and `AdapterOptions.from_args` give it to the parsers.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
-from ..format import DEFAULT_NUMERICS
+import argparse
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
+
+from ..format import DEFAULT_NUMERICS, NUMERICS
+
+
+def _option(default: Any, help: str, *, flag: Optional[str] = None, negate: bool = False, **argparse_kwargs):
+    """A field of `AdapterOptions` and how it is spelled on a command line: ``--<flag>`` (default: the field's
+    name with dashes); `negate`: a boolean whose flag turns it off (``--no-compute-copy``)."""
+    return field(default=default, metadata={"help": help, "flag": flag, "negate": negate, "argparse": argparse_kwargs})
 
 
 @dataclass(frozen=True, kw_only=True)
 class AdapterOptions:
-    """Choices `install` makes for the whole Megatron run."""
+    """Choices `fp4_dist.megatron.enable` makes for the whole Megatron run. Each field's help text (below, and
+    ``--help`` of the launcher and of the example trainer) is its documentation."""
 
-    columnwise: bool = False
-    """Build the columnwise NVFP4 copies after every param all-gather, as TransformerEngine does. Nothing in
-    Megatron's compute path through fp4_dist reads them (linears run on each weight's compute copy), so by
-    default they are not built: ``columnwise_data`` stays None and ``make_columnwise()`` builds it on demand."""
-    numerics: str = DEFAULT_NUMERICS
-    """Block-scale formula of the weights converted when Megatron wraps the model in DDP ("te" or "te-2.14")."""
-    compute_copy: bool = True
-    """Converted weights keep a bf16 compute copy between updates (False: dequantize on every use)."""
-    check_every: int = 0
-    """Every N training iterations of ``megatron.training``'s loop, check on every rank that the gathered NVFP4
-    weights equal ``quantize(full fp32 master)`` and stop with an error if not (0: off)."""
-    log_json: Optional[str] = None
-    """Rank 0 writes the run's record here (per-iteration loss, checks, master digests; `monitor`)."""
+    numerics: str = _option(DEFAULT_NUMERICS, "NVFP4 block-scale formula of the converted weights (TransformerEngine "
+                            "main, or its v2.14 variant)", choices=NUMERICS)  # fmt: skip
+    compute_copy: bool = _option(True, "lean: keep no bf16 copy of the NVFP4 weights between updates; each linear "
+                                 "dequantizes its weight around each use and again in backward (less memory than bf16 "
+                                 "weights, same values, a dequantize per use)", flag="no-compute-copy", negate=True)
+    columnwise: bool = _option(False, "also build the columnwise NVFP4 copies after every param all-gather, as "
+                               "TransformerEngine does (nothing in fp4_dist's compute path reads them)")
+    check_every: int = _option(0, "every N iterations, check on every rank that the gathered NVFP4 weights equal "
+                               "quantize(full fp32 master); stop with an error if not (0: off)", metavar="N", type=int)
+    log_json: Optional[str] = _option(None, "rank 0 writes the run's record here: per-iteration loss and grad norm, "
+                                      "checks, and the digest of every fp32 master after setup and at the last "
+                                      "iteration", metavar="PATH")
+    allow_untested_version: bool = _option(False, "run with a megatron-core version outside the tested range",
+                                           flag="allow-untested-megatron")
+
+    def __post_init__(self):
+        if self.numerics not in NUMERICS:
+            raise ValueError(f"numerics must be one of {list(NUMERICS)}, got {self.numerics!r}")
+        if isinstance(self.check_every, bool) or not isinstance(self.check_every, int) or self.check_every < 0:
+            raise ValueError(f"check_every must be an int >= 0 (iterations; 0: off), got {self.check_every!r}")
+
+    @classmethod
+    def flags(cls, prefix: str = "") -> dict[str, str]:
+        """{field name: its command-line flag} with `prefix` (``"fp4-"`` in the example trainer)."""
+        return {f.name: f"--{prefix}{f.metadata['flag'] or f.name.replace('_', '-')}" for f in fields(cls)}
+
+    @classmethod
+    def add_arguments(cls, parser, prefix: str = ""):
+        """Add a flag per field to `parser` (an ArgumentParser or an argument group); returns it."""
+        for f in fields(cls):
+            flag = cls.flags(prefix)[f.name]
+            kwargs = dict(help=f.metadata["help"], dest=_dest(flag))
+            if f.type in (bool, "bool"):
+                kwargs["action"] = "store_true"
+            else:
+                kwargs.update(default=f.default, **f.metadata["argparse"])
+            parser.add_argument(flag, **kwargs)
+        return parser
+
+    @classmethod
+    def from_args(cls, namespace: argparse.Namespace, prefix: str = "") -> "AdapterOptions":
+        """The options a namespace parsed with `add_arguments` (same `prefix`) holds."""
+        values = {}
+        for f in fields(cls):
+            given = getattr(namespace, _dest(cls.flags(prefix)[f.name]))
+            values[f.name] = (not given) if f.metadata["negate"] else given
+        return cls(**values)
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
 
 
 _options = AdapterOptions()

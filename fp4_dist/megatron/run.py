@@ -25,15 +25,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import runpy
 import sys
 import time
 import traceback
+import warnings
 from typing import Optional, Sequence
 
 from .. import launch
 from . import defaults
-from ..format import DEFAULT_NUMERICS, NUMERICS
+from .options import AdapterOptions
 
 ERROR_GRACE_S = 3.0
 # What gloo raises on a rank whose peer's process ended during a collective (its connection closes or resets).
@@ -49,22 +51,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m fp4_dist.megatron.run", usage=USAGE,
         description="Run a Megatron-LM training script (e.g. pretrain_gpt.py) with fp4_dist as the backend of "
                     "--fp4-param-gather: no TransformerEngine, Hopper GPUs and CPU ranks.")  # fmt: skip
-    p.add_argument("--check-every", type=int, default=0, metavar="N",
-                   help="every N iterations, check on every rank that the gathered NVFP4 weights equal "
-                        "quantize(full fp32 master); stop with an error if not (0: off)")
-    p.add_argument("--log-json", default=None, metavar="PATH",
-                   help="rank 0 writes the run's record here: per-iteration loss and grad norm, checks, and the "
-                        "digest of every fp32 master after setup and at the last iteration")
-    p.add_argument("--numerics", default=DEFAULT_NUMERICS, choices=NUMERICS,
-                   help="NVFP4 block-scale formula (TransformerEngine main, or its v2.14 variant)")
-    p.add_argument("--columnwise", action="store_true",
-                   help="also build the columnwise NVFP4 copies after every param all-gather, as TransformerEngine "
-                        "does (nothing in the compute path reads them)")
-    p.add_argument("--no-compute-copy", action="store_true",
-                   help="lean: keep no bf16 copy of the NVFP4 weights between updates; each linear dequantizes its "
-                        "weight around each use and again in backward (less memory than bf16 weights, same values)")
-    p.add_argument("--allow-untested-megatron", action="store_true",
-                   help="run with a megatron-core version outside the tested range")
+    AdapterOptions.add_arguments(p)
     p.add_argument("script", help="the training script, e.g. Megatron-LM's pretrain_gpt.py")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments (Megatron's)")
     return p
@@ -112,9 +99,44 @@ def _export_slurm(environ) -> str:
 
 
 # --------------------------------------------------------------------------------------- script arguments
-def refuse_launch(script_args: Sequence[str]) -> None:
-    """What this launcher refuses whatever the run: the checkpoint worker Megatron spawns for --async-save is a
+FALLBACK_WARNINGS = ("Transformer Engine and Apex are not installed", "Apex is not installed",
+                     "Only transformer-engine>=")  # fmt: skip
+"""What megatron-core warns on import, once per module and rank, when TransformerEngine or Apex is missing."""
+
+
+def quiet_fallback_warnings(machine: defaults.Machine, rank0: bool) -> None:
+    """Say once for the job what a machine without TransformerEngine or Apex means for the run, in place of
+    Megatron's import-time warnings of it (a dozen per rank). A user who asks to see warnings (``-W`` or
+    ``PYTHONWARNINGS`` with an action other than ``ignore``) sees them all."""
+    missing = [name for name, have in (("TransformerEngine", machine.te), ("Apex", machine.apex)) if not have]
+    asked = [*sys.warnoptions, *filter(None, os.environ.get("PYTHONWARNINGS", "").split(","))]
+    if not missing or any(not option.strip().startswith("ignore") for option in asked):
+        return
+    for text in FALLBACK_WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(text), category=UserWarning)
+    if rank0:
+        print(f"fp4_dist.megatron.run: no {' and no '.join(missing)} here: Megatron runs its torch fallbacks (norms, "
+              "multi-tensor ops, optimizer; the numerics of its fallbacks, some ops slower). Its import-time warnings "
+              "about it are not repeated (PYTHONWARNINGS=default shows them)", flush=True)
+
+
+def usage_error(message: str) -> None:
+    """Stop with exit status 2, the message printed once for the job (rank 0: every rank finds the same)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(message, file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def refuse_launch(script: str, script_args: Sequence[str]) -> None:
+    """What this launcher refuses whatever the run: its own options written after the script (Megatron's parser would
+    print its whole usage without a word about them); --async-save, whose checkpoint worker Megatron spawns as a
     fresh interpreter that fp4_dist's set-up (the adapter, the Python 3.11 shim, the CPU layer) never reaches."""
+    ours = set(AdapterOptions.flags().values()) & defaults.given(script_args)
+    if ours:
+        flags = " ".join(sorted(ours))
+        usage_error(f"fp4_dist.megatron.run: {flags} {'is an option' if len(ours) == 1 else 'are options'} of the "
+                    f"launcher, not of {os.path.basename(script)}: write {'it' if len(ours) == 1 else 'them'} before "
+                    f"the script, e.g. python -m fp4_dist.megatron.run {flags} ... {script} ...\nusage: {USAGE}")
     if "--async-save" in defaults.given(script_args):
         raise RuntimeError("fp4_dist.megatron.run: --async-save is not supported: Megatron's checkpoint worker "
                            "process starts without fp4_dist. Drop it (saves then block the step while they write)")
@@ -130,13 +152,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # every rank once one exits, and a peer refusing the same run a moment later should still get its line in;
         # not when a peer's process is gone (nothing is coming from it, and the others lost it too).
         lost = peer_lost(e)
-        print(f"fp4_dist.megatron.run: rank {os.environ.get('RANK', '?')}: {type(e).__name__}: {e}"
+        print(f"fp4_dist.megatron.run: rank {os.environ.get('RANK', '?')}: {type(e).__name__}: {describe(e)}"
               + (PEER_LOST_HINT if lost else ""), file=sys.stderr, flush=True)  # fmt: skip
         if not deliberate(e):
             traceback.print_exc()
         if not lost:
             time.sleep(ERROR_GRACE_S)
         return 1
+
+
+def describe(error: BaseException) -> str:
+    """The error's message; for an assertion without one (most of Megatron's argument checks), the failing line and
+    where it is, so that the user sees which condition the run broke."""
+    text = str(error)
+    if text or not isinstance(error, AssertionError):
+        return text
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return "(an assertion without a message)"
+    where = frames[-1]
+    path = where.filename.replace(os.sep, "/")
+    return f"{where.line} ({path[path.find('megatron/'):] if 'megatron/' in path else path}:{where.lineno})"
 
 
 def peer_lost(error: BaseException) -> bool:
@@ -165,7 +201,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         raise SystemExit(f"fp4_dist.megatron.run: no such script: {script}\nusage: {USAGE}")
     launcher = export_rank_environment()
     rank0 = os.environ["RANK"] == "0"
-    refuse_launch(opts.script_args)
+    refuse_launch(script, opts.script_args)
     machine = defaults.probe()
     missing = defaults.missing(opts.script_args, machine)
     added = defaults.as_arguments(missing)
@@ -175,15 +211,14 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         for d in missing:
             print(f"fp4_dist.megatron.run: added {' '.join((d.flag, *d.values))} ({d.why})", flush=True)
 
+    quiet_fallback_warnings(machine, rank0)
     from . import adapter, enable
 
     adapter.python_311_shim()
     # The script's own folder first on the path, as `python script.py` would have it (pretrain_gpt.py imports
     # gpt_builders and model_provider from beside it).
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    enable(allow_untested_version=opts.allow_untested_megatron, columnwise=opts.columnwise,
-           numerics=opts.numerics, compute_copy=not opts.no_compute_copy, check_every=opts.check_every,
-           log_json=opts.log_json)  # fmt: skip
+    enable(options=AdapterOptions.from_args(opts))
     sys.argv = [script, *opts.script_args, *added]
     runpy.run_path(script, run_name="__main__")
     launch.shutdown()  # not after an error: its barrier would wait for ranks that may never come

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import threading
 from typing import Callable, Optional
 
 import torch
@@ -16,6 +17,10 @@ from .options import current_options
 from .parallel import collective_device
 
 
+_hiding = threading.local()
+"""``args``: the arguments whose ``--fp4-param-gather`` Megatron's checks run without right now (or None)."""
+
+
 def hiding_fp4_param_gather(original):
     """Run Megatron's `original(args, ...)` with ``args.fp4_param_gather`` off: there the flag means
     TransformerEngine's NVFP4 (validate_args demands --fp4-format and TE >= 2.7; the transformer config would
@@ -24,13 +29,31 @@ def hiding_fp4_param_gather(original):
 
     def wrapper(args, *rest, **kwargs):
         on = getattr(args, "fp4_param_gather", False)
+        outer = getattr(_hiding, "args", None)
+        _hiding.args = args if on else outer
         args.fp4_param_gather = False
         try:
             return original(args, *rest, **kwargs)
         finally:
+            _hiding.args = outer
             args.fp4_param_gather = on or getattr(args, "fp4_param_gather", False)
 
     return wrapper
+
+
+def make_print_args(original):
+    def _print_args(title, args):
+        # validate_args prints the argument table at its end, inside the checks that run without the flag: the table
+        # shows the flag as the run uses it.
+        if getattr(_hiding, "args", None) is not args:
+            return original(title, args)
+        args.fp4_param_gather = True
+        try:
+            return original(title, args)
+        finally:
+            args.fp4_param_gather = False
+
+    return _print_args
 
 
 def make_validate_args(original):

@@ -16,6 +16,7 @@ masters start from the dequantized weights was 9% off at iteration 50 in the iss
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -197,6 +198,12 @@ def test_the_documented_launch_line_trains_as_written(tmp_path, data):
     assert "added --no-persist-layer-norm" in proc.stdout and "added --eval-interval" in proc.stdout
     assert "after setup: gathered NVFP4 weights == quantize(master) on every rank: ok" in proc.stdout
     assert "validation loss at iteration 20" in proc.stdout
+    # What a user reads: losses as training goes, Megatron's argument table telling the truth about the flag, and
+    # the machine's missing TransformerEngine / Apex said once for the job instead of a dozen warnings per rank.
+    assert all(f"iteration {i:8d}/      20" in proc.stdout for i in (5, 10, 15, 20))
+    assert re.search(r"^  fp4_param_gather \.+ True$", proc.stdout, flags=re.M)
+    assert proc.stdout.count("no TransformerEngine and no Apex here") == 1
+    assert "Apex is not installed" not in proc.stdout + proc.stderr
 
 
 def test_unsupported_runs_are_refused_at_start_up_on_every_rank(tmp_path, data):

@@ -31,7 +31,62 @@ def test_launches_it_cannot_serve_are_refused_with_the_remedy():
     with pytest.raises(RuntimeError, match="MASTER_PORT"):
         run.export_rank_environment({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h"})
     with pytest.raises(RuntimeError, match="--async-save is not supported"):
-        run.refuse_launch(["--bf16", "--async-save"])
+        run.refuse_launch("pretrain_gpt.py", ["--bf16", "--async-save"])
+
+
+def test_a_launcher_option_after_the_script_is_named_once_with_where_it_goes(capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as stop:
+        run.refuse_launch("pretrain_gpt.py", ["--bf16", "--check-every", "10", "--log-json=r.json"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "--check-every --log-json are options of the launcher, not of pretrain_gpt.py: write them before the " \
+           "script" in err and err.count("\n") == 2  # the sentence and the usage line, no parser dump
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit):
+        run.refuse_launch("pretrain_gpt.py", ["--no-compute-copy"])
+    assert capsys.readouterr().err == ""  # once for the job: rank 0 says it
+
+
+def test_megatron_has_none_of_the_launchers_option_names():
+    pytest.importorskip("megatron.core")
+    from fp4_dist.megatron.patching import python_311_shim
+
+    python_311_shim()
+    from megatron.training.arguments import parse_args
+
+    from fp4_dist.megatron.options import AdapterOptions
+
+    ours = set(AdapterOptions.flags().values())
+    parser_flags = set()
+    import argparse
+
+    real_parse = argparse.ArgumentParser.parse_known_args
+    try:  # the flags Megatron's parser defines, taken from the parser it builds
+        def grab(self, *a, **k):
+            parser_flags.update(s for action in self._actions for s in action.option_strings)
+            raise SystemExit(0)
+
+        argparse.ArgumentParser.parse_known_args = grab
+        with pytest.raises(SystemExit):
+            parse_args(ignore_unknown_args=True)
+    finally:
+        argparse.ArgumentParser.parse_known_args = real_parse
+    assert parser_flags and not ours & parser_flags, ours & parser_flags
+
+
+def test_a_bare_megatron_assertion_is_named_by_its_condition(tmp_path, monkeypatch):
+    # A module of its own: pytest rewrites the asserts of test modules, not of the code they import.
+    (tmp_path / "checks_like_megatron.py").write_text("def validate(args):\n    assert args.save_interval is not None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import types
+
+    from checks_like_megatron import validate
+
+    with pytest.raises(AssertionError) as raised:
+        validate(types.SimpleNamespace(save_interval=None))
+    assert run.describe(raised.value) == (f"assert args.save_interval is not None "
+                                          f"({(tmp_path / 'checks_like_megatron.py').as_posix()}:2)")
 
 
 def test_platform_flags_are_added_only_when_needed_and_never_over_the_users():

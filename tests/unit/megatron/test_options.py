@@ -1,0 +1,63 @@
+"""`fp4_dist.megatron.options.AdapterOptions` is the one definition of the Megatron options: the launcher, the example
+trainer and `enable()` read its fields, and no parser spells one of them on its own."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from fp4_dist.megatron import AdapterOptions, enable
+from fp4_dist.megatron.run import _parser
+
+REPO = Path(__file__).parents[3]
+CHOSEN = dict(numerics="te-2.14", compute_copy=False, columnwise=True, check_every=7, log_json="run.json",
+              allow_untested_version=True)  # every field away from its default  # fmt: skip
+
+
+def _argv(prefix: str) -> list[str]:
+    flags = AdapterOptions.flags(prefix)
+    return [flags["numerics"], "te-2.14", flags["compute_copy"], flags["columnwise"], flags["check_every"], "7",
+            flags["log_json"], "run.json", flags["allow_untested_version"]]  # fmt: skip
+
+
+def test_every_field_is_chosen_away_from_its_default_here():
+    assert set(CHOSEN) == {f.name for f in fields(AdapterOptions)}
+    assert all(getattr(AdapterOptions(), k) != v for k, v in CHOSEN.items())
+
+
+def test_the_launcher_reads_every_option_from_its_flags():
+    opts = _parser().parse_args(_argv("") + ["pretrain_gpt.py", "--bf16"])
+    assert AdapterOptions.from_args(opts) == AdapterOptions(**CHOSEN)
+    assert opts.script_args == ["--bf16"]
+
+
+def test_the_example_trainer_reads_the_same_options_behind_its_prefix():
+    from examples.megatron_pretrain_gpt import FLAG_PREFIX, add_fp4_dist_args
+
+    parser = add_fp4_dist_args(argparse.ArgumentParser())
+    assert AdapterOptions.from_args(parser.parse_args(_argv(FLAG_PREFIX)), prefix=FLAG_PREFIX) == \
+        AdapterOptions(**CHOSEN)
+    assert AdapterOptions.from_args(parser.parse_args([]), prefix=FLAG_PREFIX) == AdapterOptions()
+
+
+def test_no_parser_spells_an_option_flag_of_its_own():
+    names = {f.lstrip("-") for p in ("", "fp4-") for f in AdapterOptions.flags(p).values()}
+    spelled = []
+    for path in [*(REPO / "fp4_dist").rglob("*.py"), *(REPO / "examples").rglob("*.py")]:
+        for flag in re.findall(r"add_argument\(\s*\"--([\w-]+)\"", path.read_text()):
+            if flag in names:
+                spelled.append(f"{path.relative_to(REPO)}: --{flag}")
+    assert not spelled, f"options defined outside AdapterOptions: {spelled}"
+
+
+def test_enable_takes_the_fields_as_keywords_and_refuses_an_unknown_one():
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['check_evry'\].*'check_every'"):
+        enable(check_evry=10)
+    with pytest.raises(TypeError, match="not both"):
+        enable(options=AdapterOptions(), check_every=1)
+    with pytest.raises(ValueError, match="check_every must be an int >= 0"):
+        AdapterOptions(check_every=-1)
