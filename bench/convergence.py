@@ -14,7 +14,8 @@ with the first and the last layer in bf16), ``lean`` (fp4 without kept compute c
 DIR/<variant>-lr<lr>-s<seed>.json (the trainer's record: loss, grad norm and lr of every iteration, validation
 losses; written after each evaluation and at the end) and .log, and DIR/runs.json says how they were made; a run
 stopped before its end (a time limit) is plotted as far as its record, or without one its log, goes. The plots
-read those files (matplotlib, an optional bench dependency: ``pip install matplotlib``).
+read those files and draw with matplotlib: ``scripts/bootstrap.sh`` installs it into ``.venv``, ``pip install
+'.[bench]'`` into another environment.
 """
 
 from __future__ import annotations
@@ -247,8 +248,9 @@ def plot(args) -> int:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("convergence plot: matplotlib is not installed (pip install matplotlib): table only")
-        return 0
+        print("convergence plot: the figures need matplotlib, which this Python lacks: run it with .venv/bin/python "
+              "(bash scripts/bootstrap.sh makes it) or pip install '.[bench]'; tables only", file=sys.stderr)
+        return 1
     out = Path(args.out or args.folders[0])
     out.mkdir(parents=True, exist_ok=True)
     colors = {"bf16": "tab:blue", "fp4": "tab:red", "fake": "tab:green", "fp4-fl": "tab:purple", "lean": "tab:orange"}

@@ -6,9 +6,19 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONUNBUFFERED=1
-if [[ " $* " == *" --help "* || " $* " == *" -h "* ]]; then  # once, not once per rank
-  exec .venv/bin/python -m examples.train_lm --help
+# The options are parsed once here, before any rank starts: a mistyped one ends the script with one usage error and
+# exit status 2 (under torchrun every rank would print it, and torchrun a traceback of its own); --help prints once.
+# The same process counts the GPUs.
+ngpu=$(.venv/bin/python -c '
+import sys
+sys.argv[0] = "train.sh"  # the name argparse gives in its usage and error lines
+from examples.train_lm import parse_args
+parse_args()
+import torch
+print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' "$@")
+if [[ ! "$ngpu" =~ ^[0-9]+$ ]]; then  # --help: argparse printed the options instead of a count, and exited 0
+  printf '%s\n' "$ngpu"
+  exit 0
 fi
-ngpu=$(.venv/bin/python -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
 nproc=${NPROC:-$([[ "$ngpu" -gt 0 ]] && echo "$ngpu" || echo 2)}
 exec .venv/bin/torchrun --standalone --nproc-per-node "$nproc" -m examples.train_lm "$@"

@@ -173,7 +173,9 @@ class Zero1Optimizer(torch.optim.Optimizer):
     hyperparameters (an LR scheduler or a manual ``group["lr"] = ...`` reaches the inner optimizer at the next
     `step`), `state_dict` / `load_state_dict` are sharded per parameter for ``torch.distributed.checkpoint``
     (save and load at any world size; `fp4_dist.optim.zero1_state`), and `clip_grad_norm_` clips the reduced
-    gradients. ``add_param_group`` is refused: the shard buffers are laid out once, at construction.
+    gradients. ``add_param_group`` is refused: the shard buffers are laid out once, at construction. Without any
+    NVFP4 weight among the parameters (`fp4_dist.convert_linear_weights` not called first) it is plain ZeRO-1, and
+    construction warns.
 
     Args:
         params: parameters or param-group dicts (as for torch.optim); the same list on every rank.
@@ -235,6 +237,12 @@ class Zero1Optimizer(torch.optim.Optimizer):
         except BaseException:
             saved.restore()
             raise
+        if not fp4:  # the same verdict on every rank: the agreement check compared which parameters are NVFP4
+            dtypes = ", ".join(sorted({str(p.dtype).removeprefix("torch.") for p in self.params}))
+            warnings.warn(f"Zero1Optimizer: none of the {len(self.params)} parameters is an NVFP4 weight, so nothing "
+                          f"is all-gathered in 4 bits (they train as plain ZeRO-1 in {dtypes}); call "
+                          "fp4_dist.convert_linear_weights(model) before building the optimizer (or, for plain ZeRO-1 "
+                          "on purpose, filter this warning)", UserWarning, stacklevel=user_stacklevel())
 
     @property
     def state(self) -> dict:

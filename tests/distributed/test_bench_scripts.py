@@ -58,6 +58,15 @@ def test_traffic_and_projection_print_their_tables():
     _ran(_bench("bench/projection.py", "--ranks", "8", "64"), "7B-class")
 
 
+def test_the_projected_ratios_are_the_range_docs_fsdp2_gives():
+    proc = _bench("bench/projection.py")
+    _ran(proc, "NVFP4 / bf16 at 64 |")
+    ratios = [float(line.split("|")[-2]) for line in proc.stdout.splitlines() if "| nvfp4 |" in line]
+    doc = " ".join((REPO / "docs" / "fsdp2.md").read_text().split())
+    claim = f"at 64 ranks the NVFP4 step takes {min(ratios):.2f}-{max(ratios):.2f}x bf16's"
+    assert len(ratios) == 8 and claim in doc, f"docs/fsdp2.md should say {claim!r} (bench/projection.py: {ratios})"
+
+
 @pytest.mark.parametrize("script", ["kernels.py", "linear.py", "host_per_use.py", "zero1_stack.py", "lean_l2.py"])
 def test_gpu_only_benches_say_they_need_a_gpu(script):
     proc = _bench(f"bench/{script}")

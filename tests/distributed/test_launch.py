@@ -145,6 +145,28 @@ def test_train_lm_example_runs_on_two_ranks_and_passes_its_parity_check(tmp_path
     assert "PASS (bit-identical)" in proc.stdout and "bf16 gather" in proc.stdout, log[-4000:]
 
 
+def _train_sh(*options: str) -> subprocess.CompletedProcess:
+    if not (REPO / ".venv" / "bin" / "python").exists():
+        pytest.skip("scripts/train.sh runs in the .venv that scripts/bootstrap.sh makes (bash scripts/test.sh makes it)")
+    return subprocess.run(["bash", str(REPO / "scripts" / "train.sh"), *options], env=_env(), capture_output=True,
+                          text=True, timeout=TIMEOUT_S)  # fmt: skip
+
+
+def test_a_mistyped_train_sh_option_gives_one_usage_error_and_no_traceback():
+    proc = _train_sh("--steps", "6", "--stpes", "5")
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 2, log[-4000:]
+    assert log.count("usage: train.sh") == 1, log[-4000:]
+    assert log.count("train.sh: error: unrecognized arguments: --stpes 5") == 1, log[-4000:]
+    assert "Traceback" not in log and "torch.distributed" not in log, log[-4000:]  # no rank was started
+
+
+def test_train_sh_help_lists_the_options_once():
+    proc = _train_sh("--help")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert proc.stdout.count("usage: train.sh") == 1 and "--bucket-numel" in proc.stdout, proc.stdout[-4000:]
+
+
 # A process that builds its first torch optimizer after the group exists (as every training script does), then
 # calls fp4_dist.launch.shutdown(): the group must be freed there, not during interpreter finalization, where
 # gloo aborted 2 launches in 50 at 4 ranks under load ("terminate called without an active exception").

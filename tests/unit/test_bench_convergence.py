@@ -1,7 +1,9 @@
 """bench/convergence.py's reading side: finished runs from their records, runs stopped by a time limit from their
 logs, the tables, and smoothing that does not depend on how often a run was sampled."""
 
+import argparse
 import json
+import sys
 
 import pytest
 
@@ -46,3 +48,23 @@ def test_smoothing_follows_iterations_not_samples():
     assert every[0] == pytest.approx(1.0) and sparse[0] == pytest.approx(1.0)
     # 90 iterations at weight 0.98 after a constant start: the same average however they were sampled
     assert sparse[1] == pytest.approx(every[-1], rel=1e-12)
+
+
+def _plot_args(folder, out):
+    return argparse.Namespace(folders=[str(folder)], out=str(out), at=[50, 100])
+
+
+def test_plot_draws_one_figure_per_learning_rate(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="requirements/cpu.txt and the bench extra install it")
+    assert convergence.plot(_plot_args(_folder(tmp_path), tmp_path / "figures")) == 0
+    figure = tmp_path / "figures" / "convergence_lr0.0006.png"
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote {figure}" in capsys.readouterr().out
+
+
+def test_plot_without_matplotlib_prints_the_tables_and_fails_naming_the_remedy(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # an environment where it is not installed
+    assert convergence.plot(_plot_args(_folder(tmp_path), tmp_path / "figures")) == 1
+    out, err = capsys.readouterr()
+    assert "| 0.0006 | fp4 |" in out and "pip install '.[bench]'" in err
+    assert not (tmp_path / "figures").exists()

@@ -1,5 +1,7 @@
 """fp4_dist/optim/zero1.py in one process (the multi-rank parity runs in tests/distributed/suite_train.py)."""
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -403,11 +405,33 @@ def test_a_fresh_optimizers_state_dict_trains_as_a_fresh_optimizer(tmp_path):
 def test_converting_after_building_the_optimizer_is_refused_at_the_first_step():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(48, 80), nn.GELU(), nn.Linear(80, 40, bias=False)).to(torch.bfloat16)
-    opt = Zero1Optimizer(model.parameters(), adam)
+    with pytest.warns(UserWarning, match="none of the 3 parameters is an NVFP4 weight"):
+        opt = Zero1Optimizer(model.parameters(), adam)
     fp4_dist.convert_linear_weights(model, dtype=torch.bfloat16)  # too late: opt holds the old bf16 weights
     loss_of(model, data(0)).backward()
     with pytest.raises(ValueError, match=r"replaced by the NVFP4 weight '0.weight'.*build the optimizer"):
         opt.step()
+
+
+def _no_nvfp4_warnings(build) -> list:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build()
+    return [w for w in caught if "is an NVFP4 weight" in str(w.message)]
+
+
+def test_a_model_without_nvfp4_weights_warns_once_at_the_users_line_naming_the_conversion():
+    model = nn.Sequential(nn.Linear(48, 80), nn.GELU(), nn.Linear(80, 40, bias=False)).to(torch.bfloat16)
+    caught = _no_nvfp4_warnings(lambda: Zero1Optimizer(model.parameters(), adam))
+    assert len(caught) == 1 and caught[0].category is UserWarning and caught[0].filename == __file__
+    message = str(caught[0].message)
+    assert "none of the 3 parameters is an NVFP4 weight" in message and "in bfloat16" in message
+    assert "fp4_dist.convert_linear_weights(model) before building the optimizer" in message
+
+
+def test_a_converted_model_does_not_warn():
+    model, init = mlp()
+    assert _no_nvfp4_warnings(lambda: Zero1Optimizer(model.parameters(), adam, master_init=init)) == []
 
 
 def test_training_steps_never_enter_the_weights_dispatch(dispatches):
