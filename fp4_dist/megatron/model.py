@@ -28,7 +28,7 @@ from torch.nn.utils import parametrize
 from ..format import DEFAULT_NUMERICS, TILE
 from ..quantize import quantize
 from ..tensor import is_nvfp4_tensor
-from .parallel import reduce_whole_amaxes, tensor_parallel_group
+from .parallel import collective_device, reduce_whole_amaxes, tensor_parallel_group
 
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -261,15 +261,21 @@ def _slice_amaxes(inits: list[torch.Tensor]) -> torch.Tensor:
 
 
 class _FakeQuant(torch.autograd.Function):
-    """y = dequantize(quantize(w)) in w's dtype; dL/dw = dL/dy (what an NVFP4 parameter's autograd gives)."""
+    """y = dequantize(quantize(w)) in w's dtype; dL/dw = dL/dy (what an NVFP4 parameter's autograd gives). A
+    tensor-parallel slice is quantized with the whole weight's amax (`group`: its tensor-parallel group), as an NVFP4
+    weight's slice is cast, so that the reference equals the NVFP4 run under tensor parallelism too."""
 
     @staticmethod
-    def forward(ctx, weight: torch.Tensor, numerics: str) -> torch.Tensor:
-        return quantize(weight.detach(), numerics=numerics, dtype=weight.dtype).dequantize(weight.dtype)
+    def forward(ctx, weight: torch.Tensor, numerics: str, group=None) -> torch.Tensor:
+        w = weight.detach()
+        amax = None
+        if group is not None:
+            amax = reduce_whole_amaxes([weight], _slice_amaxes([w]).to(collective_device()))[:1].to(w.device)
+        return quantize(w, numerics=numerics, dtype=weight.dtype, amax=amax).dequantize(weight.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, None
+        return grad, None, None
 
 
 class _FakeQuantParametrization(nn.Module):
@@ -278,7 +284,7 @@ class _FakeQuantParametrization(nn.Module):
         self.numerics = numerics
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        return _FakeQuant.apply(weight, self.numerics)
+        return _FakeQuant.apply(weight, self.numerics, tensor_parallel_group(weight))
 
 
 def apply_fake_quant(model: nn.Module, config: TransformerConfig, *, numerics: str = DEFAULT_NUMERICS) -> list[str]:

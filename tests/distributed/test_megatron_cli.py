@@ -72,6 +72,23 @@ def test_tensor_parallel_2_x_data_parallel_2_slices_equal_the_slices_of_quantizi
     assert "4 ranks" in proc.stdout
 
 
+def test_under_tensor_parallelism_the_run_equals_its_fake_quantization_reference_bit_for_bit(tmp_path):
+    # The reference quantizes each tensor-parallel slice with the whole weight's amax, as the NVFP4 weights' cast does
+    # (with the slice's own amax, every loss differed).
+    wider = {"48": "64", "64": "128", "12": "16"}
+    args = [wider.get(a, a) for a in TINY if a != "--fp4-param-gather"]
+    records = {}
+    for mode in ("--fp4-param-gather", "--fp4-fake-quant"):
+        log = tmp_path / f"{mode.strip('-')}.json"
+        proc = run(2, *args, "--global-batch-size", "4", "--train-iters", "4", "--log-interval", "4",
+                   "--tensor-model-parallel-size", "2", "--fp4-master-digest", "--fp4-log-json", str(log), mode)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        records[mode] = json.loads(log.read_text())
+    fp4, fake = records["--fp4-param-gather"], records["--fp4-fake-quant"]
+    assert [r["loss"] for r in fp4["records"]] == [r["loss"] for r in fake["records"]], "losses differ"
+    assert fp4["master_digest"] == fake["master_digest"], "fp32 masters differ"
+
+
 def _suite(nproc: int, suites: str, ckpt: Path, out: Path) -> dict:
     proc = run(nproc, str(SUITE), "--out", str(out), "--suites", suites, "--ckpt", str(ckpt), module=False,
                timeout=400)  # fmt: skip
