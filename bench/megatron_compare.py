@@ -377,7 +377,8 @@ def memory_only(base: list[str], args) -> int:
     """Train one model and report its peak memory per rank (`--memory-only`)."""
     name = args.memory_only
     if name != "bf16" and name not in VARIANTS:
-        raise SystemExit(f"megatron_compare: unknown --memory-only variant {name!r}; known: bf16, {', '.join(VARIANTS)}")
+        raise SystemExit(f"megatron_compare: unknown --memory-only variant {name!r}; "
+                         f"known: bf16, {', '.join(VARIANTS)}")
     argv = base + ([] if name == "bf16" else VARIANTS[name])
     cuda = torch.cuda.is_available()
     if cuda and args.memory_sites:
@@ -391,8 +392,8 @@ def memory_only(base: list[str], args) -> int:
     allocated, reserved, start, end = (float(x) / 2**20 for x in sizes.tolist())
     median = statistics.median(step_times(result))
     row = {"variant": name, "peak_allocated_mib": allocated, "peak_reserved_mib": reserved, "median_step_ms": median,
-           "start_allocated_mib": start, "end_allocated_mib": end, "compute_copy_mib": result.compute_copy_bytes / 2**20,
-           "pool_mib": pool_stats()["bytes"] / 2**20}  # fmt: skip
+           "start_allocated_mib": start, "end_allocated_mib": end,
+           "compute_copy_mib": result.compute_copy_bytes / 2**20, "pool_mib": pool_stats()["bytes"] / 2**20}
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"\nmemory {name}: peak allocated {allocated:,.0f} MiB, reserved {reserved:,.0f} MiB; allocated at the "
               f"first step {start:,.0f} MiB, after the last {end:,.0f} MiB (max over ranks); compute copies "
@@ -534,8 +535,8 @@ def main() -> int:
             print(f"{name:<{width}} | {value} | {verdict}")
         print(f"\nOVERALL: {'PASS' if ok and step_ok else 'FAIL'} ({fp4b.world_size} ranks, {args.steps} steps)"
               + ("" if ok else ": a correctness check failed (exit 1)")
-              + ("" if step_ok else ": the step time is over its limit" + (" (exit 1: --strict)" if args.strict else
-                                                                           " (a measurement: exit 0 without --strict)")),
+              + ("" if step_ok else ": the step time is over its limit"
+                 + (" (exit 1: --strict)" if args.strict else " (a measurement: exit 0 without --strict)")),
               flush=True)
         if args.json:
             losses = {"fp4": rounds[0]["fp4"][0].losses, "bf16": rounds[0]["bf16"][0].losses,

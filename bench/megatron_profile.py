@@ -9,9 +9,9 @@ time.
 
 --gpu profiles the device instead (torch.profiler, steps 6 to --steps): the GPU time per step of every kernel in
 each mode, the kernels only one mode runs, the GPU's busy time against the wall time of those steps, and each
-collective's device and exposed time (run under the NCCL environment of timing.SLOW_LINK in bench/timing.py, with or without
--- --grad-reduce-in-bf16, for what a slow link leaves exposed). It tells extra device work of the NVFP4 path apart
-from host time and from the machine's run-to-run noise.
+collective's device and exposed time (run under the NCCL environment of timing.SLOW_LINK in bench/timing.py, with or
+without -- --grad-reduce-in-bf16, for what a slow link leaves exposed). It tells extra device work of the NVFP4 path
+apart from host time and from the machine's run-to-run noise.
 --syncs counts the calls that make the host wait for the GPU (torch's sync debug mode), per step, by caller.
 --phases times the host (wall clock around the calls, nothing traced, no synchronisation added) per step and
 phase: Megatron's forward-backward and optimizer step, and inside the step the NVFP4 path's cast, its

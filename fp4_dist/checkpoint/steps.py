@@ -8,8 +8,8 @@ DCP writes ``.metadata`` last: rank 0, once every rank has written and fsynced i
 and a rename. So a DCP folder holding ``.metadata`` is complete, unless a later save wrote into the same folder:
 that save overwrites the data files in place under the earlier ``.metadata`` and, killed, leaves a mixture that
 still looks complete. `save` therefore writes into a temporary folder beside the target and renames it into
-place once DCP returns on every rank (`fp4_dist.checkpoint.atomic.swap_in`): the target holds the earlier checkpoint or the
-new one at every instant. `latest_complete_checkpoint` takes the newest ``step_*`` folder that holds
+place once DCP returns on every rank (`fp4_dist.checkpoint.atomic.swap_in`): the target holds the earlier checkpoint
+or the new one at every instant. `latest_complete_checkpoint` takes the newest ``step_*`` folder that holds
 ``.metadata`` and names the ones it skipped.
 """
 
@@ -85,7 +85,8 @@ def latest_complete_checkpoint(root) -> Optional[StepCheckpoint]:
     there is none (or no `root`). What it passes over on the way is named in the result and in a warning (on
     rank 0): newer ``step_*`` folders without ``.metadata`` (a plain ``dcp.save`` killed mid-write) and the
     temporary folders of newer `save` calls that did not finish. A ``step_*`` folder missing because a `save`
-    replacing it was stopped between its two renames is read from its earlier version (`fp4_dist.checkpoint.atomic.resolve`).
+    replacing it was stopped between its two renames is read from its earlier version
+    (`fp4_dist.checkpoint.atomic.resolve`).
     """
     root = Path(root)
     entries: dict[int, dict[str, list[Path]]] = {}

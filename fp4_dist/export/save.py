@@ -100,8 +100,8 @@ def export_compressed_tensors(model: nn.Module, out_dir, *, config: Any = None,
     Args:
         model: a module with NVFP4Tensor weights, or one sharded by `fully_shard_nvfp4`.
         out_dir: folder to write (created). An earlier export there is replaced whole and atomically: a process
-            stopped at any point leaves the earlier export or this one (`fp4_dist.checkpoint.atomic.commit_folder`). A folder
-            holding other files is refused with a ValueError naming them, before anything is written.
+            stopped at any point leaves the earlier export or this one (`fp4_dist.checkpoint.atomic.commit_folder`).
+            A folder holding other files is refused with a ValueError naming them, before anything is written.
         config: the model's Hugging Face config (a `PretrainedConfig` or a dict); default ``model.config`` when the
             model has one. Its dict is written as config.json with the quantization config added.
         max_shard_bytes: largest safetensors file (Hugging Face's sharding, with an index file).
@@ -150,9 +150,9 @@ def export_megatron_checkpoint(save_dir, out_dir, *, iteration: Optional[int] = 
     `examples/megatron_pretrain_gpt.py`. Megatron synchronises the parameter all-gather before it saves, so the
     weights there are the gathered ones.
 
-    The files are read weights-only (`fp4_dist.checkpoint.safe_load.load_checkpoint_file`): ``model.pt`` may hold tensors and
-    plain values (numbers, strings, tuples, dicts), ``model_optim_rng.pt`` also what megatron-core's own loader allows
-    (`fp4_dist.megatron.safe_globals.megatron_checkpoint_globals`) and NVFP4 weights.
+    The files are read weights-only (`fp4_dist.checkpoint.safe_load.load_checkpoint_file`): ``model.pt`` may hold
+    tensors and plain values (numbers, strings, tuples, dicts), ``model_optim_rng.pt`` also what megatron-core's own
+    loader allows (`fp4_dist.megatron.safe_globals.megatron_checkpoint_globals`) and NVFP4 weights.
 
     Args:
         save_dir: the ``--save`` folder (with latest_checkpointed_iteration.txt) or one ``iter_*`` folder.

@@ -5,9 +5,9 @@
 PHASE is ``step`` (the training step that starts after STEP steps) or ``save`` (the checkpoint save after STEP
 steps); the script marks them with `KillSwitch.phase`. Inside a phase every torch.distributed collective call
 (wrapped by `_harness.count_collectives`, the real call still runs) and every write, fsync, rename and delete of
-`fp4_dist.checkpoint.atomic` is one event, counted from 0; rank RANK kills itself (SIGKILL, as the out-of-memory killer or a
-preempting scheduler would) just before event K. Without the variable nothing is killed and the counts of every
-phase are kept: an uninterrupted run reports them, and the test chooses its kill points among them.
+`fp4_dist.checkpoint.atomic` is one event, counted from 0; rank RANK kills itself (SIGKILL, as the out-of-memory
+killer or a preempting scheduler would) just before event K. Without the variable nothing is killed and the counts of
+every phase are kept: an uninterrupted run reports them, and the test chooses its kill points among them.
 """
 
 from __future__ import annotations

@@ -108,7 +108,8 @@ MEGATRON_ARGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-
                  "--tokenizer-type NullTokenizer --vocab-size 256 --split 80,10,10 --log-interval 1 --seed 1234 "
                  "--no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-persist-layer-norm "
                  "--no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion --eval-iters 1 --eval-interval 1000 "
-                 "--hidden-dropout 0 --attention-dropout 0 --ckpt-format torch --num-workers 0 --fp4-param-gather").split()
+                 "--hidden-dropout 0 --attention-dropout 0 --ckpt-format torch --num-workers 0 "
+                 "--fp4-param-gather").split()
 
 
 class MegatronPath:

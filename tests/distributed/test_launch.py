@@ -147,7 +147,8 @@ def test_train_lm_example_runs_on_two_ranks_and_passes_its_parity_check(tmp_path
 
 def _train_sh(*options: str) -> subprocess.CompletedProcess:
     if not (REPO / ".venv" / "bin" / "python").exists():
-        pytest.skip("scripts/train.sh runs in the .venv that scripts/bootstrap.sh makes (bash scripts/test.sh makes it)")
+        pytest.skip("scripts/train.sh runs in the .venv that scripts/bootstrap.sh makes "
+                    "(bash scripts/test.sh makes it)")
     return subprocess.run(["bash", str(REPO / "scripts" / "train.sh"), *options], env=_env(), capture_output=True,
                           text=True, timeout=TIMEOUT_S)  # fmt: skip
 

@@ -1,6 +1,6 @@
 """A writer killed part-way: `die_at` forks, and the child runs a write and SIGKILLs itself (as the out-of-memory
-killer or a preempting scheduler would) on reaching the k-th write, fsync, rename or delete of `fp4_dist.checkpoint.atomic`
-(its `_step` hook, replaced in the child only)."""
+killer or a preempting scheduler would) on reaching the k-th write, fsync, rename or delete of
+`fp4_dist.checkpoint.atomic` (its `_step` hook, replaced in the child only)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""fp4_dist.checkpoint.atomic: a file or folder written by a process killed at any point is the old version or the new one,
-and what killed writers leave is cleaned up only once they are gone."""
+"""fp4_dist.checkpoint.atomic: a file or folder written by a process killed at any point is the old version or the new
+one, and what killed writers leave is cleaned up only once they are gone."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""fp4_dist.checkpoint.safe_load: a checkpoint file that names code is refused before the code runs; one that holds NVFP4
-weights and plain state loads as saved."""
+"""fp4_dist.checkpoint.safe_load: a checkpoint file that names code is refused before the code runs; one that holds
+NVFP4 weights and plain state loads as saved."""
 
 from __future__ import annotations
 

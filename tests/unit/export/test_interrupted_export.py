@@ -91,7 +91,8 @@ def test_an_export_killed_at_any_point_leaves_the_old_or_the_new_export_never_a_
     for k in points:
         target = tmp_path / f"at{k}" / "llama"
         shutil.copytree(tmp / "old", target)
-        assert die_at(k, lambda: export_quietly(new_model, target)) == -signal.SIGKILL, f"point {k} of {total} not reached"
+        stopped = die_at(k, lambda: export_quietly(new_model, target))
+        assert stopped == -signal.SIGKILL, f"point {k} of {total} not reached"
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             found = files_of(atomic.resolve(target))

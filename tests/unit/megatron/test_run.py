@@ -77,7 +77,8 @@ def test_megatron_has_none_of_the_launchers_option_names():
 
 def test_a_bare_megatron_assertion_is_named_by_its_condition(tmp_path, monkeypatch):
     # A module of its own: pytest rewrites the asserts of test modules, not of the code they import.
-    (tmp_path / "checks_like_megatron.py").write_text("def validate(args):\n    assert args.save_interval is not None\n")
+    source = "def validate(args):\n    assert args.save_interval is not None\n"
+    (tmp_path / "checks_like_megatron.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
     import types
 
