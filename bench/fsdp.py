@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node N bench/fsdp.py [--hidden 2048] [--layers 8] [--tokens 8192] [--steps 10] [--rounds 5]
         [--slow-link] [--profile] [--phases] [--no-optimizer]
+    torchrun --nproc-per-node N bench/fsdp.py --memory-only bf16|nvfp4 [--hidden ...]   # peak memory, one variant
 
 A GPT-like stack of pre-norm blocks (attention projections qkv [3h, h] and out [h, h], MLP [4h, h] and [h, 4h];
 the attention itself is left out: it does not touch the weights) sharded per block. Variants take turns in
@@ -279,6 +280,26 @@ def phases(steps: dict, args, report: bool) -> None:
     print("\n".join(lines), flush=True)
 
 
+def memory_only(args, x, info) -> None:
+    """`--memory-only`: one variant alone, its peak memory (torch's allocator, max over ranks)."""
+    cuda = x.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    model, opt = build(args.memory_only, args, x.device)
+    step = step_fn(model, opt, x, not args.no_optimizer)
+    for _ in range(args.steps):
+        step()
+    peaks = torch.tensor([torch.cuda.max_memory_allocated() if cuda else 0, torch.cuda.max_memory_reserved() if cuda
+                          else 0], dtype=torch.float64, device=x.device)  # fmt: skip
+    dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+    allocated, reserved = (v / 2**20 for v in peaks.tolist())
+    if info.rank == 0:
+        print(f"memory {args.memory_only}: peak allocated {allocated:,.0f} MiB, reserved {reserved:,.0f} MiB (max over "
+              f"{info.world_size} ranks; hidden {args.hidden} x {args.layers} blocks, {args.tokens} tokens per rank)",
+              flush=True)  # fmt: skip
+    shutdown()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=2048)
@@ -293,6 +314,9 @@ def main() -> None:
                    help="host time per step by phase and of fp4_dist's own calls, bf16 against nvfp4 (rank 0)")
     p.add_argument("--no-optimizer", action="store_true",
                    help="steps without the optimizer step (so no NVFP4 cast after the first): the gather path alone")
+    p.add_argument("--memory-only", choices=("bf16", "nvfp4"), default=None,
+                   help="no timing: build this variant alone in the process, run --steps steps and print its peak "
+                        "allocated and reserved memory per rank (max over ranks); one process per variant")
     p.add_argument("--slow-link", action="store_true",
                    help="NCCL over sockets only (no NVLink, shared memory or InfiniBand): a proxy for data "
                         "parallelism across nodes")
@@ -302,6 +326,9 @@ def main() -> None:
     info = init_distributed()
     dev = info.device
     x = torch.randn(args.tokens // 8, 8, args.hidden, device=dev, generator=None).to(torch.bfloat16)
+    if args.memory_only:
+        memory_only(args, x, info)
+        return
     runs = {v: build(v, args, dev) for v in ("bf16", "nvfp4")}
     steps = {v: step_fn(m, o, x, not args.no_optimizer) for v, (m, o) in runs.items()}
     moved = {}

@@ -38,6 +38,9 @@ def test_fsdp_bench_times_both_variants_with_its_phases():
     proc = _bench("bench/fsdp.py", "--hidden", "64", "--layers", "1", "--tokens", "64", "--steps", "1", "--rounds",
                   "1", "--phases", ranks=2)  # fmt: skip
     _ran(proc, "| nvfp4 |", "| cast (root pre-forward) |", "| FSDP2 param.init_unsharded_param |")
+    memory = _bench("bench/fsdp.py", "--hidden", "64", "--layers", "1", "--tokens", "64", "--steps", "1",
+                    "--memory-only", "nvfp4", ranks=2)  # fmt: skip
+    _ran(memory, "memory nvfp4: peak allocated")
 
 
 @pytest.mark.megatron
