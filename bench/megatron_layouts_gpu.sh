@@ -7,8 +7,9 @@
 #   MEGATRON_LM=/path/to/Megatron-LM bash bench/megatron_layouts_gpu.sh [LAYOUT ...]
 # MEGATRON_LM: a Megatron-LM core_r0.19.0 checkout, or a folder holding its pretrain_gpt.py, gpt_builders.py and
 # model_provider.py (megatron itself then comes from the installed megatron-core). Logs, run records and the table
-# under ${OUT:-bench/out}. GPT 4 layers x 512, seq 512, micro-batch 4, global batch 16, byte tokens of TEXT (default:
-# this Python's standard library sources).
+# under ${OUT:-bench/out}, with each run's peak memory (max over ranks). GPT 4 layers x 512, seq 512, micro-batch 4,
+# global batch 16, byte tokens of TEXT (default: this Python's standard library sources); the llama-* layouts
+# override the model.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -39,6 +40,14 @@ declare -A LAYOUT=(
   [moe-ep2-dp2]="$MOE --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"
   [moe-ep4]="$MOE --expert-model-parallel-size 4 --moe-token-dispatcher-type allgather"
 )
+# A Llama-shaped model (RMSNorm, SwiGLU, GQA 8 groups, RoPE, untied embeddings, seq 2048, hidden 4096 x 8 layers,
+# ffn 11008) in the layouts users train it with, by name: llama-tp2-dp2, llama-dp4.
+LLAMA="--num-layers 8 --hidden-size 4096 --num-attention-heads 32 --group-query-attention --num-query-groups 8
+  --ffn-hidden-size 11008 --normalization RMSNorm --swiglu --position-embedding-type rope
+  --untie-embeddings-and-output-weights --seq-length 2048 --max-position-embeddings 2048 --micro-batch-size 1
+  --global-batch-size 16 --vocab-size 32000"
+LAYOUT[llama-tp2-dp2]="$LLAMA --tensor-model-parallel-size 2"
+LAYOUT[llama-dp4]="$LLAMA"
 ORDER=(tp2-dp2 pp2-dp2 tp2-pp2 moe-ep2-dp2 moe-ep4)
 (( $# )) && ORDER=("$@")
 status=0

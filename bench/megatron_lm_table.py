@@ -77,13 +77,13 @@ def summary(out: Path, names: list[str], check_every: int) -> int:
     NVFP4 training is judged).
     """
     print("| layout | NVFP4 weights (rank 0) | loss bf16 | loss fp4 | fp4 - bf16 | median step bf16 (ms) | "
-          "median step fp4 (ms) | fp4 / bf16 | checks passed | verdict |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---|")
+          "median step fp4 (ms) | fp4 / bf16 | peak MiB bf16 / fp4 | checks passed | verdict |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
     failed = 0
     for name in names:
         paths = {mode: out / f"{name}-{mode}.json" for mode in ("bf16", "fp4")}
         if not all(p.exists() for p in paths.values()):
-            print(f"| {name} | - | - | - | - | - | - | - | - | FAIL (no run record) |")
+            print(f"| {name} | - | - | - | - | - | - | - | - | - | FAIL (no run record) |")
             failed += 1
             continue
         runs = {mode: json.loads(p.read_text()) for mode, p in paths.items()}
@@ -97,9 +97,11 @@ def summary(out: Path, names: list[str], check_every: int) -> int:
         same_init = runs["fp4"]["master_digest_after_setup"] == runs["bf16"]["master_digest_after_setup"]
         ok = same_init and passed == len(checks)
         failed += not ok
+        peak = [runs[m].get("peak_allocated_mib") for m in ("bf16", "fp4")]  # max over ranks; none on CPU ranks
+        memory = f"{peak[0]:,.0f} / {peak[1]:,.0f}" if None not in peak else "-"
         print(f"| {name} | {runs['fp4']['nvfp4_weights']} | {b:.4f} | {f:.4f} | {100 * (f - b) / b:+.2f}% | "
-              f"{med['bf16']:.1f} | {med['fp4']:.1f} | {med['fp4'] / med['bf16']:.3f} | {passed}/{len(checks)} | "
-              f"{'PASS' if ok else 'FAIL'}{'' if same_init else ' (init differs)'} |")
+              f"{med['bf16']:.1f} | {med['fp4']:.1f} | {med['fp4'] / med['bf16']:.3f} | {memory} | "
+              f"{passed}/{len(checks)} | {'PASS' if ok else 'FAIL'}{'' if same_init else ' (init differs)'} |")
     return 1 if failed else 0
 
 

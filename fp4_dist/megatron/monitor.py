@@ -83,6 +83,7 @@ class Monitor:
                 self.record["iterations"].append(entry)
                 if last:
                     self.record["master_digest_final"] = self.master_digest()
+                    self.record["peak_allocated_mib"] = peak_allocated_mib()
                 self._write(options.log_json)
             return out
 
@@ -129,6 +130,16 @@ class Monitor:
         if dist.get_rank() != 0:
             return
         atomic.write_file_atomically(path, json.dumps(self.record, indent=1))
+
+
+def peak_allocated_mib() -> Optional[float]:
+    """The most memory torch's allocator held on any rank's GPU so far, in MiB (a collective over the whole job);
+    None on CPU ranks."""
+    if not torch.cuda.is_available():
+        return None
+    peak = torch.tensor([float(torch.cuda.max_memory_allocated())], device=collective_device())
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return float(peak) / 2**20
 
 
 def _float(x) -> Optional[float]:

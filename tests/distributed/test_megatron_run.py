@@ -97,6 +97,8 @@ def assert_fp4_run(fp4: dict, bf16: dict, weights: int = 8) -> None:
     for a, b in zip(fp4["iterations"], bf16["iterations"]):
         assert abs(a["loss"] - b["loss"]) <= LOSS_RTOL * b["loss"], (a, b)
     assert "linear weights converted to NVFP4 before DDP" in fp4["stdout"]
+    # the last iteration records the job's peak memory (None on CPU ranks; MiB, max over ranks, on GPUs)
+    assert all("peak_allocated_mib" in r for r in (fp4, bf16))
 
 
 def assert_exports_the_saved_weights(folder: Path, out: Path) -> None:
