@@ -90,6 +90,16 @@ def _fsync_tree(root: Path) -> None:
         _fsync(Path(folder))
 
 
+def _plain_permissions(root: Path) -> None:
+    """Give every file under `root` the permissions a plain ``open()`` gives under the process's umask: some writers
+    (safetensors) create theirs readable by the owner alone, and an export is read by servers running as others."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for folder, _, files in os.walk(root):
+        for name in files:
+            os.chmod(Path(folder) / name, 0o666 & ~mask)
+
+
 def _rename(src: Path, dst: Path) -> None:
     _step("rename", dst)
     os.rename(src, dst)
@@ -185,6 +195,7 @@ def temporary_folder(target, *, foreign: Optional[Callable[[Path], list[str]]] =
 def swap_in(tmp, target) -> None:
     """Steps 2-4: flush the written folder `tmp` and make it `target`, deleting the earlier version after."""
     tmp, target = Path(tmp), Path(target)
+    _plain_permissions(tmp)
     _fsync_tree(tmp)
     old = _side(target, _OLD, tmp.name.rpartition(f".{_TMP}-")[2]) if target.exists() else None
     if old is not None:

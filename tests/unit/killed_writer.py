@@ -8,6 +8,8 @@ import os
 import signal
 import warnings
 
+import torch
+
 from fp4_dist.checkpoint import atomic
 
 
@@ -17,6 +19,9 @@ def die_at(k: int, write) -> int:
     pid = os.fork()
     if pid == 0:  # the child: never returns
         try:
+            # A child forked after the parent's OpenMP threads ran would wait forever at their first barrier (the
+            # team is not copied): compute on this thread alone, whatever OMP_NUM_THREADS the run was given.
+            torch.set_num_threads(1)
             count = iter(range(10**9))
             atomic._step = lambda action, path: next(count) == k and os.kill(os.getpid(), signal.SIGKILL)
             with warnings.catch_warnings():

@@ -63,3 +63,17 @@ def test_what_a_live_writer_or_another_hosts_writer_left_is_not_deleted(tmp_path
         side.mkdir()
     assert atomic.recover(target) == []
     assert live.is_dir() and elsewhere.is_dir()
+
+
+def test_a_committed_folder_gives_its_files_the_umasks_permissions(tmp_path):
+    # safetensors creates its files readable by the owner alone; an export is read by servers running as others.
+    old = os.umask(0o022)
+    try:
+        with atomic.commit_folder(tmp_path / "export") as w:
+            fd = os.open(w.file("model.safetensors"), os.O_WRONLY | os.O_CREAT, 0o600)
+            os.close(fd)
+            w.file("sub/config.json").write_text("{}")
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "export").rglob("*") if p.is_file()}
+    assert modes == {"model.safetensors": 0o644, "config.json": 0o644}, modes
