@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fp4_dist.fsdp import fully_shard_nvfp4  # noqa: E402
 from fp4_dist.launch import init_distributed, shutdown  # noqa: E402
 from device_trace import exposed_collectives  # noqa: E402 - bench/device_trace.py, beside this script
-from timing import SLOW_LINK, patched, publish  # noqa: E402 - bench/timing.py, beside this script
+from timing import SLOW_LINK, max_over_ranks, patched, publish  # noqa: E402 - bench/timing.py, beside this script
 
 
 class Block(nn.Module):
@@ -289,10 +289,9 @@ def memory_only(args, x, info) -> None:
     step = step_fn(model, opt, x, not args.no_optimizer)
     for _ in range(args.steps):
         step()
-    peaks = torch.tensor([torch.cuda.max_memory_allocated() if cuda else 0, torch.cuda.max_memory_reserved() if cuda
-                          else 0], dtype=torch.float64, device=x.device)  # fmt: skip
-    dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
-    allocated, reserved = (v / 2**20 for v in peaks.tolist())
+    peaks = max_over_ranks([torch.cuda.max_memory_allocated() if cuda else 0,
+                            torch.cuda.max_memory_reserved() if cuda else 0])
+    allocated, reserved = (v / 2**20 for v in peaks)
     if info.rank == 0:
         print(f"memory {args.memory_only}: peak allocated {allocated:,.0f} MiB, reserved {reserved:,.0f} MiB (max over "
               f"{info.world_size} ranks; hidden {args.hidden} x {args.layers} blocks, {args.tokens} tokens per rank)",

@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from examples import megatron_pretrain_gpt as pretrain_gpt  # noqa: E402
 from fp4_dist.launch import shutdown  # noqa: E402
 from fp4_dist.compute import pool_stats  # noqa: E402
-from timing import SLOW_LINK, Span, timed  # noqa: E402 - bench/timing.py, beside this script
+from timing import SLOW_LINK, Span, max_over_ranks, timed  # noqa: E402 - bench/timing.py, beside this script
 
 MODELS = {
     "gpt256": ("--num-layers 4 --hidden-size 256 --num-attention-heads 4 --ffn-hidden-size 1024 "
@@ -384,12 +384,9 @@ def memory_only(base: list[str], args) -> int:
     if cuda and args.memory_sites:
         torch.cuda.memory._record_memory_history(max_entries=1)  # stacks of live blocks, no trace
     result = run(name, argv, f"peak memory, {args.steps} steps")
-    sizes = torch.tensor([result.peak_allocated_bytes, torch.cuda.max_memory_reserved() if cuda else 0,
-                          result.start_allocated_bytes, torch.cuda.memory_allocated() if cuda else 0],
-                         dtype=torch.float64, device=result_device())  # fmt: skip
-    if dist.is_initialized():
-        dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
-    allocated, reserved, start, end = (float(x) / 2**20 for x in sizes.tolist())
+    sizes = max_over_ranks([result.peak_allocated_bytes, torch.cuda.max_memory_reserved() if cuda else 0,
+                            result.start_allocated_bytes, torch.cuda.memory_allocated() if cuda else 0])
+    allocated, reserved, start, end = (x / 2**20 for x in sizes)
     median = statistics.median(step_times(result))
     row = {"variant": name, "peak_allocated_mib": allocated, "peak_reserved_mib": reserved, "median_step_ms": median,
            "start_allocated_mib": start, "end_allocated_mib": end,
@@ -422,10 +419,6 @@ def live_memory_by_site(top: int) -> str:
             sites[where] = sites.get(where, 0) + block["size"]
     rows = sorted(sites.items(), key=lambda kv: -kv[1])[:top]
     return "live memory by allocating site (rank 0):\n" + "\n".join(f"  {b / 2**20:10,.1f} MiB  {w}" for w, b in rows)
-
-
-def result_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def exit_status(rows, strict: bool) -> int:

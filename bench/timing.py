@@ -9,6 +9,7 @@ keep their tables.
     require_gpu(script, what)  stop a GPU-only bench on a machine without CUDA, saying so
     timed(seconds, calls, label, fn)   fn, its host wall time and calls added up under `label`
     patched(targets, seconds, calls)   functions and properties replaced by their `timed` form inside a block
+    max_over_ranks(values)  each value's maximum over the job's ranks (peak memory per rank, say)
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from contextlib import contextmanager
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 
 SLOW_LINK = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
@@ -122,3 +124,13 @@ def publish(text: str, out: Optional[str], stem: str, data: dict) -> None:
             f.write(text + "\n")
         with open(os.path.join(out, f"{stem}.json"), "w") as f:
             json.dump(data, f, indent=1)
+
+
+def max_over_ranks(values: list[float]) -> list[float]:
+    """Each of `values` (this rank's) maximised over the ranks of the default process group; the values themselves
+    without one. The collective's tensor sits where NCCL needs it (the current GPU) or, without CUDA, on the host."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()

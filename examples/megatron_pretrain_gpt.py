@@ -92,6 +92,7 @@ FLAG_PREFIX = "fp4-"
 """The adapter's options are the launcher's flags behind this prefix here (``--fp4-check-every`` for its
 ``--check-every``), beside Megatron's own."""
 
+
 def add_fp4_dist_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("fp4_dist")
     # The adapter's options, spelled as the launcher's behind the prefix (fp4_dist.megatron.AdapterOptions).
@@ -323,11 +324,12 @@ def build(args: argparse.Namespace, device: torch.device):
     _, argument_utils, global_vars, training = _megatron_training()
     global_vars.set_args(args)  # Megatron's scheduler/config helpers read the global args
     config = argument_utils.core_transformer_config_from_args(args)
+    options = options_of(args)
     model = build_gpt_model(
         config, vocab_size=VOCAB_SIZE, max_sequence_length=args.max_position_embeddings, weights=weight_mode(args),
-        numerics=options_of(args).numerics, position_embedding_type=args.position_embedding_type,
+        numerics=options.numerics, position_embedding_type=args.position_embedding_type,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights, device=device,
-        compute_copy=options_of(args).compute_copy,
+        compute_copy=options.compute_copy,
     )
     ddp_config = training.get_megatron_ddp_config(args)  # fp4_param_gather flows in by field name
     layout = None
