@@ -11,8 +11,8 @@
 #                  step-time verdict), in ABBA rounds ($ROUNDS) and against the fake-quant reference
 #   megatron-dp2   the same on two GPUs (needs 2; skipped with a note otherwise)
 #   step           bench/step.py on every GPU: one optimizer step's weight path (cast, gather, compute copies)
-# Parts (lean compute, compute_copy=False; on request):
-#   paired2048     megatron_compare.py --paired-only fp4,lean: GPT 2048 x 8, bf16 / kept copies / lean in rotating
+# Parts (lean compute, the default, against kept compute copies; on request):
+#   paired2048     megatron_compare.py --paired-only fp4,kept: GPT 2048 x 8, bf16 / lean / kept copies in rotating
 #                  alternating steps of one process ($PAIRED2048 steps each); REPEAT=N processes, pooled (--pool)
 #   paired4096     the same for GPT hidden 4096 x 6 (mb 2), bf16 / lean ($PAIRED4096 steps each)
 #   memory         one process per mode (examples.megatron_pretrain_gpt, 12 iterations): peak memory, median step
@@ -82,13 +82,13 @@ if has megatron-dp2; then
 fi
 has step && part step "$PY" -m torch.distributed.run --standalone --nproc_per_node="$ngpu" bench/step.py \
   --out "$OUT" --no-compile-baseline
-has paired2048 && paired paired2048 gpt2048 fp4,lean "$PAIRED2048"
-has paired4096 && paired paired4096 gpt4096 lean "$PAIRED4096"
+has paired2048 && paired paired2048 gpt2048 fp4,kept "$PAIRED2048"
+has paired4096 && paired paired4096 gpt4096 fp4 "$PAIRED4096"
 if has memory; then
   for model in gpt2048 gpt4096; do
     margs=$("$PY" -c "from bench.megatron_compare import MODELS, COMMON; print(MODELS['$model'], COMMON)")
-    for mode in bf16 fp4 lean; do
-      extra=""; [[ $mode != bf16 ]] && extra="--fp4-param-gather"; [[ $mode == lean ]] && extra+=" --fp4-no-compute-copy"
+    for mode in bf16 fp4 kept; do
+      extra=""; [[ $mode != bf16 ]] && extra="--fp4-param-gather"; [[ $mode == kept ]] && extra+=" --fp4-compute-copy"
       part "memory_${model}_$mode" torchrun1 -m examples.megatron_pretrain_gpt $margs $extra $MEGATRON_EXTRA \
         --train-iters 12 --log-interval 12 --lr-warmup-iters 1
     done
@@ -97,6 +97,6 @@ fi
 has zero1 && part zero1 "$PY" bench/zero1_stack.py --rounds 1
 has host && part host "$PY" bench/host_per_use.py
 has profile && part profile torchrun1 bench/megatron_profile.py --gpu --model gpt2048 --steps 9 -- \
-  --fp4-no-compute-copy $MEGATRON_EXTRA
+  $MEGATRON_EXTRA
 echo "compute_gpu.sh: $([[ $status -eq 0 ]] && echo ALL PASSED || echo FAILURES, see $OUT/*.log)"
 exit $status

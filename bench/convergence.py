@@ -8,14 +8,14 @@ GPUs), every run's per-iteration record kept, the figures drawn, and any two run
     python bench/convergence.py plot DIR [DIR ...] [--out FIGDIR] [--at 1000,2500,5000]   # figures and tables
     python bench/convergence.py compare A.json B.json                # the first iteration where two runs differ
 
-Variants: ``bf16`` (plain bf16 weights), ``fp4`` (``--fp4-param-gather``: NVFP4 weights, 4-bit gather), ``fake``
-(``--fp4-fake-quant``: bf16 weights, the NVFP4 forward of every step; bitwise fp4's reference), ``fp4-fl`` (fp4
-with the first and the last layer in bf16), ``lean`` (fp4 without kept compute copies). Every run writes
-DIR/<variant>-lr<lr>-s<seed>.json (the trainer's record: loss, grad norm and lr of every iteration, validation
-losses; written after each evaluation and at the end) and .log, and DIR/runs.json says how they were made; a run
-stopped before its end (a time limit) is plotted as far as its record, or without one its log, goes. The plots
-read those files and draw with matplotlib: ``scripts/bootstrap.sh`` installs it into ``.venv``, ``pip install
-'.[bench]'`` into another environment.
+Variants: ``bf16`` (plain bf16 weights), ``fp4`` (``--fp4-param-gather``: NVFP4 weights, 4-bit gather, lean
+compute), ``fake`` (``--fp4-fake-quant``: bf16 weights, the NVFP4 forward of every step; bitwise fp4's reference),
+``fp4-fl`` (fp4 with the first and the last layer in bf16), ``kept`` (fp4 with kept compute copies,
+``--fp4-compute-copy``). Every run writes DIR/<variant>-lr<lr>-s<seed>.json (the trainer's record: loss, grad
+norm and lr of every iteration, validation losses; written after each evaluation and at the end) and .log, and
+DIR/runs.json says how they were made; a run stopped before its end (a time limit) is plotted as far as its record,
+or without one its log, goes. The plots read those files and draw with matplotlib: ``scripts/bootstrap.sh``
+installs it into ``.venv``, ``pip install '.[bench]'`` into another environment.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ VARIANTS = {
     "fake": ["--fp4-fake-quant"],
     "fp4-fl": ["--fp4-param-gather", "--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "1",
                "--num-layers-at-end-in-bf16", "1"],
-    "lean": ["--fp4-param-gather", "--fp4-no-compute-copy"],
+    "kept": ["--fp4-param-gather", "--fp4-compute-copy"],
 }  # fmt: skip
 MODELS = {
     "gpt12x1024": "--num-layers 12 --hidden-size 1024 --num-attention-heads 16 --seq-length 512 "
@@ -253,7 +253,7 @@ def plot(args) -> int:
         return 1
     out = Path(args.out or args.folders[0])
     out.mkdir(parents=True, exist_ok=True)
-    colors = {"bf16": "tab:blue", "fp4": "tab:red", "fake": "tab:green", "fp4-fl": "tab:purple", "lean": "tab:orange"}
+    colors = {"bf16": "tab:blue", "fp4": "tab:red", "fake": "tab:green", "fp4-fl": "tab:purple", "kept": "tab:orange"}
     for lr in sorted({r["lr"] for r in runs}):
         at = [r for r in runs if r["lr"] == lr]
         seeds = sorted({r["seed"] for r in at})

@@ -1,6 +1,6 @@
 """Memory and step time of a GPT-like stack trained with Zero1Optimizer on one GPU: plain bf16 weights, NVFP4
-weights with kept compute copies (the default), and lean NVFP4 weights (compute_copy=False: a copy only around
-each use, `fp4_dist.compute.lean`).
+weights with kept compute copies (compute_copy=True), and lean NVFP4 weights (the default: a copy only around each
+use, `fp4_dist.compute.lean`).
 
     python bench/zero1_stack.py [--hidden 2048] [--layers 8] [--seq 1024] [--micro-batch 4] [--steps 15] [--rounds 2]
 
@@ -28,7 +28,7 @@ import fp4_dist  # noqa: E402
 from fp4_dist.optim import Zero1Optimizer  # noqa: E402
 from timing import median_ms, require_gpu  # noqa: E402 - bench/timing.py, beside this script
 
-MODES = ("bf16", "default", "lean")
+MODES = ("bf16", "kept", "lean")
 
 
 class Block(nn.Module):
@@ -66,7 +66,7 @@ def run_mode(mode: str, args) -> dict:
     if mode != "bf16":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            fp4_dist.convert_linear_weights(model, compute_copy=mode == "default")
+            fp4_dist.convert_linear_weights(model, compute_copy=mode == "kept")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Zero1Optimizer: none of")  # bf16: plain ZeRO-1, the baseline
         opt = Zero1Optimizer(model.named_parameters(), lambda g: torch.optim.AdamW(g, lr=1e-4, fused=True))

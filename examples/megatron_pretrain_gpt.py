@@ -267,7 +267,7 @@ def _install_adapter(args: argparse.Namespace) -> None:
 
 
 def options_of(args: argparse.Namespace) -> AdapterOptions:
-    """The adapter's options this run's flags give (``--fp4-numerics``, ``--fp4-no-compute-copy``, ...)."""
+    """The adapter's options this run's flags give (``--fp4-numerics``, ``--fp4-compute-copy``, ...)."""
     return AdapterOptions.from_args(args, prefix=FLAG_PREFIX)
 
 

@@ -139,8 +139,8 @@ HOOKS: tuple[Hook, ...] = (
     Hook((_TPL,), "RowParallelLinear._forward_impl", layers.make_forward_impl,
          "the same for the row-parallel layers (layers 1424-1428)"),
     Hook((_TPL,), "LinearWithGradAccumulationAndAsyncCommunication.forward", layers.make_linear_forward,
-         "lean compute (--fp4-no-compute-copy): the node of a lean use keeps how to write its copy again; it saves "
-         "the layer's alias of a pool buffer, as it saves any weight (layers 548)"),
+         "lean compute (the default; not with --fp4-compute-copy): the node of a lean use keeps how to write its copy "
+         "again; it saves the layer's alias of a pool buffer, as it saves any weight (layers 548)"),
     Hook((_TPL,), "LinearWithGradAccumulationAndAsyncCommunication.backward", layers.make_linear_backward,
          "lean compute: write the copy into the saved pool buffer again before upstream reads it (layers 585); "
          "one Python call per linear that the backward makes anyway, instead of saved-tensor hooks"),

@@ -51,7 +51,7 @@ def build_gpt_model(
     position_embedding_type: str = "learned_absolute",
     share_embeddings_and_output_weights: bool = True,
     device: Optional[torch.device] = None,
-    compute_copy: bool = True,
+    compute_copy: bool = False,
 ) -> nn.Module:
     """GPTModel with the local layer spec, wrapped in Megatron's Float16Module when ``config.bf16``.
 
@@ -60,8 +60,8 @@ def build_gpt_model(
             NVFP4 fake-quantized in the forward).
         device: where the model lives; it is moved there before the NVFP4 conversion (moving an NVFP4
             parameter afterwards would rebuild it without Megatron's parameter attributes).
-        compute_copy: NVFP4 weights keep a model-dtype compute copy between updates (False: dequantize on
-            every use; `fp4_dist.NVFP4Tensor.compute_copy`).
+        compute_copy: NVFP4 weights keep a model-dtype compute copy between updates (default False, lean: a copy
+            around each use; `fp4_dist.NVFP4Tensor.compute_copy`).
     Raises:
         ValueError naming every linear weight whose K (in_features) is not a multiple of 16, before any
         weight is converted.
@@ -211,7 +211,7 @@ def release_init_values(params) -> int:
 
 
 def convert_to_nvfp4(model: nn.Module, config: TransformerConfig, *, numerics: str = DEFAULT_NUMERICS,
-                     compute_copy: bool = True, device: Optional[torch.device] = None) -> list[str]:  # fmt: skip
+                     compute_copy: bool = False, device: Optional[torch.device] = None) -> list[str]:  # fmt: skip
     """Replace the NVFP4-eligible linear weights by ``nn.Parameter(NVFP4Tensor)`` in place; returns names.
 
     Call it after ``.cuda()`` and Float16Module and before DistributedDataParallel (a DDP-wrapped model is

@@ -16,10 +16,12 @@ from typing import Any, Optional
 from ..format import DEFAULT_NUMERICS, NUMERICS
 
 
-def _option(default: Any, help: str, *, flag: Optional[str] = None, negate: bool = False, **argparse_kwargs):
+def _option(default: Any, help: str, *, flag: Optional[str] = None, off_flag: Optional[str] = None,
+            **argparse_kwargs):
     """A field of `AdapterOptions` and how it is spelled on a command line: ``--<flag>`` (default: the field's
-    name with dashes); `negate`: a boolean whose flag turns it off (``--no-compute-copy``)."""
-    return field(default=default, metadata={"help": help, "flag": flag, "negate": negate, "argparse": argparse_kwargs})
+    name with dashes); `off_flag`: a boolean's second flag, which sets it to False (its default, spelled out)."""
+    return field(default=default, metadata={"help": help, "flag": flag, "off_flag": off_flag,
+                                            "argparse": argparse_kwargs})  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,9 +31,11 @@ class AdapterOptions:
 
     numerics: str = _option(DEFAULT_NUMERICS, "NVFP4 block-scale formula of the converted weights (TransformerEngine "
                             "main, or its v2.14 variant)", choices=NUMERICS)  # fmt: skip
-    compute_copy: bool = _option(True, "lean: keep no bf16 copy of the NVFP4 weights between updates; each linear "
-                                 "dequantizes its weight around each use and again in backward (less memory than bf16 "
-                                 "weights, same values, a dequantize per use)", flag="no-compute-copy", negate=True)
+    compute_copy: bool = _option(False, "keep a bf16 copy of every NVFP4 weight between updates (2.5 bytes per weight "
+                                 "against bf16's 2): no dequantize per use, faster where microbatches are small "
+                                 "(default: lean, 0.5 bytes per weight and one layer's copies, made around each use; "
+                                 "the same values; --no-compute-copy spells the default out)",
+                                 off_flag="no-compute-copy")
     columnwise: bool = _option(False, "also build the columnwise NVFP4 copies after every param all-gather, as "
                                "TransformerEngine does (nothing in fp4_dist's compute path reads them)")
     check_every: int = _option(0, "every N iterations, check on every rank that the gathered NVFP4 weights equal "
@@ -54,26 +58,31 @@ class AdapterOptions:
         return {f.name: f"--{prefix}{f.metadata['flag'] or f.name.replace('_', '-')}" for f in fields(cls)}
 
     @classmethod
+    def all_flags(cls, prefix: str = "") -> set[str]:
+        """Every command-line spelling of the options: each field's flag and the second flags of booleans."""
+        offs = {f"--{prefix}{f.metadata['off_flag']}" for f in fields(cls) if f.metadata["off_flag"]}
+        return set(cls.flags(prefix).values()) | offs
+
+    @classmethod
     def add_arguments(cls, parser, prefix: str = ""):
         """Add a flag per field to `parser` (an ArgumentParser or an argument group); returns it."""
         for f in fields(cls):
             flag = cls.flags(prefix)[f.name]
             kwargs = dict(help=f.metadata["help"], dest=_dest(flag))
             if f.type in (bool, "bool"):
-                kwargs["action"] = "store_true"
+                kwargs["action"] = "store_true"  # every boolean option is off by default
             else:
                 kwargs.update(default=f.default, **f.metadata["argparse"])
             parser.add_argument(flag, **kwargs)
+            if f.metadata["off_flag"]:
+                parser.add_argument(f"--{prefix}{f.metadata['off_flag']}", action="store_false", dest=kwargs["dest"],
+                                    default=argparse.SUPPRESS, help="the default, spelled out")  # fmt: skip
         return parser
 
     @classmethod
     def from_args(cls, namespace: argparse.Namespace, prefix: str = "") -> "AdapterOptions":
         """The options a namespace parsed with `add_arguments` (same `prefix`) holds."""
-        values = {}
-        for f in fields(cls):
-            given = getattr(namespace, _dest(cls.flags(prefix)[f.name]))
-            values[f.name] = (not given) if f.metadata["negate"] else given
-        return cls(**values)
+        return cls(**{f.name: getattr(namespace, _dest(cls.flags(prefix)[f.name])) for f in fields(cls)})
 
 
 def _dest(flag: str) -> str:

@@ -131,7 +131,7 @@ def refuse_launch(script: str, script_args: Sequence[str]) -> None:
     """What this launcher refuses whatever the run: its own options written after the script (Megatron's parser would
     print its whole usage without a word about them); --async-save, whose checkpoint worker Megatron spawns as a
     fresh interpreter that fp4_dist's set-up (the adapter, the Python 3.11 shim, the CPU layer) never reaches."""
-    ours = set(AdapterOptions.flags().values()) & defaults.given(script_args)
+    ours = AdapterOptions.all_flags() & defaults.given(script_args)
     if ours:
         flags = " ".join(sorted(ours))
         usage_error(f"fp4_dist.megatron.run: {flags} {'is an option' if len(ours) == 1 else 'are options'} of the "

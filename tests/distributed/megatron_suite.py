@@ -14,7 +14,7 @@ proj [48, 48], fc1 [64, 48], fc2 [48, 64]).
   upstream  the same with megatron-core's own packed layout: stale bytes in the buffers, and the step-1 check
             fails (the bug this integration fixes, reproduced with Megatron's code).
   resume    N steps + save + load + M steps == N + M steps: losses, fp32 masters, Adam state, NVFP4 bytes.
-  lean      --fp4-no-compute-copy (copies only around each use) trains bit for bit like the kept copies.
+  lean      the default, lean compute (copies only around each use), trains bit for bit like --fp4-compute-copy.
   fake      an --fp4-param-gather run (overlap on) equals the bf16-weight fake-quant run bit for bit. Two ranks
             only: with three or more, the fp32 sum in the grad reduce-scatter depends on where an element
             sits in the bucket, and an NVFP4 model lays its buffers out differently from a bf16 one, so
@@ -174,12 +174,12 @@ def suite_fake(t: Suite) -> None:
 
 
 def suite_lean(t: Suite) -> None:
-    """--fp4-no-compute-copy (lean: a copy only around each use, fp4_dist.compute.lean) trains bitwise like the default
-    kept copies, with the param-gather and grad-reduce overlap on and two microbatches per step."""
+    """The default, lean compute (a copy only around each use, fp4_dist.compute.lean), trains bitwise like kept copies
+    (--fp4-compute-copy), with the param-gather and grad-reduce overlap on and two microbatches per step."""
     common = t.argv("--fp4-param-gather", "--train-iters", "4", "--fp4-master-digest", *OVERLAP,
                     gbs=4 * dist.get_world_size())  # fmt: skip
-    kept = pretrain_gpt.main(common)
-    lean = pretrain_gpt.main(common + ["--fp4-no-compute-copy"])
+    kept = pretrain_gpt.main(common + ["--fp4-compute-copy"])
+    lean = pretrain_gpt.main(common)
     t.check(kept.losses == lean.losses, f"losses: kept copies {kept.losses} vs lean {lean.losses}")
     t.check(kept.master_digest == lean.master_digest, "fp32 masters differ between kept copies and lean")
     t.results = {"losses": lean.losses, "compute_copy_bytes": lean.compute_copy_bytes}

@@ -46,14 +46,14 @@ def test_fsdp_bench_times_both_variants_with_its_phases():
 @pytest.mark.megatron
 def test_megatron_benches_run_paired_and_profiled():
     pytest.importorskip("megatron.core")
-    paired = _bench("bench/megatron_compare.py", "--tiny", "--paired-only", "fp4,lean", "--paired-steps", "6",
+    paired = _bench("bench/megatron_compare.py", "--tiny", "--paired-only", "fp4,kept", "--paired-steps", "6",
                     "--phases", "--lean-diagnostic", "timers", ranks=2)  # fmt: skip
-    _ran(paired, "lean vs plain bf16, paired", "(diagnostic) phases, fp4", "host in lean forward uses")
+    _ran(paired, "kept vs plain bf16, paired", "(diagnostic) phases, fp4", "host in lean forward uses")
     profiled = _bench("bench/megatron_profile.py", "--model", "tiny", "--steps", "8", "--phases", ranks=2)
     _ran(profiled, "| cast (host, launches, its non-finite check) |", "| post-all-gather refresh |")
-    memory = _bench("bench/megatron_compare.py", "--tiny", "--memory-only", "lean", "--steps", "3",
+    memory = _bench("bench/megatron_compare.py", "--tiny", "--memory-only", "fp4", "--steps", "3",
                     "--cast-diagnostic", "noread", ranks=2)  # fmt: skip
-    _ran(memory, "memory lean: peak allocated", "lean pool")
+    _ran(memory, "memory fp4: peak allocated", "lean pool")
 
 
 def test_traffic_and_projection_print_their_tables():
@@ -70,7 +70,8 @@ def test_the_projected_ratios_are_the_range_docs_fsdp2_gives():
     assert len(ratios) == 8 and claim in doc, f"docs/fsdp2.md should say {claim!r} (bench/projection.py: {ratios})"
 
 
-@pytest.mark.parametrize("script", ["kernels.py", "linear.py", "host_per_use.py", "zero1_stack.py", "lean_l2.py"])
+@pytest.mark.parametrize("script", ["kernels.py", "linear.py", "host_per_use.py", "zero1_stack.py", "lean_l2.py",
+                                    "lean_overlap.py"])
 def test_gpu_only_benches_say_they_need_a_gpu(script):
     proc = _bench(f"bench/{script}")
     assert proc.returncode != 0

@@ -167,8 +167,8 @@ def test_lean_compute_in_pretrain_trains_bitwise_like_kept_copies(tmp_path, data
               "--overlap-grad-reduce", "--hidden-dropout", "0", "--attention-dropout", "0"]
     if recompute:
         common += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
-    kept = train(tmp_path, "kept", 2, *common)
-    lean = train(tmp_path, "lean", 2, *common, runner=("--no-compute-copy",))
+    kept = train(tmp_path, "kept", 2, *common, runner=("--compute-copy",))
+    lean = train(tmp_path, "lean", 2, *common)
     assert [it["loss"] for it in lean["iterations"]] == [it["loss"] for it in kept["iterations"]]
     assert lean["master_digest_final"] == kept["master_digest_final"]
     assert all(it["check"].startswith("ok") for it in lean["iterations"])

@@ -19,9 +19,10 @@ M, K = 40, 48
 
 
 def nvfp4_linear(seed=0, **kw):
+    """A converted linear; with a kept compute copy (what this file tests) unless `compute_copy=False`."""
     torch.manual_seed(seed)
     lin = nn.Linear(K, M, bias=False).to(torch.bfloat16)
-    fp4_dist.convert_linear_weights(lin, **kw)
+    fp4_dist.convert_linear_weights(lin, **{"compute_copy": True, **kw})
     return lin
 
 
@@ -153,7 +154,7 @@ def test_set_rowwise_storage_keeps_the_bytes_and_gets_its_own_version_counter():
 def test_zero1_step_refreshes_every_copy_with_one_bulk_refresh():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(48, 80), nn.GELU(), nn.Linear(80, 48, bias=False)).to(torch.bfloat16)
-    fp4_dist.convert_linear_weights(model, dtype=torch.bfloat16)
+    fp4_dist.convert_linear_weights(model, dtype=torch.bfloat16, compute_copy=True)
     opt = Zero1Optimizer(model.parameters(), lambda g: torch.optim.SGD(g, lr=0.5), config=Zero1Config())
     x = torch.randn(4, 48).to(torch.bfloat16)
     for step in range(3):

@@ -28,9 +28,10 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def nvfp4_linear(seed=0, bias=False, device="cpu", **kw):
+    """A converted linear; with a kept compute copy (whose view this file tests) unless `compute_copy=False`."""
     torch.manual_seed(seed)
     lin = nn.Linear(K, M, bias=bias).to(device=device, dtype=torch.bfloat16)
-    fp4_dist.convert_linear_weights(lin, **kw)
+    fp4_dist.convert_linear_weights(lin, **{"compute_copy": True, **kw})
     return lin
 
 

@@ -14,7 +14,7 @@ from fp4_dist.megatron import AdapterOptions, enable
 from fp4_dist.megatron.run import _parser
 
 REPO = Path(__file__).parents[3]
-CHOSEN = dict(numerics="te-2.14", compute_copy=False, columnwise=True, check_every=7, log_json="run.json",
+CHOSEN = dict(numerics="te-2.14", compute_copy=True, columnwise=True, check_every=7, log_json="run.json",
               allow_untested_version=True)  # every field away from its default  # fmt: skip
 
 
