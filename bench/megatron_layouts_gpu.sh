@@ -9,7 +9,8 @@
 # model_provider.py (megatron itself then comes from the installed megatron-core). Logs, run records and the table
 # under ${OUT:-bench/out}, with each run's peak memory (max over ranks). GPT 4 layers x 512, seq 512, micro-batch 4,
 # global batch 16, byte tokens of TEXT (default: this Python's standard library sources); the llama-* layouts
-# override the model.
+# override the model. KEPT=1: each fp4 run again with kept compute copies (the launcher's --compute-copy), tabled
+# under $OUT/kept against the same bf16 run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -51,19 +52,30 @@ LAYOUT[llama-dp4]="$LLAMA"
 ORDER=(tp2-dp2 pp2-dp2 tp2-pp2 moe-ep2-dp2 moe-ep4)
 (( $# )) && ORDER=("$@")
 status=0
-run() {  # run NAME LAYOUT-ARGS [--fp4-param-gather]
-  local name=$1 layout=$2; shift 2
-  local opts=(--log-json "$OUT/$name.json")
+KEPT=${KEPT:-0}
+run() {  # run DIR NAME LAYOUT-ARGS [--fp4-param-gather]; the launcher's own options in $LAUNCHER_OPTS
+  local dir=$1 name=$2 layout=$3; shift 3
+  local opts=(--log-json "$dir/$name.json" ${LAUNCHER_OPTS:-})
   [[ " $* " == *" --fp4-param-gather "* ]] && opts+=(--check-every "$CHECK")
   echo "=== $name: $layout $*"
   timeout 400 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -m fp4_dist.megatron.run \
-    "${opts[@]}" "$MEGATRON_LM/pretrain_gpt.py" $ARGS $layout "$@" > "$OUT/$name.log" 2>&1
+    "${opts[@]}" "$MEGATRON_LM/pretrain_gpt.py" $ARGS $layout "$@" > "$dir/$name.log" 2>&1
   local rc=$?
-  echo "=== $name: exit $rc"; [[ $rc -eq 0 ]] || { status=1; grep "fp4_dist\|Error" "$OUT/$name.log" | tail -8; }
+  echo "=== $name: exit $rc"; [[ $rc -eq 0 ]] || { status=1; grep "fp4_dist\|Error" "$dir/$name.log" | tail -8; }
 }
+(( KEPT )) && mkdir -p "$OUT/kept"
 for l in "${ORDER[@]}"; do
-  run "$l-bf16" "${LAYOUT[$l]}"
-  run "$l-fp4" "${LAYOUT[$l]}" --fp4-param-gather
+  run "$OUT" "$l-bf16" "${LAYOUT[$l]}"
+  run "$OUT" "$l-fp4" "${LAYOUT[$l]}" --fp4-param-gather
+  if (( KEPT )); then
+    cp "$OUT/$l-bf16.json" "$OUT/$l-bf16.log" "$OUT/kept/"
+    LAUNCHER_OPTS=--compute-copy run "$OUT/kept" "$l-fp4" "${LAYOUT[$l]}" --fp4-param-gather
+  fi
 done
 "$PY" bench/megatron_lm_table.py "$OUT" "${ORDER[@]}" --check-every "$CHECK" --summary | tee "$OUT/layouts.md" || status=1
+if (( KEPT )); then
+  echo "kept compute copies (--compute-copy) in the fp4 columns:"
+  "$PY" bench/megatron_lm_table.py "$OUT/kept" "${ORDER[@]}" --check-every "$CHECK" --summary |
+    tee "$OUT/kept/layouts.md" || status=1
+fi
 exit $status
