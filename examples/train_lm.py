@@ -198,8 +198,9 @@ def report_step(say, opt, stats: CommStats, steps: int, seconds: float, first: f
         f"{kib.get('nvfp4_scales', 0.0):.1f} KiB + dense params {kib['dense']:.1f} KiB) vs "
         f"{kib['bf16_equivalent']:.1f} KiB for a bf16 gather = {ratio:.3f}x")
     mem = {k: v / 1024 for k, v in opt.param_memory_bytes().items()}
+    pool = fp4_dist.compute.pool_bytes() / 1024
     say(f"param memory per rank: NVFP4 gather buffer {mem['nvfp4']:.1f} KiB + dense params {mem['dense']:.1f} KiB; "
-        f"bf16 compute copies of the NVFP4 weights {mem['compute_copies']:.1f} KiB")
+        f"bf16 copies of the NVFP4 weights: lean pool {pool:.1f} KiB, kept copies {mem['compute_copies']:.1f} KiB")
     calls = {k: v / steps for k, v in stats.calls.items() if k != "all_reduce"}
     say(f"collectives per step: {calls} + {stats.calls['all_reduce'] / steps:.0f} all-reduces (the gradient check "
         f"and the amaxes; {stats.bytes['all_reduce'] / steps / 1024:.2f} KiB)")
