@@ -45,7 +45,7 @@ def test_the_example_trainer_reads_the_same_options_behind_its_prefix():
 
 
 def test_no_parser_spells_an_option_flag_of_its_own():
-    names = {f.lstrip("-") for p in ("", "fp4-") for f in AdapterOptions.flags(p).values()}
+    names = {f.lstrip("-") for p in ("", "fp4-") for f in AdapterOptions.all_flags(p)}
     spelled = []
     for path in [*(REPO / "fp4_dist").rglob("*.py"), *(REPO / "examples").rglob("*.py")]:
         for flag in re.findall(r"add_argument\(\s*\"--([\w-]+)\"", path.read_text()):
@@ -61,3 +61,15 @@ def test_enable_takes_the_fields_as_keywords_and_refuses_an_unknown_one():
         enable(options=AdapterOptions(), check_every=1)
     with pytest.raises(ValueError, match="check_every must be an int >= 0"):
         AdapterOptions(check_every=-1)
+
+
+def test_lean_is_the_default_and_no_compute_copy_spells_it_out():
+    from examples.megatron_pretrain_gpt import FLAG_PREFIX, add_fp4_dist_args
+
+    assert AdapterOptions().compute_copy is False
+    trainer = add_fp4_dist_args(argparse.ArgumentParser())
+    for parse, prefix in ((lambda a: _parser().parse_args(a + ["pretrain_gpt.py"]), ""),
+                          (trainer.parse_args, FLAG_PREFIX)):  # fmt: skip
+        assert not AdapterOptions.from_args(parse([f"--{prefix}no-compute-copy"]), prefix=prefix).compute_copy
+        assert AdapterOptions.from_args(parse([f"--{prefix}compute-copy"]), prefix=prefix).compute_copy
+    assert {"--compute-copy", "--no-compute-copy"} <= AdapterOptions.all_flags()
