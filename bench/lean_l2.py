@@ -25,30 +25,16 @@ memory than bf16 at bf16's step time.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
 
 import fp4_dist
 from fp4_dist import kernels
-from timing import publish, require_gpu  # noqa: E402 - bench/timing.py, beside this script
+from timing import median_ms, publish, require_gpu  # noqa: E402 - bench/timing.py, beside this script
 
 SHAPES = {"qkv": (6144, 4096), "proj": (4096, 2048), "fc1": (8192, 4096), "fc2": (4096, 8192)}
 """[out_features, in_features] of a GPT 4096 layer's linears at tensor-parallel size 2 (GQA-free, ffn 16384)."""
-
-
-def events_ms(fn, reps: int) -> float:
-    """Median device ms of fn() over `reps` calls, each between two events."""
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -106,7 +92,7 @@ def main() -> None:
         torch.cuda.synchronize()
         ref = F.linear(xs[0], buf)
         for label, fn in variants.items():
-            ms = events_ms(fn, args.reps)
+            ms = median_ms(fn, args.reps)
             totals[label.split(" (")[0]] = totals.get(label.split(" (")[0], 0.0) + ms
             diff = ""
             if label.startswith("chunk"):

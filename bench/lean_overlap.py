@@ -20,14 +20,13 @@ The numbers answer: what part of lean's copy traffic can hide under the GEMMs of
 from __future__ import annotations
 
 import argparse
-import statistics
 from typing import Optional
 
 import torch
 
 import fp4_dist
 from fp4_dist import kernels
-from timing import publish, require_gpu  # noqa: E402 - bench/timing.py, beside this script
+from timing import median_ms, publish, require_gpu  # noqa: E402 - bench/timing.py, beside this script
 
 MODELS = {  # [out, in] of a GPT layer's qkv, proj, fc1, fc2; tokens per microbatch of the Megatron bench
     "gpt4096-tp2": ([(6144, 4096), (4096, 2048), (8192, 4096), (4096, 8192)], 2048),
@@ -114,24 +113,10 @@ def run_model(name: str, layers: int, reps: int, tokens: Optional[int] = None) -
                 consumed[j].record(main)
         return run
 
-    lo, hi = torch.cuda.Stream.priority_range()  # (0, -n): lower number, higher priority
+    lo = torch.cuda.Stream.priority_range()[0]  # (0, -n): a lower number is a higher priority
     variants = {"bf16": floor, "in line": in_line, "ahead": ahead(torch.cuda.Stream()),
                 "ahead, low": ahead(torch.cuda.Stream(priority=lo)), "dequant alone": dequant_alone}  # fmt: skip
-    for fn in variants.values():
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    times = {}
-    for label, fn in variants.items():
-        ts = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            ts.append(a.elapsed_time(b))
-        times[label] = statistics.median(ts)
+    times = {label: median_ms(fn, reps) for label, fn in variants.items()}
     fills_per_pass = sum(1 for j, i in enumerate(order) if j == 0 or order[j - 1] != i)
     elems = sum(n * k for n, k in shapes)
     gbps = fills_per_pass * elems * (2 + 0.5 + 1 / 16) / (times["dequant alone"] * 1e-3) / 1e9
