@@ -18,6 +18,10 @@ import torch
 TILE = 16
 """Side of the square quantization tile (16x16 elements share one E4M3 scale)."""
 
+FP8_BLOCK = 128
+"""Side of the square block of an FP8 block copy (128x128 E4M3 elements share one fp32 scale: Hopper's block-scaled
+FP8 GEMMs read weights in this form)."""
+
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 GLOBAL_SCALE_NUMERATOR = 2688.0

@@ -8,6 +8,8 @@ Modules, and the one way a call travels through them::
     cuda_plans.py   CUDA only: the work table a launch reads (`Plan`), laid out from checked arguments
     _launch.py      CUDA only: compiles cuda/*.cu once per device (NVRTC) and launches on torch's stream
     reference.py    the numeric contract in plain PyTorch: the CPU path and the oracle of every kernel
+    fp8_block_reference.py   the FP8 block copy of an NVFP4 weight (Hopper's FP8 GEMMs), in plain PyTorch; no
+                    kernel yet (docs/fp8.md)
 """
 
 from . import reference
