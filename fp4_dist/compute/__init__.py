@@ -3,9 +3,10 @@
     alias.py       plain tensors on a copy's memory, linked to the weight by one autograd node
     view.py        a layer's cached alias of its weight's copy (`compute_view`)
     linear.py      NVFP4Linear (what `convert_linear_weights` makes of nn.Linear)
-    lean.py        weights that keep no copy (``compute_copy=False``): a copy around each use only
+    lean.py        weights that keep no copy (the default, ``compute_copy=False``): a copy around each use only
     pool.py        the lean pool: one buffer per weight shape; `pool_stats`, `pool_bytes`, `release_pool`
     lean_order.py  the learned order of lean uses and the batched fills it allows
+    fp8.py         the FP8 compute mode's linear (FP8 block-scaled GEMMs), emulated; not an option yet (docs/fp8.md)
 
 The copies themselves (`ComputeCopy`, `refresh_compute_copies`, `compute_copy_bytes`) belong to the weight:
 `fp4_dist.tensor.copy`. Megatron's linear function claims its lean uses through `fp4_dist.megatron.lean_claim`.

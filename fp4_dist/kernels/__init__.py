@@ -10,6 +10,7 @@ Modules, and the one way a call travels through them::
     reference.py    the numeric contract in plain PyTorch: the CPU path and the oracle of every kernel
     fp8_block_reference.py   the FP8 block copy of an NVFP4 weight (Hopper's FP8 GEMMs), in plain PyTorch; no
                     kernel yet (docs/fp8.md)
+    fp8_rows_reference.py    activations and gradients in FP8 with one scale per 1 x 128 group, likewise
 """
 
 from . import reference

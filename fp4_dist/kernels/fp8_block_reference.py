@@ -38,7 +38,7 @@ from .reference import e4m3_rne_satfinite, expand_rowwise_scales, unpack_nibbles
 _TWICE_E2M1 = (0, 1, 2, 3, 4, 6, 8, 12)  # 2 * |q| by code & 7: integers
 
 
-def _pow2(exponent: torch.Tensor) -> torch.Tensor:
+def pow2(exponent: torch.Tensor) -> torch.Tensor:
     """fp32 2^exponent, exactly, for integer exponents in fp32's normal range [-126, 127] (built from the bits:
     no library exp2 or ldexp, whose rounding a kernel could not be sure to share)."""
     return ((exponent.to(torch.int32) + 127) << 23).view(torch.float32)
@@ -87,7 +87,7 @@ def fp8_block_copy(rowwise_data: torch.Tensor, rowwise_scale_inv: torch.Tensor, 
     """
     m, k = rowwise_data.shape[0], rowwise_data.shape[1] * 2
     p, x, negative = element_integers(rowwise_data, rowwise_scale_inv, m, k)
-    value = p.to(torch.float64) * _pow2(x).to(torch.float64)  # P * 2^X exactly (G units)
+    value = p.to(torch.float64) * pow2(x).to(torch.float64)  # P * 2^X exactly (G units)
     top = _block_view(value, m, k).amax(dim=-1)
     _, ex = torch.frexp(top)
     best = None
@@ -95,9 +95,9 @@ def fp8_block_copy(rowwise_data: torch.Tensor, rowwise_scale_inv: torch.Tensor, 
         # k: the smallest with top <= 448 * sig/8 * 2^k; frexp's exponent - 10 is at most one or two below it
         shift = ex.to(torch.int64) - 10
         for _ in range(2):
-            shift = torch.where(top * 8 > 448.0 * sig * _pow2(shift).to(torch.float64), shift + 1, shift)
+            shift = torch.where(top * 8 > 448.0 * sig * pow2(shift).to(torch.float64), shift + 1, shift)
         shift = torch.where(top > 0, shift, torch.zeros_like(shift))
-        unit = _pow2(_per_element(shift, m, k) - 3).to(torch.float64)  # 2^(k-3): the scale is sig * 2^(k-3)
+        unit = pow2(_per_element(shift, m, k) - 3).to(torch.float64)  # 2^(k-3): the scale is sig * 2^(k-3)
         # (P * 2^X) / (sig * 2^(k-3)) rounded once to fp32, then to E4M3: the quotient is never an E4M3 tie unless
         # exact (sig's odd part divides no tie's numerator), so this is the correctly rounded E4M3 value
         bits = e4m3_rne_satfinite(((value / unit) / sig).to(torch.float32))
@@ -114,7 +114,7 @@ def fp8_block_copy(rowwise_data: torch.Tensor, rowwise_scale_inv: torch.Tensor, 
     _, sig, shift, bits = best
     a = amax.reshape(1).to(torch.float32)
     g = a * (torch.ones_like(a) / torch.full_like(a, GLOBAL_SCALE_NUMERATOR))
-    scales = (g * sig.to(torch.float32)) * _pow2(shift - 3)
+    scales = (g * sig.to(torch.float32)) * pow2(shift - 3)
     return bits | (negative.to(torch.uint8) << 7), scales
 
 
