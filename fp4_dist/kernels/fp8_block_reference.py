@@ -20,9 +20,10 @@ with a factor 3 exactly instead, 1.25 * 2^k those with a factor 5, and so on. A 
 largest elements, which one of the eight usually holds exactly (`bench/fp8_copy_error.py`: a third to a half of
 a power of two's added error on random weights).
 
-Determinism: the quotient P * 2^X / (sig/8 * 2^k) is rounded once to fp32 before the E4M3 rounding; being an exact
-dyadic value or at least 2^-12 (relative) away from every E4M3 rounding tie, that gives the correctly rounded
-E4M3 value on any device. The errors are exact in fp64, their squares rounded once, and each block's sum is
+Determinism: the quotient P * 2^X / (sig/8 * 2^k) is either exact (a dyadic value of a few bits) or at least 2^-12
+(relative) away from every E4M3 rounding tie, so rounding it on the way to fp64 or fp32 (at most 2^-24 relative)
+never moves it across one: its E4M3 rounding is the correctly rounded value on any device that divides with
+IEEE rounding (this reference: fp64, then fp32). The errors are exact in fp64, their squares rounded once, and each block's sum is
 `tree_sum`'s fixed order. The sign of the NVFP4 code is kept (a negative zero code gives E4M3's 0x80).
 128 x 128 blocks are symmetric, as the 16 x 16 tiles are: the copy of the transposed weight is the transposed copy
 with the transposed scales, so one copy serves a GEMM with W and one with W^T.
@@ -98,8 +99,8 @@ def fp8_block_copy(rowwise_data: torch.Tensor, rowwise_scale_inv: torch.Tensor, 
             shift = torch.where(top * 8 > 448.0 * sig * pow2(shift).to(torch.float64), shift + 1, shift)
         shift = torch.where(top > 0, shift, torch.zeros_like(shift))
         unit = pow2(_per_element(shift, m, k) - 3).to(torch.float64)  # 2^(k-3): the scale is sig * 2^(k-3)
-        # (P * 2^X) / (sig * 2^(k-3)) rounded once to fp32, then to E4M3: the quotient is never an E4M3 tie unless
-        # exact (sig's odd part divides no tie's numerator), so this is the correctly rounded E4M3 value
+        # (P * 2^X) / (sig * 2^(k-3)), through fp64 and fp32, then E4M3: the quotient is exact or 2^-12 away from
+        # every E4M3 tie, so those roundings leave the E4M3 value the correctly rounded one (module docstring)
         bits = e4m3_rne_satfinite(((value / unit) / sig).to(torch.float32))
         err = bits.view(torch.float8_e4m3fn).to(torch.float64) * sig * unit - value  # exact in fp64
         sse = tree_sum(_block_view(err * err, m, k))
