@@ -6,7 +6,8 @@ error it adds against NVFP4's own, on random weights or on trained ones from a s
 Per weight W (bf16): NVFP4 = quantize(W); its FP8 block copy (`fp4_dist.kernels.fp8_block_reference`: E4M3 values,
 one scale per 128 x 128 block, the NVFP4 global factor times sig/8 * 2^k, sig chosen per block for the least
 squared error); the same with powers of two only (sig = 8); for context, W quantized straight to E4M3 with one
-scale per 128 x 128 block (block amax / 448, the weights' recipe of TransformerEngine's Float8BlockScaling).
+scale per 128 x 128 block (block amax / 448: TransformerEngine's Float8BlockScaling for weights with fp32 scales;
+its default rounds the scales to powers of two).
 Columns:
 
     exact          elements the copy holds exactly (equal to NVFP4's value within an fp32 ulp)
@@ -92,7 +93,7 @@ def weights(args) -> list[tuple[str, torch.Tensor]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--safetensors", default=None, help="take the 2D float weights of this file (K % 16 == 0)")
+    p.add_argument("--safetensors", default=None, help="take the 2D float weights of this file (K %% 16 == 0)")
     p.add_argument("--max-weights", type=int, default=8)
     p.add_argument("--size", type=int, default=1024, help="random weights: [size, size] and [size, 1.5 size]")
     p.add_argument("--out", default=None)

@@ -9,8 +9,8 @@ after round (so clock and temperature drift hit them alike), and each reports it
 Host time: wall time of one iteration's Python call, median. Variants:
 
     bf16               nn.Linear with a bf16 weight
-    nvfp4              the same layer after convert_linear_weights (an NVFP4Linear: it computes with its cached
-                       alias of the weight's compute copy), copy current (every microbatch of a step)
+    nvfp4              the same layer after convert_linear_weights(compute_copy=True) (an NVFP4Linear: it computes
+                       with its cached alias of the weight's kept compute copy), copy current (every microbatch)
     nvfp4 + refresh    the same, plus one refresh of the copy per iteration (one microbatch per weight update)
     nvfp4 parameter    F.linear on the NVFP4 parameter itself: every op through NVFP4Tensor's dispatch (what a
                        layer with its own forward, or Megatron's linears before the compute view, pay)
@@ -97,7 +97,7 @@ def variants(m: int, k: int, tokens: int):
         bf16.weight.copy_(w32)
     layer = torch.nn.Linear(k, m, bias=False, device=DEV, dtype=torch.bfloat16)
     layer.weight = torch.nn.Parameter(w32.clone())
-    fp4_dist.convert_linear_weights(layer, dtype=torch.bfloat16)
+    fp4_dist.convert_linear_weights(layer, dtype=torch.bfloat16, compute_copy=True)
     assert type(layer) is fp4_dist.NVFP4Linear
     q = torch.nn.Parameter(fp4_dist.quantize(w32))
     per_use = torch.nn.Parameter(fp4_dist.quantize(w32))

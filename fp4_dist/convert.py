@@ -50,11 +50,13 @@ def convert_linear_weights(
 ) -> ConversionReport:
     """Replace every eligible nn.Linear weight (2D, K % 16 == 0) by an NVFP4 parameter, in place.
 
-    A converted layer whose class is nn.Linear itself becomes an `NVFP4Linear` (an nn.Linear whose forward
-    computes with a cached plain alias of the weight's compute copy, `fp4_dist.compute.view`: the host cost of a
-    bf16 forward); subclasses keep their class and forward and compute through the weight's dispatch, with the
-    same values. A weight shared by several modules (tied embeddings) becomes one NVFP4 parameter that every owner
-    holds. Weights that are NVFP4 already are left as they are, so a second call changes nothing.
+    A converted layer whose class is nn.Linear itself becomes an `NVFP4Linear`, an nn.Linear whose forward computes
+    with the weight's bf16 values without going through its dispatch: by default (lean) a copy written into a pool
+    buffer around each use (`fp4_dist.compute.lean`), with `compute_copy=True` a cached plain alias of the weight's
+    kept compute copy (`fp4_dist.compute.view`: the host cost of a bf16 forward). Subclasses keep their class and
+    forward and compute through the weight's dispatch, with the same values. A weight shared by several modules
+    (tied embeddings) becomes one NVFP4 parameter that every owner holds. Weights that are NVFP4 already are left as
+    they are, so a second call changes nothing.
 
     Args:
         model: any module; its nn.Linear children are converted where eligible.

@@ -17,8 +17,8 @@ for bit:
 Why a choice of significands: a product q * s_t needs up to 6 significant bits (1.5 * 1.875 = 2.8125 = 10.1101b)
 and E4M3 holds 4, so a power-of-two scale rounds every element whose P has more; a scale of 1.5 * 2^k holds those
 with a factor 3 exactly instead, 1.25 * 2^k those with a factor 5, and so on. A block's error is dominated by its
-largest elements, which one of the eight usually holds exactly (`bench/fp8_copy_error.py`: a third to a half of
-a power of two's added error on random weights).
+largest elements, which one of the eight usually holds exactly (`bench/fp8_copy_error.py`: 0.3-0.8x a power of
+two's added error on random weights).
 
 Determinism: the quotient P * 2^X / (sig/8 * 2^k) is either exact (a dyadic value of a few bits) or at least 2^-12
 (relative) away from every E4M3 rounding tie, so rounding it on the way to fp64 or fp32 (at most 2^-24 relative)

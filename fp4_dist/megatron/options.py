@@ -34,7 +34,7 @@ class AdapterOptions:
     compute_copy: bool = _option(False, "keep a bf16 copy of every NVFP4 weight between updates (2.5 bytes per weight "
                                  "against bf16's 2): no dequantize per use, faster where microbatches are small "
                                  "(default: lean, 0.5 bytes per weight and one layer's copies, made around each use; "
-                                 "the same values; --no-compute-copy spells the default out)",
+                                 "the same values)",
                                  off_flag="no-compute-copy")
     columnwise: bool = _option(False, "also build the columnwise NVFP4 copies after every param all-gather, as "
                                "TransformerEngine does (nothing in fp4_dist's compute path reads them)")
@@ -68,15 +68,17 @@ class AdapterOptions:
         """Add a flag per field to `parser` (an ArgumentParser or an argument group); returns it."""
         for f in fields(cls):
             flag = cls.flags(prefix)[f.name]
-            kwargs = dict(help=f.metadata["help"], dest=_dest(flag))
+            off = f"--{prefix}{f.metadata['off_flag']}" if f.metadata["off_flag"] else None
+            text = f.metadata["help"] + (f"; {off} spells the default out" if off else "")
+            kwargs = dict(help=text, dest=_dest(flag))
             if f.type in (bool, "bool"):
                 kwargs["action"] = "store_true"  # every boolean option is off by default
             else:
                 kwargs.update(default=f.default, **f.metadata["argparse"])
             parser.add_argument(flag, **kwargs)
-            if f.metadata["off_flag"]:
-                parser.add_argument(f"--{prefix}{f.metadata['off_flag']}", action="store_false", dest=kwargs["dest"],
-                                    default=argparse.SUPPRESS, help="the default, spelled out")  # fmt: skip
+            if off:
+                parser.add_argument(off, action="store_false", dest=kwargs["dest"], default=argparse.SUPPRESS,
+                                    help="the default, spelled out")  # fmt: skip
         return parser
 
     @classmethod
