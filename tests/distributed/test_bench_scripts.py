@@ -60,6 +60,7 @@ def test_cpu_benches_print_their_tables():
     _ran(_bench("bench/traffic.py", "--world-sizes", "2"), "| 2 | fsdp2 | all_gather_single |")
     _ran(_bench("bench/projection.py", "--ranks", "8", "64"), "7B-class")
     _ran(_bench("bench/fp8_copy_error.py", "--size", "256"), "| heavy-tailed | [256, 384] |")
+    _ran(_bench("bench/fp8_copy_error.py", "--help"), "--safetensors")
 
 
 def test_the_projected_ratios_are_the_range_docs_fsdp2_gives():
