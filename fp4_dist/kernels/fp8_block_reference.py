@@ -23,8 +23,8 @@ two's added error on random weights).
 Determinism: the quotient P * 2^X / (sig/8 * 2^k) is either exact (a dyadic value of a few bits) or at least 2^-12
 (relative) away from every E4M3 rounding tie, so rounding it on the way to fp64 or fp32 (at most 2^-24 relative)
 never moves it across one: its E4M3 rounding is the correctly rounded value on any device that divides with
-IEEE rounding (this reference: fp64, then fp32). The errors are exact in fp64, their squares rounded once, and each block's sum is
-`tree_sum`'s fixed order. The sign of the NVFP4 code is kept (a negative zero code gives E4M3's 0x80).
+IEEE rounding (this reference: fp64, then fp32). The errors are exact in fp64, their squares rounded once, and each
+block's sum is `tree_sum`'s fixed order. The sign of the NVFP4 code is kept (a negative zero code gives E4M3's 0x80).
 128 x 128 blocks are symmetric, as the 16 x 16 tiles are: the copy of the transposed weight is the transposed copy
 with the transposed scales, so one copy serves a GEMM with W and one with W^T.
 """
@@ -57,7 +57,7 @@ def element_integers(rowwise_data: torch.Tensor, rowwise_scale_inv: torch.Tensor
     return twice_q * significand, torch.clamp(field, min=1) - 11, (codes & 0x8) != 0
 
 
-def _block_view(x: torch.Tensor, m: int, k: int) -> torch.Tensor:
+def block_view(x: torch.Tensor, m: int, k: int) -> torch.Tensor:
     """[M, K] -> [bm, bk, 128 * 128], zero padded: each block's elements in row-major order."""
     bm, bk = ceil_div(m, FP8_BLOCK), ceil_div(k, FP8_BLOCK)
     padded = x.new_zeros(bm * FP8_BLOCK, bk * FP8_BLOCK)
@@ -65,8 +65,19 @@ def _block_view(x: torch.Tensor, m: int, k: int) -> torch.Tensor:
     return padded.view(bm, FP8_BLOCK, bk, FP8_BLOCK).permute(0, 2, 1, 3).reshape(bm, bk, FP8_BLOCK * FP8_BLOCK)
 
 
-def _per_element(per_block: torch.Tensor, m: int, k: int) -> torch.Tensor:
+def per_element(per_block: torch.Tensor, m: int, k: int) -> torch.Tensor:
+    """[bm, bk] per-block values -> [M, K], each element its block's."""
     return per_block.repeat_interleave(FP8_BLOCK, dim=0)[:m].repeat_interleave(FP8_BLOCK, dim=1)[:, :k]
+
+
+def smallest_shift(top: torch.Tensor, sig: int = 8) -> torch.Tensor:
+    """int64, shape of `top` (non-negative, fp32 or fp64): the smallest k with top <= 448 * sig/8 * 2^k, 0 where top
+    is 0. frexp's exponent - 10 is one or two below it; the compares are exact (small integers times powers of two)."""
+    _, ex = torch.frexp(top)
+    shift = ex.to(torch.int64) - 10
+    for _ in range(2):
+        shift = torch.where(top * 8 > 448.0 * sig * pow2(shift).to(top.dtype), shift + 1, shift)
+    return torch.where(top > 0, shift, torch.zeros_like(shift))
 
 
 def tree_sum(x: torch.Tensor) -> torch.Tensor:
@@ -89,21 +100,16 @@ def fp8_block_copy(rowwise_data: torch.Tensor, rowwise_scale_inv: torch.Tensor, 
     m, k = rowwise_data.shape[0], rowwise_data.shape[1] * 2
     p, x, negative = element_integers(rowwise_data, rowwise_scale_inv, m, k)
     value = p.to(torch.float64) * pow2(x).to(torch.float64)  # P * 2^X exactly (G units)
-    top = _block_view(value, m, k).amax(dim=-1)
-    _, ex = torch.frexp(top)
+    top = block_view(value, m, k).amax(dim=-1)
     best = None
     for sig in significands:  # the block scale's significand: sig / 8
-        # k: the smallest with top <= 448 * sig/8 * 2^k; frexp's exponent - 10 is at most one or two below it
-        shift = ex.to(torch.int64) - 10
-        for _ in range(2):
-            shift = torch.where(top * 8 > 448.0 * sig * pow2(shift).to(torch.float64), shift + 1, shift)
-        shift = torch.where(top > 0, shift, torch.zeros_like(shift))
-        unit = pow2(_per_element(shift, m, k) - 3).to(torch.float64)  # 2^(k-3): the scale is sig * 2^(k-3)
+        shift = smallest_shift(top, sig)
+        unit = pow2(per_element(shift, m, k) - 3).to(torch.float64)  # 2^(k-3): the scale is sig * 2^(k-3)
         # (P * 2^X) / (sig * 2^(k-3)), through fp64 and fp32, then E4M3: the quotient is exact or 2^-12 away from
         # every E4M3 tie, so those roundings leave the E4M3 value the correctly rounded one (module docstring)
         bits = e4m3_rne_satfinite(((value / unit) / sig).to(torch.float32))
         err = bits.view(torch.float8_e4m3fn).to(torch.float64) * sig * unit - value  # exact in fp64
-        sse = tree_sum(_block_view(err * err, m, k))
+        sse = tree_sum(block_view(err * err, m, k))
         if best is None:
             best = [sse, torch.full_like(shift, sig), shift, bits]
             continue
@@ -111,7 +117,7 @@ def fp8_block_copy(rowwise_data: torch.Tensor, rowwise_scale_inv: torch.Tensor, 
         best[0] = torch.where(better, sse, best[0])
         best[1] = torch.where(better, sig, best[1])
         best[2] = torch.where(better, shift, best[2])
-        best[3] = torch.where(_per_element(better, m, k), bits, best[3])
+        best[3] = torch.where(per_element(better, m, k), bits, best[3])
     _, sig, shift, bits = best
     a = amax.reshape(1).to(torch.float32)
     g = a * (torch.ones_like(a) / torch.full_like(a, GLOBAL_SCALE_NUMERATOR))
@@ -122,4 +128,4 @@ def fp8_block_copy(rowwise_data: torch.Tensor, rowwise_scale_inv: torch.Tensor, 
 def fp8_block_values(bits: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """fp32 [M, K] values of an FP8 block copy: float(e) * its block's scale."""
     m, k = bits.shape
-    return bits.view(torch.float8_e4m3fn).to(torch.float32) * _per_element(scales, m, k)
+    return bits.view(torch.float8_e4m3fn).to(torch.float32) * per_element(scales, m, k)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..format import FP8_BLOCK, ceil_div
-from .fp8_block_reference import pow2
+from .fp8_block_reference import pow2, smallest_shift
 from .reference import e4m3_rne_satfinite
 
 
@@ -36,10 +36,7 @@ def quantize_rows_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = padded.view(r, groups, FP8_BLOCK).abs().amax(dim=-1)
     finite = torch.isfinite(amax)
     safe = torch.where(finite, amax, torch.zeros_like(amax))
-    _, ex = torch.frexp(safe)
-    shift = ex.to(torch.int64) - 9  # as for the weight copy: frexp's exponent - 9, or one more
-    shift = torch.where(safe > 448.0 * pow2(shift), shift + 1, shift)
-    shift = torch.where(safe > 0, shift, torch.zeros_like(shift)).clamp(min=-126)
+    shift = smallest_shift(safe).clamp(min=-126)
     per_element = shift.repeat_interleave(FP8_BLOCK, dim=1)[:, :c]
     bits = e4m3_rne_satfinite((values * pow2(-per_element)).abs()) | ((values < 0).to(torch.uint8) << 7)
     scales = torch.where(finite, pow2(shift), torch.full_like(amax, float("nan")))
