@@ -55,6 +55,7 @@ def run_model(name: str, layers: int, reps: int, tokens: Optional[int] = None) -
     xs = [torch.randn(tokens, k, device=dev, dtype=torch.bfloat16) for n, k in shapes]
     dys = [torch.randn(tokens, n, device=dev, dtype=torch.bfloat16) for n, k in shapes]
     order = list(range(layers)) + list(reversed(range(layers)))  # uses: forward, then backward
+    fresh = [j == 0 or order[j - 1] != i for j, i in enumerate(order)]  # a use whose copy is not made already
     fills = {(i, s): bind(i, s) for i in range(layers) for s in (0, 1)}
 
     def gemms(ws, backward: bool) -> None:
@@ -69,16 +70,12 @@ def run_model(name: str, layers: int, reps: int, tokens: Optional[int] = None) -
         for j, i in enumerate(order):
             gemms(bf16[i], j >= layers)
 
-    def in_line():
+    def in_line(with_gemms: bool = True):
         for j, i in enumerate(order):
-            if j == 0 or order[j - 1] != i:
+            if fresh[j]:
                 fills[(i, 0)]()
-            gemms(sets[0], j >= layers)
-
-    def dequant_alone():
-        for j, i in enumerate(order):
-            if j == 0 or order[j - 1] != i:
-                fills[(i, 0)]()
+            if with_gemms:
+                gemms(sets[0], j >= layers)
 
     def ahead(side: torch.cuda.Stream):
         main = torch.cuda.current_stream()
@@ -86,12 +83,11 @@ def run_model(name: str, layers: int, reps: int, tokens: Optional[int] = None) -
         filled, consumed = [None] * len(order), [None] * len(order)
         s = 0
         for j in range(len(order)):
-            if j > 0 and order[j - 1] != order[j]:
-                s ^= 1
+            s ^= fresh[j] and j > 0
             slot[j] = s
 
         def issue(j: int) -> None:  # the copy of use j, on the side stream, after the set's last reader
-            if j > 0 and order[j - 1] == order[j]:
+            if not fresh[j]:
                 filled[j] = filled[j - 1]
                 return
             prev = max((u for u in range(j) if slot[u] == slot[j]), default=None)
@@ -115,9 +111,9 @@ def run_model(name: str, layers: int, reps: int, tokens: Optional[int] = None) -
 
     lo = torch.cuda.Stream.priority_range()[0]  # (0, -n): a lower number is a higher priority
     variants = {"bf16": floor, "in line": in_line, "ahead": ahead(torch.cuda.Stream()),
-                "ahead, low": ahead(torch.cuda.Stream(priority=lo)), "dequant alone": dequant_alone}  # fmt: skip
+                "ahead, low": ahead(torch.cuda.Stream(priority=lo)), "dequant alone": lambda: in_line(with_gemms=False)}  # fmt: skip
     times = {label: median_ms(fn, reps) for label, fn in variants.items()}
-    fills_per_pass = sum(1 for j, i in enumerate(order) if j == 0 or order[j - 1] != i)
+    fills_per_pass = sum(fresh)
     elems = sum(n * k for n, k in shapes)
     gbps = fills_per_pass * elems * (2 + 0.5 + 1 / 16) / (times["dequant alone"] * 1e-3) / 1e9
     base = times["bf16"]
