@@ -111,7 +111,8 @@ def run_model(name: str, layers: int, reps: int, tokens: Optional[int] = None) -
 
     lo = torch.cuda.Stream.priority_range()[0]  # (0, -n): a lower number is a higher priority
     variants = {"bf16": floor, "in line": in_line, "ahead": ahead(torch.cuda.Stream()),
-                "ahead, low": ahead(torch.cuda.Stream(priority=lo)), "dequant alone": lambda: in_line(with_gemms=False)}  # fmt: skip
+                "ahead, low": ahead(torch.cuda.Stream(priority=lo)),
+                "dequant alone": lambda: in_line(with_gemms=False)}  # fmt: skip
     times = {label: median_ms(fn, reps) for label, fn in variants.items()}
     fills_per_pass = sum(fresh)
     elems = sum(n * k for n, k in shapes)
