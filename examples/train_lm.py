@@ -49,6 +49,10 @@ def parse_args(argv=None):
     ap.add_argument("--data", type=Path, default=DATA)
     ap.add_argument("--backend", default=None, help="gloo or nccl (default: nccl when CUDA is available)")
     ap.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+    ap.add_argument("--fp4-compute", choices=("bf16", "fp8"), default="bf16",
+                    help="what the linears' GEMMs read: bf16 values of the NVFP4 weights, or FP8 block copies of them "
+                         "with FP8 activations and gradients (Hopper GPUs; emulated on CPU ranks; docs/fp8.md). The "
+                         "NVFP4 bytes and their gather are the same in both")  # fmt: skip
     return ap.parse_args(argv)
 
 
@@ -147,7 +151,10 @@ def main(argv=None) -> int:
     cfg = TinyLMConfig(vocab=len(vocab), dim=args.dim, hidden=args.hidden, heads=args.heads, layers=args.layers,
                        seq=args.seq)
     model, init = build_model(cfg, seed=args.seed, device=info.device)
-    fp4_dist.convert_linear_weights(model, dtype=torch.bfloat16)
+    try:
+        fp4_dist.convert_linear_weights(model, dtype=torch.bfloat16, compute=args.fp4_compute)
+    except RuntimeError as e:  # --fp4-compute fp8 on a GPU without the FP8 block GEMMs: every rank says why
+        raise SystemExit(f"train_lm: {e}") from None
     names = [n for n, _ in model.named_parameters()]
     stats = CommStats()
     opt = Zero1Optimizer(model.parameters(), lambda groups: torch.optim.AdamW(groups, lr=args.lr, weight_decay=0.0),
@@ -158,7 +165,7 @@ def main(argv=None) -> int:
     say(f"fp4_dist train_lm: {info.world_size} rank(s), backend {info.backend or 'none'}, device {info.device}, "
         f"launcher {info.launcher}")
     say(f"model: {n_params:,} parameters ({sum(p.numel() for p in opt.nvfp4_params):,} in {n_nvfp4} NVFP4 "
-        f"weights), vocab {len(vocab)}, {len(tokens):,} characters of text")
+        f"weights, GEMMs in {args.fp4_compute}), vocab {len(vocab)}, {len(tokens):,} characters of text")
     val = windows(val_tokens, 32, args.seq, seed=12345).to(info.device)
     say(f"validation loss before training: {evaluate(model, val):.3f}")
 

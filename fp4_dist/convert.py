@@ -9,7 +9,8 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from .compute.linear import NVFP4Linear, ready_for_compile
+from .compute.fp8_gemm import require_fp8_gemm
+from .compute.linear import COMPUTE_MODES, NVFP4Linear, ready_for_compile
 from .format import DEFAULT_NUMERICS, MODEL_DTYPES, TILE
 from .quantize import quantize
 from .shared_amax import ATTR as AMAX_GROUP_ATTR
@@ -28,6 +29,10 @@ class ConversionReport:
     tied: dict[str, list[str]] = field(default_factory=dict)
     """Converted weights that other modules share (``{linear: [other owners]}``): every owner holds the one NVFP4
     parameter, so the tie survives (an embedding tied to the output head reads the NVFP4 values too)."""
+    compute: str = "bf16"
+    """What the converted layers' GEMMs read (`compute.linear.COMPUTE_MODES`)."""
+    not_fp8: dict[str, str] = field(default_factory=dict)
+    """With ``compute="fp8"``: converted linears whose GEMMs still read bf16, and why (``{linear: reason}``)."""
 
     def __str__(self) -> str:
         lines = [f"NVFP4 weights: {len(self.converted)} converted, {len(self.skipped)} kept in high precision"]
@@ -35,6 +40,10 @@ class ConversionReport:
         lines += [f"  tied {name}.weight with {', '.join(others)}" for name, others in self.tied.items()]
         groups = list(dict.fromkeys(self.shared_amax.values()))
         lines += [f"  one amax: {g}" for g in groups]
+        if self.compute == "fp8":
+            fp8 = len(self.converted) - len(self.not_fp8)
+            lines.append(f"  FP8 compute: {fp8} of the {len(self.converted)} converted linears")
+            lines += [f"  bf16 compute {name}: {why}" for name, why in self.not_fp8.items()]
         return "\n".join(lines)
 
 
@@ -46,6 +55,7 @@ def convert_linear_weights(
     skip: tuple[str, ...] = (),
     compute_copy: bool = False,
     shared_amax: Sequence[Sequence[str]] = (),
+    compute: str = "bf16",
     verbose: bool = False,
 ) -> ConversionReport:
     """Replace every eligible nn.Linear weight (2D, K % 16 == 0) by an NVFP4 parameter, in place.
@@ -73,12 +83,19 @@ def convert_linear_weights(
             parent module the converted members of a tuple get one amax, the largest of theirs, here and in every
             later cast (`fp4_dist.shared_amax`), so an export gives each group one global scale (what vLLM's fused
             layers need). Listed in the report.
+        compute: what the GEMMs of the layers this call converts read. "bf16" (default): the weights' values in
+            their compute dtype. "fp8": each weight's FP8 block copy (1 byte per weight, made once per update from
+            the NVFP4 bytes), the activations and gradients quantized to FP8 per 1 x 128, by cuBLAS's block-scaled
+            GEMMs on Hopper (sm_90) and emulated on the CPU (docs/fp8.md). Only `NVFP4Linear` layers (converted
+            plain nn.Linear) compute in FP8; the report names the others, which compute in bf16.
         verbose: print the report.
     Returns:
         ConversionReport naming converted, skipped (with the reason) and tied weights.
     Raises:
-        TypeError if `model` is not an nn.Module; ValueError if it is sharded already, or if `dtype` is not one
-        NVFP4 weights compute in.
+        TypeError if `model` is not an nn.Module; ValueError if it is sharded already, if `dtype` is not one
+        NVFP4 weights compute in, or for an unknown `compute` or ``compute="fp8"`` with ``compute_copy=True``;
+        RuntimeError, before converting anything, if ``compute="fp8"`` and a weight is on a device where the FP8
+        GEMMs do not run (a GPU other than sm_90: the sentence says what they need).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert_linear_weights: model must be an nn.Module, got {type(model).__name__}")
@@ -90,8 +107,16 @@ def convert_linear_weights(
             "convert_linear_weights: this model is already sharded (its parameters are DTensors, e.g. by torch's "
             "fully_shard); convert the unsharded model, or shard it with fp4_dist.fsdp.fully_shard_nvfp4, which "
             "converts the linear weights itself")
+    if compute not in COMPUTE_MODES:
+        raise ValueError(f"convert_linear_weights: compute must be one of {COMPUTE_MODES}, got {compute!r}")
+    if compute == "fp8":
+        if compute_copy:
+            raise ValueError("convert_linear_weights: compute='fp8' reads each weight's FP8 copy, never a bf16 "
+                             "compute copy: leave compute_copy False")  # fmt: skip
+        for device in {p.device for p in model.parameters() if p.device.type != "meta"}:
+            require_fp8_gemm(device)
     owners = weight_owners(model)
-    report, done = ConversionReport(), {}
+    report, done = ConversionReport(compute=compute), {}
     linears = {name: m.weight for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     kept = {name: _kept_reason(name, w, skip) for name, w in linears.items() if not is_nvfp4_tensor(w)}
     groups = _amax_groups(linears, kept, check_patterns(shared_amax), dtype) if shared_amax else {}
@@ -122,6 +147,13 @@ def convert_linear_weights(
             # An optimizer built before this call still holds `w`, which no longer gets gradients: let it say so.
             w._fp4_dist_replaced_by = f"{name}.weight"
             report.converted.append(name)
+            if compute == "fp8":
+                if type(module) is NVFP4Linear:
+                    module.fp4_compute = "fp8"
+                else:
+                    own = type(module).__name__
+                    report.not_fp8[name] = (f"{own} keeps its own forward (a subclass of nn.Linear), which computes "
+                                            "through the weight's dispatch in bf16")  # fmt: skip
     if any(why != "listed in skip" for why in report.skipped.values()):
         warnings.warn(str(report), stacklevel=2)
     if verbose:

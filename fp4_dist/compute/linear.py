@@ -1,5 +1,6 @@
 """NVFP4Linear: the nn.Linear that `convert_linear_weights` makes of a plain one, computing with the cached view of
-its NVFP4 weight (`view.compute_view`) or, for a weight that keeps no copy, a lean copy (`lean.lean_call`)."""
+its NVFP4 weight (`view.compute_view`), for a weight that keeps no copy a lean copy (`lean.lean_call`), or in the
+FP8 compute mode (``fp4_compute = "fp8"``) with block-scaled FP8 GEMMs on the weight's FP8 copy (`fp8_copy`)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..tensor import NVFP4Tensor
+from . import fp8_copy
+from .fp8 import fp8_linear
 from .lean import is_lean, lean_call
 from .view import compute_view, forget
+
+COMPUTE_MODES = ("bf16", "fp8")
+"""What an NVFP4Linear's GEMMs read: "bf16", the weight's values in its compute dtype (bf16 unless the model is
+fp16 or fp32); "fp8", its FP8 block copy, with the activations and gradients in FP8 (`fp8`)."""
 
 
 def _linear_eagerly(module: nn.Module, input: torch.Tensor) -> torch.Tensor:
@@ -19,7 +27,14 @@ def _linear_eagerly(module: nn.Module, input: torch.Tensor) -> torch.Tensor:
     limit). Kept out, the compiled graphs are the code between the linears, and each resumes at its own place in
     the caller (a block's forward resumes after its q/k/v projection with that projection's shape, in every
     block alike). The GEMM is an extern kernel under inductor anyway."""
+    if module.fp4_compute == "fp8" and type(module.weight) is NVFP4Tensor:
+        return _fp8_forward(module, input)
     return F.linear(input, compute_view(module, module.weight), module.bias)
+
+
+def _fp8_forward(module: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    w = module.weight
+    return fp8_linear(input, w, module.bias, fp8_copy.weight_operand(module, w))
 
 
 _OUTSIDE_THE_GRAPH = None
@@ -41,8 +56,10 @@ class NVFP4Linear(nn.Linear):
 
     `convert_linear_weights` turns the plain nn.Linear layers it converts into this class (subclasses of nn.Linear
     keep their class and their own forward: they take the dispatch path, with the same values). With a weight that
-    is not NVFP4 it is nn.Linear.
+    is not NVFP4 it is nn.Linear. `fp4_compute` ("bf16" or "fp8", `COMPUTE_MODES`) says what its GEMMs read.
     """
+
+    fp4_compute = "bf16"
 
     def __init__(self, *args, **kwargs):
         ready_for_compile()
@@ -56,10 +73,13 @@ class NVFP4Linear(nn.Linear):
         if torch.compiler.is_compiling():  # constant-folded by dynamo; a quarter of a microsecond in eager mode
             return _OUTSIDE_THE_GRAPH(self, input)
         w = self.weight
+        if self.fp4_compute == "fp8" and type(w) is NVFP4Tensor:
+            return _fp8_forward(self, input)
         if is_lean(w):
             return lean_call(self, w, lambda value: F.linear(input, value, self.bias))
         return F.linear(input, compute_view(self, w), self.bias)
 
     def _apply(self, fn, *args, **kwargs):
         forget(self)
+        fp8_copy.forget(self)
         return super()._apply(fn, *args, **kwargs)

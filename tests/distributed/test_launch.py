@@ -135,14 +135,17 @@ def test_mpirun_bootstrap_runs_the_cast_suites_with_the_same_bytes():
     assert report["suites"]["cast"]["digests"] == torchrun_report(2)["suites"]["cast"]["digests"]
 
 
-def test_train_lm_example_runs_on_two_ranks_and_passes_its_parity_check(tmp_path):
+# The FP8 compute mode changes what the GEMMs read, never the NVFP4 bytes: its run passes the same parity check.
+@pytest.mark.parametrize("compute", ["bf16", "fp8"])
+def test_train_lm_example_runs_on_two_ranks_and_passes_its_parity_check(tmp_path, compute):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
            "examples.train_lm", "--steps", "6", "--dim", "32", "--hidden", "64", "--seq", "32",
-           "--backend", "gloo", "--no-progress"]
+           "--backend", "gloo", "--no-progress", "--fp4-compute", compute]  # fmt: skip
     proc = subprocess.run(cmd, env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT_S)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     assert "PASS (bit-identical)" in proc.stdout and "bf16 gather" in proc.stdout, log[-4000:]
+    assert f"GEMMs in {compute}" in proc.stdout, log[-4000:]
 
 
 def _train_sh(*options: str) -> subprocess.CompletedProcess:

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import fp4_dist
-from fp4_dist.compute.fp8 import Fp8Operand, block_scaled_mm, fp8_linear
+from fp4_dist.compute.fp8 import Fp8Operand, fp8_linear
+from fp4_dist.compute.fp8_gemm import emulated_mm
 from fp4_dist.kernels.fp8_block_reference import fp8_block_values
 from fp4_dist.kernels.fp8_rows_reference import quantize_rows_1x128, rows_1x128_values
 from tests.unit import spec_oracle
@@ -63,21 +64,21 @@ def test_1x128_groups_of_zeros_and_of_non_finite_values():
         quantize_rows_1x128(x.view(2, 2, 128))
 
 
-def test_the_block_scaled_mm_is_the_product_of_its_operands_values():
+def test_the_emulated_block_scaled_mm_is_the_product_of_its_operands_values():
     g = torch.Generator().manual_seed(1)
     a = Fp8Operand.rows(torch.randn(70, 400, generator=g).to(torch.bfloat16))
     lin = nn.Linear(400, 200, bias=False).to(torch.bfloat16)
     fp4_dist.convert_linear_weights(lin)
     w = Fp8Operand.weight(lin.weight)
     want = rows_1x128_values(a.bits, a.scales).double() @ fp8_block_values(w.bits, w.scales).double().t()
-    got = block_scaled_mm(a, w)
+    got = emulated_mm(a, w)
     assert got.dtype == torch.float32 and got.shape == (70, 200)
     assert ((got.double() - want).norm() / want.norm()).item() < 1e-6
     b = Fp8Operand.rows(torch.randn(90, 400, generator=g))
     want = rows_1x128_values(a.bits, a.scales).double() @ rows_1x128_values(b.bits, b.scales).double().t()
-    assert ((block_scaled_mm(a, b).double() - want).norm() / want.norm()).item() < 1e-6
+    assert ((emulated_mm(a, b).double() - want).norm() / want.norm()).item() < 1e-6
     with pytest.raises(ValueError, match="K differ"):
-        block_scaled_mm(a, Fp8Operand.rows(torch.randn(4, 128)))
+        emulated_mm(a, Fp8Operand.rows(torch.randn(4, 128)))
     with pytest.raises(ValueError, match="does not transpose"):
         a.t()
 
@@ -94,10 +95,10 @@ def test_the_fp8_linear_computes_forward_dgrad_and_wgrad_from_the_fp8_operands()
 
     x2, dy2 = x.detach().reshape(-1, 272), dy.reshape(-1, 144)
     copy = Fp8Operand.weight(w)
-    assert torch.equal(y.detach(), (block_scaled_mm(Fp8Operand.rows(x2), copy).to(torch.bfloat16) + lin.bias.detach())
+    assert torch.equal(y.detach(), (emulated_mm(Fp8Operand.rows(x2), copy).to(torch.bfloat16) + lin.bias.detach())
                        .view(2, 65, 144))  # fmt: skip
-    assert torch.equal(x.grad.reshape(-1, 272), block_scaled_mm(Fp8Operand.rows(dy2), copy.t()).to(torch.bfloat16))
-    wgrad = block_scaled_mm(Fp8Operand.rows(dy2.t()), Fp8Operand.rows(x2.t())).to(torch.bfloat16)
+    assert torch.equal(x.grad.reshape(-1, 272), emulated_mm(Fp8Operand.rows(dy2), copy.t()).to(torch.bfloat16))
+    wgrad = emulated_mm(Fp8Operand.rows(dy2.t()), Fp8Operand.rows(x2.t())).to(torch.bfloat16)
     assert type(w.grad) is torch.Tensor and torch.equal(w.grad, wgrad)
     assert torch.equal(lin.bias.grad, dy2.sum(0))
 

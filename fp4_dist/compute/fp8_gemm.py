@@ -1,0 +1,203 @@
+"""The FP8 compute mode's GEMMs: `fp8_mm(a, b)` = a @ b^T for two block-scaled operands (`Fp8Operand`), by
+cuBLAS on Hopper (``torch.nn.functional.scaled_mm``, sm_90) and emulated in fp32 on the CPU; any other device is
+refused (`require_fp8_gemm`), never served by a slower stand-in.
+
+cuBLAS reads the operands as its block-scaled recipes want them (1 x 128 scales outer-dim-major, 128 x 128 scales
+with their K blocks padded to a multiple of 4, K a multiple of 128, the left operand's rows a multiple of 4): the
+operands are padded with zeros, which add nothing to any sum, and the padding is cut off the result. Its sums differ
+from the emulation's only in the order of the additions; `require_fp8_gemm` checks the two agree on a device before
+the first GEMM there, so a recipe this torch or cuBLAS reads otherwise stops the run instead of training on wrong
+values.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..format import FP8_BLOCK, ceil_div
+from ..kernels.fp8_block_reference import block_view, fp8_block_copy, per_element, pow2, smallest_shift
+from ..kernels.fp8_rows_reference import quantize_rows_1x128
+from ..kernels.reference import e4m3_rne_satfinite
+
+__all__ = ["Fp8Operand", "fp8_mm", "emulated_mm", "cublas_mm", "require_fp8_gemm", "fp8_gemm_missing"]
+
+
+class Fp8Operand(NamedTuple):
+    """One GEMM operand [rows, K] as the block-scaled GEMM reads it: E4M3 bits (uint8) and fp32 scales, either one
+    per 1 x 128 group ([rows, ceil(K/128)]) or one per 128 x 128 block ([ceil(rows/128), ceil(K/128)])."""
+
+    bits: torch.Tensor
+    scales: torch.Tensor
+    blocks: bool
+
+    @classmethod
+    def rows(cls, x: torch.Tensor) -> Fp8Operand:
+        """x [rows, K] quantized in 1 x 128 groups along K."""
+        return cls(*quantize_rows_1x128(x), blocks=False)
+
+    @classmethod
+    def weight(cls, w) -> Fp8Operand:
+        """NVFP4 weight `w` [N, K] as its FP8 block copy."""
+        return cls(*fp8_block_copy(w.rowwise_data, w.rowwise_scale_inv, w.amax), blocks=True)
+
+    def t(self) -> Fp8Operand:
+        """The transposed operand: only a 128 x 128 block copy transposes without requantizing."""
+        if not self.blocks:
+            raise ValueError("a 1 x 128 operand does not transpose: quantize the transposed tensor instead")
+        return Fp8Operand(self.bits.t(), self.scales.t(), blocks=True)
+
+    def group_scales(self, j: int) -> torch.Tensor:
+        """fp32 [rows]: each row's scale for the contraction group j."""
+        column = self.scales[:, j]
+        return column.repeat_interleave(FP8_BLOCK)[: self.bits.shape[0]] if self.blocks else column
+
+
+_ROWS_ALIGN = 4  # cuBLASLt's block-scaled recipes want the 1 x 128 operand's rows (its scales' leading dim) in 4s
+_CHECKED: dict = {}  # device -> None (the GEMM agrees with the emulation there) or the sentence that refuses it
+
+
+def emulated_mm(a: Fp8Operand, b: Fp8Operand) -> torch.Tensor:
+    """fp32 [rows of a, rows of b] = a @ b^T over their common K, group by group: for each 128-group of K the
+    fp32 product of the E4M3 values, times both operands' scales of the group (what a block-scaled GEMM computes;
+    only the order of additions differs)."""
+    k = a.bits.shape[1]
+    if b.bits.shape[1] != k:
+        raise ValueError(f"fp8 GEMM: the operands' K differ ({k} and {b.bits.shape[1]})")
+    out = torch.zeros(a.bits.shape[0], b.bits.shape[0], dtype=torch.float32, device=a.bits.device)
+    ea = a.bits.view(torch.float8_e4m3fn).to(torch.float32)
+    eb = b.bits.view(torch.float8_e4m3fn).to(torch.float32)
+    for j in range(ceil_div(k, FP8_BLOCK)):
+        cols = slice(j * FP8_BLOCK, (j + 1) * FP8_BLOCK)
+        partial = ea[:, cols] @ eb[:, cols].t()
+        out += partial * a.group_scales(j)[:, None] * b.group_scales(j)[None, :]
+    return out
+
+
+def _padded(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    if tuple(x.shape) == (rows, cols):
+        return x
+    out = x.new_zeros(rows, cols)
+    out[: x.shape[0], : x.shape[1]] = x
+    return out
+
+
+def _cublas_operand(op: Fp8Operand, rows: int, k_groups: int) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """(E4M3 [rows, 128 k_groups] row-major, its scales as cuBLAS's recipe reads them, the recipe)."""
+    # Row-major values (a transposed weight copy, the dgrad's operand, is materialized here), and scales in the
+    # layouts torch's sm_90 recipes read.
+    bits = _padded(op.bits, rows, k_groups * FP8_BLOCK).contiguous().view(torch.float8_e4m3fn)
+    if op.blocks:
+        k_blocks = ceil_div(k_groups, 4) * 4
+        scales = _padded(op.scales, ceil_div(rows, FP8_BLOCK), k_blocks).contiguous().t()  # [K blocks, row blocks]
+        return bits, scales, F.ScalingType.BlockWise128x128
+    scales = _padded(op.scales, rows, k_groups).t().contiguous().t()  # [rows, K groups], outer-dim-major
+    return bits, scales, F.ScalingType.BlockWise1x128
+
+
+def cublas_mm(a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype) -> torch.Tensor:
+    """a @ b^T in `out_dtype` by cuBLAS's block-scaled FP8 GEMM (sm_90), the operands padded as its recipes want
+    them (module docstring)."""
+    m, k = a.bits.shape
+    n = b.bits.shape[0]
+    if b.bits.shape[1] != k:
+        raise ValueError(f"fp8 GEMM: the operands' K differ ({k} and {b.bits.shape[1]})")
+    k_groups = ceil_div(k, FP8_BLOCK)
+    rows_a = ceil_div(m, _ROWS_ALIGN) * _ROWS_ALIGN
+    rows_b = ceil_div(n, _ROWS_ALIGN) * _ROWS_ALIGN
+    a_bits, a_scales, a_recipe = _cublas_operand(a, rows_a, k_groups)
+    b_bits, b_scales, b_recipe = _cublas_operand(b, rows_b, k_groups)
+    out = F.scaled_mm(a_bits, b_bits.t(), a_scales, a_recipe, b_scales, b_recipe, output_dtype=out_dtype)
+    return out[:m, :n]
+
+
+def fp8_mm(a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype) -> torch.Tensor:
+    """a @ b^T in `out_dtype`: cuBLAS on a CUDA device (checked once there, `require_fp8_gemm`), emulated on CPU."""
+    device = a.bits.device
+    if device.type == "cpu":
+        return emulated_mm(a, b).to(out_dtype)
+    require_fp8_gemm(device)
+    return cublas_mm(a, b, out_dtype)
+
+
+def fp8_gemm_missing(device_type: str, capability: Optional[tuple[int, int]], has_scaled_mm: bool) -> Optional[str]:
+    """Why the FP8 compute mode cannot run its GEMMs on a device (None: it can, pending the check of its values):
+    the CPU emulates them; a CUDA device needs sm_90 (Hopper: torch's 1 x 128 and 128 x 128 recipes run there only)
+    and a torch with ``torch.nn.functional.scaled_mm``."""
+    if device_type == "cpu":
+        return None
+    if device_type != "cuda":
+        return (f"the FP8 compute mode runs on CUDA GPUs of compute capability 9.0 (Hopper) or on the CPU, not on "
+                f"{device_type}")
+    if capability != (9, 0):
+        got = f"{capability[0]}.{capability[1]}" if capability else "unknown"
+        return (f"the FP8 compute mode needs a GPU of compute capability 9.0 (Hopper: H100, H200, GH200), whose "
+                f"block-scaled FP8 GEMMs (1 x 128 by 128 x 128 scales) torch reaches through cuBLAS; this GPU is "
+                f"{got}. Compute in bf16 instead (the default compute mode)")
+    if not has_scaled_mm:
+        return (f"the FP8 compute mode needs torch.nn.functional.scaled_mm (torch >= 2.10 built with CUDA >= 12.9) "
+                f"for its block-scaled GEMMs; this torch is {torch.__version__}")
+    return None
+
+
+def require_fp8_gemm(device) -> None:
+    """Raise RuntimeError, with a sentence saying what is missing, unless the FP8 GEMMs run on `device` and agree
+    there with the emulation (checked once per device, on a small ragged product: a wrong reading of the scales
+    gives wrong values, not a slightly different order of additions)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device in _CHECKED:
+        if _CHECKED[device] is not None:
+            raise RuntimeError(_CHECKED[device])
+        return
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    why = fp8_gemm_missing(device.type, capability, hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"))
+    if why is None and device.type == "cuda":
+        why = _disagreement(device)
+    _CHECKED[device] = why
+    if why is not None:
+        raise RuntimeError(why)
+
+
+def _disagreement(device: torch.device) -> Optional[str]:
+    """None if cuBLAS's product of two block-scaled operands equals the emulation's to bf16 rounding, else why not."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(70, 300, generator=g) * torch.logspace(-3, 3, 300)).to(device)
+    w = torch.randn(200, 300, generator=g).to(device)
+    a, block = Fp8Operand.rows(x), Fp8Operand(*_block_scaled(w), blocks=True)
+    # What the linear computes: the forward, the dgrad (the copy transposed), the wgrad (fp32 out for fp32 weights).
+    cases = {"1 x 128 by 128 x 128": (a, block, torch.bfloat16),
+             "1 x 128 by a transposed 128 x 128": (Fp8Operand.rows(x[:, :200]), block.t(), torch.bfloat16),
+             "1 x 128 by 1 x 128": (a, Fp8Operand.rows(w), torch.bfloat16),
+             "1 x 128 by 1 x 128 into fp32": (a, Fp8Operand.rows(w), torch.float32)}  # fmt: skip
+    for name, (left, right, out_dtype) in cases.items():
+        try:
+            got = cublas_mm(left, right, out_dtype).float()
+        except (RuntimeError, ValueError, TypeError) as e:  # torch's checks of a recipe it does not take
+            return (f"the FP8 compute mode's block-scaled GEMM ({name}) does not run on this GPU with this torch "
+                    f"({torch.__version__}): {str(e).splitlines()[0]}")
+        want = emulated_mm(left, right).to(out_dtype).float()
+        # bf16's rounding of either sum, and fp32's of the additions, which may cancel: bounded by the sum of the
+        # products' magnitudes. A scale read from the wrong place is off by far more.
+        magnitude = emulated_mm(*(Fp8Operand(op.bits & 0x7F, op.scales, op.blocks) for op in (left, right)))
+        tolerance = 2.0**-7 * want.abs() + 2.0**-16 * magnitude
+        if not bool(((got - want).abs() <= tolerance).all()):
+            worst = ((got - want).abs() / (magnitude + 1e-30)).max().item()
+            return (f"the FP8 compute mode's block-scaled GEMM ({name}) disagrees with its CPU emulation on this GPU "
+                    f"with torch {torch.__version__} (largest difference {worst:.3g} of the products' magnitude, more "
+                    f"than rounding): it would train on wrong values, so it is refused")
+    return None
+
+
+def _block_scaled(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] as E4M3 with one power-of-two scale per 128 x 128 block: a block operand for the check (any block
+    scale serves: the check compares two products of the same operands)."""
+    n, k = w.shape
+    shift = smallest_shift(block_view(w.float().abs(), n, k).amax(dim=-1)).clamp(min=-126)
+    scaled = w.float() * pow2(-per_element(shift, n, k))
+    bits = e4m3_rne_satfinite(scaled.abs()) | ((scaled < 0).to(torch.uint8) << 7)
+    return bits, pow2(shift)
+

@@ -1,0 +1,78 @@
+"""The FP8 compute mode on a GPU (GPU only): on Hopper, cuBLAS's block-scaled GEMMs against the CPU emulation of
+the same operands on ragged shapes, and a converted layer's forward and backward against the same layer on the
+CPU; on any other GPU, the refusal."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch import nn
+
+import fp4_dist
+from fp4_dist.compute.fp8 import Fp8Operand
+from fp4_dist.compute.fp8_gemm import cublas_mm, emulated_mm, require_fp8_gemm
+
+pytestmark = pytest.mark.gpu
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+needs_hopper = pytest.mark.skipif(not HOPPER, reason="cuBLAS's 1 x 128 / 128 x 128 FP8 GEMMs run on sm_90 only")
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, magnitude: torch.Tensor) -> bool:
+    """Equal but for bf16's rounding and fp32's order of additions (bounded by the products' magnitudes)."""
+    return bool(((got.float() - want.float()).abs() <= 2.0**-7 * want.float().abs() + 2.0**-16 * magnitude).all())
+
+
+def _magnitude(a: Fp8Operand, b: Fp8Operand) -> torch.Tensor:
+    return emulated_mm(Fp8Operand(a.bits & 0x7F, a.scales, a.blocks), Fp8Operand(b.bits & 0x7F, b.scales, b.blocks))
+
+
+@needs_hopper
+@pytest.mark.parametrize("seed", range(12))
+def test_cublas_block_scaled_gemms_equal_the_emulation_on_ragged_shapes(seed):
+    rng = random.Random(seed)
+    m, n, k = rng.randint(1, 300), rng.randint(1, 300), rng.choice([16, 128, 144, 272, 384, 1000])
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-2, 2, k)
+    lin = nn.Linear(k, n, bias=False).to(torch.bfloat16)
+    fp4_dist.convert_linear_weights(lin)
+    cases = [(Fp8Operand.rows(x), Fp8Operand.weight(lin.weight)),  # forward
+             (Fp8Operand.rows(torch.randn(m, n, generator=g)), Fp8Operand.weight(lin.weight).t()),  # dgrad
+             (Fp8Operand.rows(x.t().contiguous()), Fp8Operand.rows(torch.randn(n, m, generator=g)))]  # wgrad-shaped
+    for a, b in cases:
+        want = emulated_mm(a, b)
+        got = cublas_mm(Fp8Operand(*(t.cuda() for t in a[:2]), a.blocks), Fp8Operand(*(t.cuda() for t in b[:2]),
+                        b.blocks), torch.bfloat16).cpu()  # fmt: skip
+        assert got.shape == want.shape and _close(got, want.to(torch.bfloat16), _magnitude(a, b))
+
+
+@needs_hopper
+def test_a_converted_layer_on_hopper_computes_what_the_cpu_emulation_does():
+    require_fp8_gemm("cuda")
+    torch.manual_seed(0)
+    cpu = nn.Linear(272, 200).to(torch.bfloat16)
+    gpu = nn.Linear(272, 200).to(torch.bfloat16)
+    gpu.load_state_dict(cpu.state_dict())
+    fp4_dist.convert_linear_weights(cpu, compute="fp8")
+    fp4_dist.convert_linear_weights(gpu.cuda(), compute="fp8")
+    assert torch.equal(cpu.weight.rowwise_data, gpu.weight.rowwise_data.cpu())
+    x = torch.randn(3, 45, 272, dtype=torch.bfloat16)
+    dy = torch.randn(3, 45, 200, dtype=torch.bfloat16)
+    outs = {}
+    for name, layer, dev in (("cpu", cpu, "cpu"), ("gpu", gpu, "cuda")):
+        xi = x.to(dev).requires_grad_()
+        y = layer(xi)
+        y.backward(dy.to(dev))
+        outs[name] = (y.detach().cpu(), xi.grad.cpu(), layer.weight.grad.cpu())
+    # the same operands; only the order of additions and a bf16 rounding differ (a misread scale is off by far more)
+    for got, want in zip(outs["gpu"], outs["cpu"]):
+        assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
+
+@pytest.mark.skipif(not torch.cuda.is_available() or HOPPER, reason="a GPU other than sm_90")
+def test_other_gpus_refuse_the_mode_before_converting_anything():
+    lin = nn.Linear(64, 32).cuda().to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="compute capability 9.0"):
+        fp4_dist.convert_linear_weights(lin, compute="fp8")
+    assert type(lin.weight.data) is torch.Tensor
