@@ -36,6 +36,10 @@ class AdapterOptions:
                                  "(default: lean, 0.5 bytes per weight and one layer's copies, made around each use; "
                                  "the same values)",
                                  off_flag="no-compute-copy")
+    compute: str = _option("bf16", "what the NVFP4 linears' GEMMs read: bf16 values of the weights, or (fp8) each "
+                           "weight's FP8 block copy, 1 byte per weight made once per update, with FP8 activations "
+                           "and gradients: cuBLAS's block-scaled GEMMs on Hopper (sm_90), emulated on CPU ranks, "
+                           "refused elsewhere (docs/fp8.md)", choices=("bf16", "fp8"))  # fmt: skip
     columnwise: bool = _option(False, "also build the columnwise NVFP4 copies after every param all-gather, as "
                                "TransformerEngine does (nothing in fp4_dist's compute path reads them)")
     check_every: int = _option(0, "every N iterations, check on every rank that the gathered NVFP4 weights equal "
@@ -49,6 +53,11 @@ class AdapterOptions:
     def __post_init__(self):
         if self.numerics not in NUMERICS:
             raise ValueError(f"numerics must be one of {list(NUMERICS)}, got {self.numerics!r}")
+        if self.compute not in ("bf16", "fp8"):
+            raise ValueError(f"compute must be 'bf16' or 'fp8', got {self.compute!r}")
+        if self.compute == "fp8" and self.compute_copy:
+            raise ValueError("the FP8 compute mode reads each weight's FP8 copy, never a bf16 compute copy: drop "
+                             "--compute-copy (--fp4-compute-copy) or the FP8 mode")  # fmt: skip
         if isinstance(self.check_every, bool) or not isinstance(self.check_every, int) or self.check_every < 0:
             raise ValueError(f"check_every must be an int >= 0 (iterations; 0: off), got {self.check_every!r}")
 

@@ -236,6 +236,10 @@ def _convert_before_ddp(chunks, ddp_config, data_parallel: str) -> None:
     # --use-cpu-initialization leaves the model on the host until DDP moves each parameter into its device buffer;
     # NVFP4 weights are made on that device at once (their bytes alias the buffer).
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    if options.compute == "fp8":  # on every rank before anything is converted: a GPU without the FP8 GEMMs stops here
+        from ..compute.fp8_gemm import require_fp8_gemm
+
+        require_fp8_gemm(device or "cpu")
     converted = 0
     for chunk in chunks:
         converted += len(convert_to_nvfp4(chunk, get_model_config(chunk), numerics=options.numerics,
@@ -251,7 +255,7 @@ def _convert_before_ddp(chunks, ddp_config, data_parallel: str) -> None:
             "layer is kept in bf16 (e.g. by --first-last-layers-bf16); drop --fp4-param-gather")
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         print(f"fp4_dist: {converted} linear weights converted to NVFP4 before DDP on rank 0 (their fp32 masters "
-              "start from the bf16 init)", flush=True)
+              f"start from the bf16 init; GEMMs in {options.compute})", flush=True)
 
 
 def _pipeline_stages() -> int:
