@@ -135,9 +135,17 @@ def _stop(launcher: int, ranks: list[int], dump_stacks: bool) -> None:
     where each thread waits); then SIGKILL for the launcher (`launcher`: a pid, or minus a process group) and for
     each rank's session."""
     if dump_stacks:
+        # The ranks first, then their own children (DataLoader workers: a rank may wait on one; a worker stopped
+        # first would move its rank off the point it waits at), apart in time so that a rank's file holds one
+        # process's stacks after another.
+        workers = [child for pid in ranks for child in _children(pid)]
         for pid in ranks:
             _signal(pid, signal.SIGABRT)
-        time.sleep(3)
+        time.sleep(2 if workers else 3)
+        for pid in workers:
+            _signal(pid, signal.SIGABRT)
+        if workers:
+            time.sleep(2)
     _signal(launcher, signal.SIGKILL)
     for pid in ranks:
         _signal(-pid, signal.SIGKILL)
@@ -252,10 +260,36 @@ class Zygote:
 
 
 def _read(out_dir: Path) -> tuple[str, str]:
-    """The job's stdout and stderr; its folder goes (a suite runs hundreds of jobs)."""
-    out = tuple((out_dir / name).read_text(errors="backslashreplace") for name in ("stdout", "stderr"))
+    """The job's stdout and stderr, and after the stderr what each rank's faulthandler wrote (`stacks`); the folder
+    goes (a suite runs hundreds of jobs)."""
+    out, err = ((out_dir / name).read_text(errors="backslashreplace") for name in ("stdout", "stderr"))
+    for path in sorted(out_dir.glob("stacks.*"), key=lambda p: int(p.suffix[1:])):
+        text = path.read_text(errors="backslashreplace")
+        if text:
+            err += f"\n{STACKS_HEADER}{path.suffix[1:]}:\n{text}"
     shutil.rmtree(out_dir, ignore_errors=True)
-    return out
+    return out, err
+
+
+STACKS_HEADER = "forked_ranks: faulthandler of rank "
+
+
+def stacks_summary(stderr: str, frames: int = 12) -> str:
+    """Each rank's waiting point from `_read`'s stacks sections: per process, the thread the signal interrupted
+    (faulthandler's "Current thread", the main thread for SIGABRT) with its innermost `frames` frames, and how many
+    other threads it had. Short enough to survive a CI log's truncation, where the whole dump would not."""
+    lines = []
+    for section in stderr.split(STACKS_HEADER)[1:]:
+        head, _, body = section.partition("\n")
+        lines.append(f"rank {head.rstrip(':')}")
+        for process in body.split("Fatal Python error")[1:] or [body]:
+            threads = process.split("\n\n")
+            current = next((t for t in threads if "Current thread" in t), "")
+            others = sum("Thread 0x" in t for t in threads)
+            frame_lines = [ln for ln in current.splitlines() if ln.strip().startswith("File ")]
+            lines.append(f"  a process ({others} other threads), interrupted thread:")
+            lines.extend("    " + ln.strip() for ln in frame_lines[:frames])
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------------------ zygote
@@ -368,7 +402,10 @@ def _rank(job: dict, rank: int, port: int, run_id: str, base_path: list) -> None
     import faulthandler
 
     if env.get("PYTHONFAULTHANDLER"):
-        faulthandler.enable(file=sys.stderr, all_threads=True)
+        # A file per rank: ranks stopped together would interleave their stacks line by line in the shared stderr.
+        # The processes a rank forks (DataLoader workers) inherit the handler and write here too, one at a time.
+        stacks = open(out / f"stacks.{rank}", "a", buffering=1)  # noqa: SIM115 (open for the rank's lifetime)
+        faulthandler.enable(file=stacks, all_threads=True)
     else:
         faulthandler.disable()
     target, args = job["target"], job["args"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -75,3 +76,32 @@ def test_other_commands_run_as_they_are(tmp_path):
     proc = forked_ranks.run([sys.executable, "-c", "import os; print(os.environ['FP4_DIST_PROBE'])"],
                             env=dict(os.environ, FP4_DIST_PROBE="plain"), timeout=60)  # fmt: skip
     assert proc.returncode == 0 and proc.stdout == "plain\n"
+
+
+HANG = textwrap.dedent("""
+    import os, time
+
+    def child_waits_here():
+        time.sleep(600)
+
+    def rank_waits_here():
+        time.sleep(600)
+
+    pid = os.fork()
+    if pid == 0:
+        child_waits_here()
+    rank_waits_here()
+""")
+
+
+@pytest.mark.skipif(not forked_ranks._enabled(), reason="forked ranks are off here")
+def test_a_job_past_its_timeout_says_where_each_rank_and_its_children_wait(tmp_path):
+    script = tmp_path / "hang.py"
+    script.write_text(HANG)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    with pytest.raises(subprocess.TimeoutExpired) as stopped:
+        forked_ranks.run(cmd, env=dict(_env(), PYTHONFAULTHANDLER="1"), timeout=5, dump_stacks=True)
+    summary = forked_ranks.stacks_summary(stopped.value.stderr)
+    for rank in (0, 1):
+        section = summary.split(f"rank {rank}\n")[1].split("rank ")[0]
+        assert "in child_waits_here" in section and "in rank_waits_here" in section, summary
