@@ -21,7 +21,7 @@ import torch
 from .fp8_gemm import Fp8Operand, fp8_mm
 from .lean import raise_changed, stamp
 
-__all__ = ["Fp8Operand", "Fp8BlockLinear", "fp8_linear"]
+__all__ = ["Fp8Operand", "Fp8BlockLinear", "fp8_linear", "weight_gradient"]
 
 
 class Fp8BlockLinear(torch.autograd.Function):
@@ -50,13 +50,16 @@ class Fp8BlockLinear(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1])
         w = Fp8Operand(w_bits, w_scales, blocks=True)
         dx = fp8_mm(Fp8Operand.rows(dy2), w.t(), dy.dtype) if ctx.needs_input_grad[0] else None
-        dw = None
-        if ctx.needs_input_grad[1]:
-            # fp32 sums rounded once to the weight's dtype: straight out of the GEMM for bf16 and fp32 weights
-            out = weight.dtype if weight.dtype in (torch.bfloat16, torch.float32) else torch.float32
-            dw = fp8_mm(Fp8Operand.rows(dy2.t()), Fp8Operand.rows(x2.t()), out).to(weight.dtype)
+        dw = weight_gradient(dy2, x2, weight.dtype) if ctx.needs_input_grad[1] else None
         db = dy2.sum(dim=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return (dx.view(*dy.shape[:-1], -1) if dx is not None else None), dw, db, None
+
+
+def weight_gradient(dy2: torch.Tensor, x2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """dW = dy^T @ x for output gradients dy2 [T, N] and inputs x2 [T, K], both quantized in 1 x 128 groups along
+    the tokens: fp32 sums rounded once to `dtype`, straight out of the GEMM for bf16 and fp32."""
+    out = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
+    return fp8_mm(Fp8Operand.rows(dy2.t()), Fp8Operand.rows(x2.t()), out).to(dtype)
 
 
 def _stamp(w) -> Optional[tuple]:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..compute import fp8_copy
+from ..compute.fp8 import weight_gradient
 from ..compute.fp8_gemm import Fp8Operand, fp8_mm
 from ..compute.lean import raise_changed, stamp, weight_name
 
@@ -57,10 +58,7 @@ class Fp8ParallelLinear(torch.autograd.Function):
             dx = _reduce_scatter_sequence(dx, ctx.tp_group)
         elif ctx.allreduce_dgrad:
             dist.all_reduce(dx, group=ctx.tp_group)
-        dw = None
-        if ctx.needs_input_grad[1]:
-            out = weight.dtype if weight.dtype in (torch.bfloat16, torch.float32) else torch.float32
-            dw = fp8_mm(Fp8Operand.rows(dy2.t()), Fp8Operand.rows(x2.t()), out).to(weight.dtype)
+        dw = weight_gradient(dy2, x2, weight.dtype) if ctx.needs_input_grad[1] else None
         db = dy2.sum(dim=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db, None, None, None, None
 
