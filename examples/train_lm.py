@@ -154,7 +154,7 @@ def main(argv=None) -> int:
     try:
         fp4_dist.convert_linear_weights(model, dtype=torch.bfloat16, compute=args.fp4_compute)
     except RuntimeError as e:  # --fp4-compute fp8 on a GPU without the FP8 block GEMMs: every rank says why
-        raise SystemExit(f"train_lm: {e}") from None
+        raise SystemExit(f"train_lm: {e} (here: drop --fp4-compute fp8)") from None
     names = [n for n, _ in model.named_parameters()]
     stats = CommStats()
     opt = Zero1Optimizer(model.parameters(), lambda groups: torch.optim.AdamW(groups, lr=args.lr, weight_decay=0.0),

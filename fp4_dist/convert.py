@@ -31,8 +31,10 @@ class ConversionReport:
     parameter, so the tie survives (an embedding tied to the output head reads the NVFP4 values too)."""
     compute: str = "bf16"
     """What the converted layers' GEMMs read (`compute.linear.COMPUTE_MODES`)."""
+    fp8: list[str] = field(default_factory=list)
+    """With ``compute="fp8"``: the linears whose GEMMs read FP8 (every NVFP4Linear, converted now or before)."""
     not_fp8: dict[str, str] = field(default_factory=dict)
-    """With ``compute="fp8"``: converted linears whose GEMMs still read bf16, and why (``{linear: reason}``)."""
+    """With ``compute="fp8"``: linears holding an NVFP4 weight whose GEMMs read bf16, and why (``{linear: reason}``)."""
 
     def __str__(self) -> str:
         lines = [f"NVFP4 weights: {len(self.converted)} converted, {len(self.skipped)} kept in high precision"]
@@ -41,8 +43,7 @@ class ConversionReport:
         groups = list(dict.fromkeys(self.shared_amax.values()))
         lines += [f"  one amax: {g}" for g in groups]
         if self.compute == "fp8":
-            fp8 = len(self.converted) - len(self.not_fp8)
-            lines.append(f"  FP8 compute: {fp8} of the {len(self.converted)} converted linears")
+            lines.append(f"  FP8 compute: {len(self.fp8)} linears, {len(self.not_fp8)} with NVFP4 weights in bf16")
             lines += [f"  bf16 compute {name}: {why}" for name, why in self.not_fp8.items()]
         return "\n".join(lines)
 
@@ -66,7 +67,8 @@ def convert_linear_weights(
     kept compute copy (`fp4_dist.compute.view`: the host cost of a bf16 forward). Subclasses keep their class and
     forward and compute through the weight's dispatch, with the same values. A weight shared by several modules
     (tied embeddings) becomes one NVFP4 parameter that every owner holds. Weights that are NVFP4 already are left as
-    they are, so a second call changes nothing.
+    they are, so a second call converts nothing more (with ``compute="fp8"`` it switches the NVFP4Linear layers it
+    finds to FP8).
 
     Args:
         model: any module; its nn.Linear children are converted where eligible.
@@ -87,7 +89,9 @@ def convert_linear_weights(
             their compute dtype. "fp8": each weight's FP8 block copy (1 byte per weight, made once per update from
             the NVFP4 bytes), the activations and gradients quantized to FP8 per 1 x 128, by cuBLAS's block-scaled
             GEMMs on Hopper (sm_90) and emulated on the CPU (docs/fp8.md). Only `NVFP4Linear` layers (converted
-            plain nn.Linear) compute in FP8; the report names the others, which compute in bf16.
+            plain nn.Linear, now or by an earlier call) compute in FP8; the report names the other linears holding
+            NVFP4 weights (subclasses, plain owners of a tied weight), which compute in bf16. The FP8 copies take
+            1 byte per weight beside the packed 0.5 (docs/fp8.md: what else a step holds for a while).
         verbose: print the report.
     Returns:
         ConversionReport naming converted, skipped (with the reason) and tied weights.
@@ -114,7 +118,10 @@ def convert_linear_weights(
             raise ValueError("convert_linear_weights: compute='fp8' reads each weight's FP8 copy, never a bf16 "
                              "compute copy: leave compute_copy False")  # fmt: skip
         for device in {p.device for p in model.parameters() if p.device.type != "meta"}:
-            require_fp8_gemm(device)
+            try:
+                require_fp8_gemm(device)
+            except RuntimeError as e:
+                raise RuntimeError(f"convert_linear_weights: {e}; convert with compute='bf16' (the default)") from None
     owners = weight_owners(model)
     report, done = ConversionReport(compute=compute), {}
     linears = {name: m.weight for name, m in model.named_modules() if isinstance(m, nn.Linear)}
@@ -147,18 +154,30 @@ def convert_linear_weights(
             # An optimizer built before this call still holds `w`, which no longer gets gradients: let it say so.
             w._fp4_dist_replaced_by = f"{name}.weight"
             report.converted.append(name)
-            if compute == "fp8":
-                if type(module) is NVFP4Linear:
-                    module.fp4_compute = "fp8"
-                else:
-                    own = type(module).__name__
-                    report.not_fp8[name] = (f"{own} keeps its own forward (a subclass of nn.Linear), which computes "
-                                            "through the weight's dispatch in bf16")  # fmt: skip
+    if compute == "fp8":
+        _set_fp8_compute(model, report)
     if any(why != "listed in skip" for why in report.skipped.values()):
         warnings.warn(str(report), stacklevel=2)
     if verbose:
         print(report)
     return report
+
+
+def _set_fp8_compute(model: nn.Module, report: ConversionReport) -> None:
+    """Every NVFP4Linear of `model` (converted by this call or before) computes in FP8; `report` lists them, and
+    names each other linear holding an NVFP4 weight, which computes in bf16, with the reason."""
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or not is_nvfp4_tensor(module.weight):
+            continue
+        if type(module) is NVFP4Linear:
+            module.fp4_compute = "fp8"
+            report.fp8.append(name)
+        elif type(module) is nn.Linear:
+            report.not_fp8[name] = ("a plain nn.Linear sharing another layer's NVFP4 weight computes through the "
+                                    "weight's dispatch, in bf16")  # fmt: skip
+        else:
+            report.not_fp8[name] = (f"{type(module).__name__} keeps its own forward (a subclass of nn.Linear), "
+                                    "which computes through the weight's dispatch, in bf16")  # fmt: skip
 
 
 def model_dtype_of(w: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.dtype:

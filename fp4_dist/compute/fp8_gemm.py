@@ -3,7 +3,7 @@ cuBLAS on Hopper (``torch.nn.functional.scaled_mm``, sm_90) and emulated in fp32
 refused (`require_fp8_gemm`), never served by a slower stand-in.
 
 cuBLAS reads the operands as its block-scaled recipes want them (1 x 128 scales outer-dim-major, 128 x 128 scales
-with their K blocks padded to a multiple of 4, K a multiple of 128, the left operand's rows a multiple of 4): the
+with their K blocks padded to a multiple of 4, K a multiple of 128, both operands' rows a multiple of 16): the
 operands are padded with zeros, which add nothing to any sum, and the padding is cut off the result. Its sums differ
 from the emulation's only in the order of the additions; `require_fp8_gemm` checks the two agree on a device before
 the first GEMM there, so a recipe this torch or cuBLAS reads otherwise stops the run instead of training on wrong
@@ -55,7 +55,9 @@ class Fp8Operand(NamedTuple):
         return column.repeat_interleave(FP8_BLOCK)[: self.bits.shape[0]] if self.blocks else column
 
 
-_ROWS_ALIGN = 4  # cuBLASLt's block-scaled recipes want the 1 x 128 operand's rows (its scales' leading dim) in 4s
+# torch's scaled_mm wants the right operand's rows (the output's columns) in 16s, the left's (the 1 x 128 scales'
+# leading dimension) in 4s: both are padded to 16.
+_ROWS_ALIGN = 16
 _CHECKED: dict = {}  # device -> None (the GEMM agrees with the emulation there) or the sentence that refuses it
 
 
@@ -66,6 +68,11 @@ def emulated_mm(a: Fp8Operand, b: Fp8Operand) -> torch.Tensor:
     k = a.bits.shape[1]
     if b.bits.shape[1] != k:
         raise ValueError(f"fp8 GEMM: the operands' K differ ({k} and {b.bits.shape[1]})")
+    with torch.autocast(a.bits.device.type, enabled=False):  # fp32 products, whatever region the caller is in
+        return _emulated_mm(a, b, k)
+
+
+def _emulated_mm(a: Fp8Operand, b: Fp8Operand, k: int) -> torch.Tensor:
     out = torch.zeros(a.bits.shape[0], b.bits.shape[0], dtype=torch.float32, device=a.bits.device)
     ea = a.bits.view(torch.float8_e4m3fn).to(torch.float32)
     eb = b.bits.view(torch.float8_e4m3fn).to(torch.float32)
@@ -135,7 +142,7 @@ def fp8_gemm_missing(device_type: str, capability: Optional[tuple[int, int]], ha
         got = f"{capability[0]}.{capability[1]}" if capability else "unknown"
         return (f"the FP8 compute mode needs a GPU of compute capability 9.0 (Hopper: H100, H200, GH200), whose "
                 f"block-scaled FP8 GEMMs (1 x 128 by 128 x 128 scales) torch reaches through cuBLAS; this GPU is "
-                f"{got}. Compute in bf16 instead (the default compute mode)")
+                f"{got}")
     if not has_scaled_mm:
         return (f"the FP8 compute mode needs torch.nn.functional.scaled_mm (torch >= 2.10 built with CUDA >= 12.9) "
                 f"for its block-scaled GEMMs; this torch is {torch.__version__}")
@@ -144,8 +151,9 @@ def fp8_gemm_missing(device_type: str, capability: Optional[tuple[int, int]], ha
 
 def require_fp8_gemm(device) -> None:
     """Raise RuntimeError, with a sentence saying what is missing, unless the FP8 GEMMs run on `device` and agree
-    there with the emulation (checked once per device, on a small ragged product: a wrong reading of the scales
-    gives wrong values, not a slightly different order of additions)."""
+    there with the emulation (checked once per device, on small ragged products whose every scale differs from its
+    neighbours': a scale read from the wrong place gives wrong values, not a slightly different order of
+    additions). Callers add which of their options to change."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -156,40 +164,61 @@ def require_fp8_gemm(device) -> None:
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     why = fp8_gemm_missing(device.type, capability, hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"))
     if why is None and device.type == "cuda":
-        why = _disagreement(device)
+        with torch.autocast("cuda", enabled=False):
+            why = _disagreement(device)
     _CHECKED[device] = why
     if why is not None:
         raise RuntimeError(why)
 
 
 def _disagreement(device: torch.device) -> Optional[str]:
-    """None if cuBLAS's product of two block-scaled operands equals the emulation's to bf16 rounding, else why not."""
-    g = torch.Generator().manual_seed(0)
-    x = (torch.randn(70, 300, generator=g) * torch.logspace(-3, 3, 300)).to(device)
-    w = torch.randn(200, 300, generator=g).to(device)
-    a, block = Fp8Operand.rows(x), Fp8Operand(*_block_scaled(w), blocks=True)
-    # What the linear computes: the forward, the dgrad (the copy transposed), the wgrad (fp32 out for fp32 weights).
-    cases = {"1 x 128 by 128 x 128": (a, block, torch.bfloat16),
-             "1 x 128 by a transposed 128 x 128": (Fp8Operand.rows(x[:, :200]), block.t(), torch.bfloat16),
-             "1 x 128 by 1 x 128": (a, Fp8Operand.rows(w), torch.bfloat16),
-             "1 x 128 by 1 x 128 into fp32": (a, Fp8Operand.rows(w), torch.float32)}  # fmt: skip
-    for name, (left, right, out_dtype) in cases.items():
+    """None if cuBLAS's products of block-scaled operands (`check_cases`) equal the emulation's to rounding, else
+    why not."""
+    for name, (left, right, out_dtype) in check_cases(device).items():
         try:
-            got = cublas_mm(left, right, out_dtype).float()
+            got = cublas_mm(left, right, out_dtype)
+        except torch.cuda.OutOfMemoryError:
+            raise
         except (RuntimeError, ValueError, TypeError) as e:  # torch's checks of a recipe it does not take
             return (f"the FP8 compute mode's block-scaled GEMM ({name}) does not run on this GPU with this torch "
                     f"({torch.__version__}): {str(e).splitlines()[0]}")
-        want = emulated_mm(left, right).to(out_dtype).float()
-        # bf16's rounding of either sum, and fp32's of the additions, which may cancel: bounded by the sum of the
-        # products' magnitudes. A scale read from the wrong place is off by far more.
-        magnitude = emulated_mm(*(Fp8Operand(op.bits & 0x7F, op.scales, op.blocks) for op in (left, right)))
-        tolerance = 2.0**-7 * want.abs() + 2.0**-16 * magnitude
-        if not bool(((got - want).abs() <= tolerance).all()):
-            worst = ((got - want).abs() / (magnitude + 1e-30)).max().item()
+        worst = disagreement(got, left, right, out_dtype)
+        if worst is not None:
             return (f"the FP8 compute mode's block-scaled GEMM ({name}) disagrees with its CPU emulation on this GPU "
                     f"with torch {torch.__version__} (largest difference {worst:.3g} of the products' magnitude, more "
                     f"than rounding): it would train on wrong values, so it is refused")
     return None
+
+
+def check_cases(device) -> dict:
+    """{name: (left, right, output dtype)}: the products the device check compares, one per GEMM the linear makes
+    (the forward, the dgrad on the transposed copy, the wgrad, fp32 out for fp32 weights). Magnitudes change along
+    both dimensions of both operands, by block and by row, so every scale differs from its neighbours'."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(70, 300, generator=g) * torch.logspace(-3, 3, 300) * torch.logspace(-2, 2, 70)[:, None]
+    rows, cols = torch.arange(200) // FP8_BLOCK, torch.arange(300) // FP8_BLOCK
+    w = torch.randn(200, 300, generator=g) * pow2(3 * rows[:, None] + 5 * cols[None, :] - 4)
+    x, w = x.to(device), w.to(device)
+    a, block = Fp8Operand.rows(x), Fp8Operand(*_block_scaled(w), blocks=True)
+    return {"1 x 128 by 128 x 128": (a, block, torch.bfloat16),
+            "1 x 128 by a transposed 128 x 128": (Fp8Operand.rows(x[:, :200]), block.t(), torch.bfloat16),
+            "1 x 128 by 1 x 128": (a, Fp8Operand.rows(w), torch.bfloat16),
+            "1 x 128 by 1 x 128 into fp32": (a, Fp8Operand.rows(w), torch.float32)}  # fmt: skip
+
+
+def disagreement(got: torch.Tensor, left: Fp8Operand, right: Fp8Operand, out_dtype: torch.dtype) -> Optional[float]:
+    """None if `got` equals the emulated left @ right^T in `out_dtype` but for rounding, else the largest difference
+    beyond it, as a fraction of the products' magnitude. Rounding: out_dtype's of the sum, and the tensor cores' of
+    the additions (fewer bits than fp32's within a 128-group), which may cancel, so bounded by the sum of the
+    products' magnitudes; a scale read from the wrong place is off by a factor of 2^3 or more."""
+    want = emulated_mm(left, right).to(out_dtype).float()
+    got = got.float().to(want.device)
+    magnitude = emulated_mm(*(Fp8Operand(op.bits & 0x7F, op.scales, op.blocks) for op in (left, right)))
+    ulp = 2.0**-7 if out_dtype == torch.bfloat16 else 2.0**-10 if out_dtype == torch.float16 else 2.0**-23
+    bad = (got - want).abs() > ulp * want.abs() + 2.0**-12 * magnitude
+    if not bool(bad.any()):
+        return None
+    return ((got - want).abs() / (magnitude + 1e-30))[bad].max().item()
 
 
 def _block_scaled(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

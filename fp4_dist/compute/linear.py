@@ -27,13 +27,19 @@ def _linear_eagerly(module: nn.Module, input: torch.Tensor) -> torch.Tensor:
     limit). Kept out, the compiled graphs are the code between the linears, and each resumes at its own place in
     the caller (a block's forward resumes after its q/k/v projection with that projection's shape, in every
     block alike). The GEMM is an extern kernel under inductor anyway."""
-    if module.fp4_compute == "fp8" and type(module.weight) is NVFP4Tensor:
+    if module.fp4_compute == "fp8":
         return _fp8_forward(module, input)
     return F.linear(input, compute_view(module, module.weight), module.bias)
 
 
 def _fp8_forward(module: nn.Module, input: torch.Tensor) -> torch.Tensor:
     w = module.weight
+    if type(w) is not NVFP4Tensor:  # never bf16 in its place without a word
+        raise RuntimeError(
+            f"NVFP4Linear computes in FP8 (convert_linear_weights(compute='fp8')) but its weight is now a "
+            f"{type(w).__name__}, not an NVFP4Tensor: the FP8 mode reads the FP8 copy of an NVFP4 weight (FSDP2's "
+            "fully_shard_nvfp4 does not take it yet); convert with compute='bf16', or set the layer's fp4_compute "
+            "to 'bf16'")
     return fp8_linear(input, w, module.bias, fp8_copy.weight_operand(module, w))
 
 
@@ -73,7 +79,7 @@ class NVFP4Linear(nn.Linear):
         if torch.compiler.is_compiling():  # constant-folded by dynamo; a quarter of a microsecond in eager mode
             return _OUTSIDE_THE_GRAPH(self, input)
         w = self.weight
-        if self.fp4_compute == "fp8" and type(w) is NVFP4Tensor:
+        if self.fp4_compute == "fp8":
             return _fp8_forward(self, input)
         if is_lean(w):
             return lean_call(self, w, lambda value: F.linear(input, value, self.bias))

@@ -101,9 +101,15 @@ def fully_shard_nvfp4(
     Returns:
         `FSDPReport`; weights gathered in bf16 or kept in high precision are also named in one warning.
     Raises:
-        ValueError if `model` is already sharded (call this instead of ``fully_shard``, not after it).
+        ValueError if `model` is already sharded (call this instead of ``fully_shard``, not after it), or if
+        layers of it compute in FP8 (``convert_linear_weights(compute="fp8")``: not with FSDP2 yet).
     """
     check_numerics(numerics)
+    fp8 = [name for name, m in model.named_modules() if getattr(m, "fp4_compute", "bf16") == "fp8"]
+    if fp8:
+        raise ValueError(f"fully_shard_nvfp4: {len(fp8)} layers compute in FP8 (e.g. {fp8[0]}, converted with "
+                         "compute='fp8'), which FSDP2's NVFP4 gather does not serve yet; convert with "
+                         "compute='bf16' (the default)")  # fmt: skip
     if isinstance(model, FSDPModule) or any(isinstance(p, DTensor) for p in model.parameters()):
         raise ValueError("fully_shard_nvfp4: this model is already sharded (DTensor parameters); call "
                          "fp4_dist.fsdp.fully_shard_nvfp4 on the unsharded model instead of torch's fully_shard")

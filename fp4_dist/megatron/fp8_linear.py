@@ -8,8 +8,9 @@ parallel communication around the same GEMMs, which read FP8 (`fp4_dist.compute.
               weight's gradient, which Megatron's DDP hooks add to its main_grad
 
 The weight's FP8 copy is the layer's (`fp4_dist.compute.fp8_copy`), made once per weight update. Megatron's
-options that this path does not take (gradient-accumulation fusion, deferred embedding wgrad, GTP rematerialization)
-stop the run at the layer's first use with a sentence naming the flag, on every rank.
+options that this path does not take stop the run with a sentence naming the flag, on every rank: at start-up
+(`startup.refuse_unsupported_args`: no --fp4-param-gather, gradient-accumulation fusion), else at the layer's first
+use (weights sharded for rematerialization, deferred embedding wgrad).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ..compute import fp8_copy
 from ..compute.fp8 import weight_gradient
 from ..compute.fp8_gemm import Fp8Operand, fp8_mm
 from ..compute.lean import raise_changed, stamp, weight_name
+from .startup import FP8_FLAGS
 
 
 class Fp8ParallelLinear(torch.autograd.Function):
@@ -87,7 +89,8 @@ def fp8_forward_impl(layer, input, weight, bias=None, gradient_accumulation_fusi
     if grad_output_buffer is not None:
         _refuse(weight, "deferred embedding weight gradients: drop --defer-embedding-wgrad-compute")
     if gtp_remat_size > 1:
-        _refuse(weight, "GTP rematerialization (gtp_remat_size > 1)")
+        _refuse(weight, "weights sharded for rematerialization (gtp_remat_size > 1): drop "
+                        "--tensor-parallel-num-weight-shards")
     if (allreduce_dgrad or sequence_parallel) and tp_group is None:
         from megatron.core import parallel_state
 
@@ -98,5 +101,5 @@ def fp8_forward_impl(layer, input, weight, bias=None, gradient_accumulation_fusi
 
 
 def _refuse(weight, what: str) -> None:
-    raise RuntimeError(f"fp4_dist.megatron: the FP8 compute mode (--compute fp8) does not take {what} "
+    raise RuntimeError(f"fp4_dist.megatron: the FP8 compute mode ({FP8_FLAGS}) does not take {what} "
                        f"(NVFP4 weight {weight_name(weight)})")

@@ -57,7 +57,8 @@ class AdapterOptions:
             raise ValueError(f"compute must be 'bf16' or 'fp8', got {self.compute!r}")
         if self.compute == "fp8" and self.compute_copy:
             raise ValueError("the FP8 compute mode reads each weight's FP8 copy, never a bf16 compute copy: drop "
-                             "--compute-copy (--fp4-compute-copy) or the FP8 mode")  # fmt: skip
+                             "--compute-copy (--fp4-compute-copy in the example trainer) or --compute fp8 "
+                             "(--fp4-compute fp8)")  # fmt: skip
         if isinstance(self.check_every, bool) or not isinstance(self.check_every, int) or self.check_every < 0:
             raise ValueError(f"check_every must be an int >= 0 (iterations; 0: off), got {self.check_every!r}")
 

@@ -115,6 +115,13 @@ def refuse_unsupported_args(args) -> None:
         ]
         problems += [f"--fp4-param-gather with {what} is not supported by fp4_dist" for bad, what in unsupported
                      if bad]  # fmt: skip
+    if current_options().compute == "fp8":
+        if not getattr(args, "fp4_param_gather", False):
+            problems.append(f"{FP8_FLAGS} without --fp4-param-gather: the FP8 compute mode reads FP8 copies of the "
+                            "NVFP4 weights, and this run has none")
+        elif getattr(args, "gradient_accumulation_fusion", False):
+            problems.append(f"{FP8_FLAGS} with gradient-accumulation fusion (Megatron's default where Apex is "
+                            "installed; its kernel writes main_grad itself): add --no-gradient-accumulation-fusion")
     if problems:
         raise ValueError("fp4_dist.megatron: " + "; ".join(problems))
 
@@ -237,9 +244,7 @@ def _convert_before_ddp(chunks, ddp_config, data_parallel: str) -> None:
     # NVFP4 weights are made on that device at once (their bytes alias the buffer).
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     if options.compute == "fp8":  # on every rank before anything is converted: a GPU without the FP8 GEMMs stops here
-        from ..compute.fp8_gemm import require_fp8_gemm
-
-        require_fp8_gemm(device or "cpu")
+        require_fp8_gemm_for_megatron(device)
     converted = 0
     for chunk in chunks:
         converted += len(convert_to_nvfp4(chunk, get_model_config(chunk), numerics=options.numerics,
@@ -256,6 +261,19 @@ def _convert_before_ddp(chunks, ddp_config, data_parallel: str) -> None:
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         print(f"fp4_dist: {converted} linear weights converted to NVFP4 before DDP on rank 0 (their fp32 masters "
               f"start from the bf16 init; GEMMs in {options.compute})", flush=True)
+
+
+FP8_FLAGS = "--compute fp8 (--fp4-compute fp8 in the example trainer)"
+
+
+def require_fp8_gemm_for_megatron(device) -> None:
+    """`require_fp8_gemm` with the flags to drop named: a GPU without the FP8 GEMMs stops the run at start-up."""
+    from ..compute.fp8_gemm import require_fp8_gemm
+
+    try:
+        require_fp8_gemm(device or "cpu")
+    except RuntimeError as e:
+        raise RuntimeError(f"fp4_dist.megatron: {e}; drop {FP8_FLAGS}") from None
 
 
 def _pipeline_stages() -> int:

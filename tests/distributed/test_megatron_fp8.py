@@ -90,3 +90,10 @@ def test_the_sequence_parallel_fp8_linear_equals_the_gemms_on_the_whole_sequence
     proc = forked_ranks.run(cmd, env=_env(), timeout=120)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert proc.stdout.count("sequence parallel ok") == 2
+
+
+def test_the_fp8_mode_without_nvfp4_weights_is_refused_on_every_rank(tmp_path, data):
+    proc = launch(2, ["--data-path", data, *COMMON], runner=FP8, check=False, refused=True)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert log.count("without --fp4-param-gather: the FP8 compute mode reads FP8 copies") == 2, log[-3000:]

@@ -12,21 +12,12 @@ from torch import nn
 
 import fp4_dist
 from fp4_dist.compute.fp8 import Fp8Operand
-from fp4_dist.compute.fp8_gemm import cublas_mm, emulated_mm, require_fp8_gemm
+from fp4_dist.compute.fp8_gemm import cublas_mm, disagreement, emulated_mm, require_fp8_gemm
 
 pytestmark = pytest.mark.gpu
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="cuBLAS's 1 x 128 / 128 x 128 FP8 GEMMs run on sm_90 only")
-
-
-def _close(got: torch.Tensor, want: torch.Tensor, magnitude: torch.Tensor) -> bool:
-    """Equal but for bf16's rounding and fp32's order of additions (bounded by the products' magnitudes)."""
-    return bool(((got.float() - want.float()).abs() <= 2.0**-7 * want.float().abs() + 2.0**-16 * magnitude).all())
-
-
-def _magnitude(a: Fp8Operand, b: Fp8Operand) -> torch.Tensor:
-    return emulated_mm(Fp8Operand(a.bits & 0x7F, a.scales, a.blocks), Fp8Operand(b.bits & 0x7F, b.scales, b.blocks))
 
 
 @needs_hopper
@@ -45,7 +36,7 @@ def test_cublas_block_scaled_gemms_equal_the_emulation_on_ragged_shapes(seed):
         want = emulated_mm(a, b)
         got = cublas_mm(Fp8Operand(*(t.cuda() for t in a[:2]), a.blocks), Fp8Operand(*(t.cuda() for t in b[:2]),
                         b.blocks), torch.bfloat16).cpu()  # fmt: skip
-        assert got.shape == want.shape and _close(got, want.to(torch.bfloat16), _magnitude(a, b))
+        assert got.shape == want.shape and disagreement(got, a, b, torch.bfloat16) is None
 
 
 @needs_hopper

@@ -26,7 +26,8 @@ def _model(seed: int = 0) -> nn.Module:
 def test_a_layer_computes_its_gemms_from_the_fp8_copy_and_fp8_operands():
     model = _model()
     report = fp4_dist.convert_linear_weights(model, compute="fp8")
-    assert report.compute == "fp8" and not report.not_fp8 and "FP8 compute: 2 of the 2" in str(report)
+    assert report.compute == "fp8" and report.fp8 == ["0", "2"] and not report.not_fp8
+    assert "FP8 compute: 2 linears, 0 with NVFP4 weights in bf16" in str(report)
     lin = model[0]
     x = torch.randn(3, 50, 272, dtype=torch.bfloat16, requires_grad=True)
     y = lin(x)
@@ -108,11 +109,30 @@ def test_the_mode_names_what_it_leaves_in_bf16_and_refuses_what_it_cannot_do():
         def forward(self, x):
             return super().forward(x) * 2
 
-    model = nn.Sequential(nn.Linear(64, 32), OwnForward(32, 32)).to(torch.bfloat16)
+    model = nn.Sequential(nn.Linear(64, 32), OwnForward(32, 32), nn.Linear(32, 32)).to(torch.bfloat16)
+    model.append(nn.Linear(32, 32, bias=False).to(torch.bfloat16))
+    model[3].weight = model[2].weight  # a plain owner of a tied weight: it stays nn.Linear
     report = fp4_dist.convert_linear_weights(model, compute="fp8")
-    assert list(report.not_fp8) == ["1"] and "OwnForward keeps its own forward" in report.not_fp8["1"]
-    assert "FP8 compute: 1 of the 2 converted linears" in str(report)
+    assert report.fp8 == ["0", "2"] and list(report.not_fp8) == ["1", "3"]
+    assert "OwnForward keeps its own forward" in report.not_fp8["1"] and "sharing" in report.not_fp8["3"]
+    assert "FP8 compute: 2 linears, 2 with NVFP4 weights in bf16" in str(report)
     assert model[0].fp4_compute == "fp8" and model(torch.randn(2, 64, dtype=torch.bfloat16)).shape == (2, 32)
+
+    # a model converted before: the call converts nothing more, and its layers now compute in FP8
+    earlier = _model()
+    fp4_dist.convert_linear_weights(earlier)
+    assert earlier[0].fp4_compute == "bf16"
+    report = fp4_dist.convert_linear_weights(earlier, compute="fp8")
+    assert not report.converted and report.fp8 == ["0", "2"] and earlier[2].fp4_compute == "fp8"
+
+    # a layer in FP8 whose weight is no longer NVFP4 says so instead of computing in bf16
+    earlier[0].weight = nn.Parameter(torch.randn(144, 272, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="computes in FP8.*not an NVFP4Tensor"):
+        earlier[0](torch.randn(2, 272, dtype=torch.bfloat16))
+    from fp4_dist.fsdp import fully_shard_nvfp4
+
+    with pytest.raises(ValueError, match="compute in FP8.*does not serve yet"):
+        fully_shard_nvfp4(earlier)
 
     with pytest.raises(ValueError, match="compute must be one of"):
         fp4_dist.convert_linear_weights(_model(), compute="fp4")
@@ -139,7 +159,7 @@ def test_the_documented_snippet_runs(capsys):
     doc = (Path(__file__).resolve().parents[3] / "docs" / "fp8.md").read_text()
     snippet = re.findall(r"```python\n(.*?)```", doc, flags=re.S)[0]
     exec(snippet, {"fp4_dist": fp4_dist, "model": _model()})
-    assert "FP8 compute: 2 of the 2 converted linears" in capsys.readouterr().out
+    assert "FP8 compute: 2 linears" in capsys.readouterr().out
 
 
 def test_cublas_operands_are_padded_and_laid_out_as_torchs_sm90_recipes_read_them():
@@ -163,3 +183,19 @@ def test_cublas_operands_are_padded_and_laid_out_as_torchs_sm90_recipes_read_the
         assert torch.equal(bits.view(torch.uint8)[:, : op.bits.shape[1]], op.bits)
         assert scales.shape == (4, row_blocks)  # [K blocks padded to 4, row blocks], transposed
         assert torch.equal(scales.t()[:, : op.scales.shape[1]], op.scales)
+
+
+def test_the_device_check_sees_a_scale_read_from_the_wrong_place():
+    from fp4_dist.compute.fp8_gemm import check_cases, disagreement
+
+    for name, (left, right, out_dtype) in check_cases("cpu").items():
+        right_value = emulated_mm(left, right)
+        assert disagreement(right_value, left, right, out_dtype) is None, name
+        # the same values with one operand's scales misread: flipped along the rows, along K, or transposed
+        misreads = [right.scales.flip(0), right.scales.flip(1), left.scales.flip(1)]
+        if right.blocks and right.scales.shape[0] == right.scales.shape[1]:
+            misreads.append(right.scales.t())
+        for i, scales in enumerate(misreads):
+            wrong_left = Fp8Operand(left.bits, scales, left.blocks) if i == 2 else left
+            wrong_right = Fp8Operand(right.bits, scales, right.blocks) if i != 2 else right
+            assert disagreement(emulated_mm(wrong_left, wrong_right), left, right, out_dtype) is not None, (name, i)
