@@ -29,6 +29,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import random
 import select
 import shutil
 import signal
@@ -365,9 +366,29 @@ def _agent(job: dict, base_path: list) -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+    """A free port for the job's rendezvous (rank 0's TCPStore), drawn below the kernel's ephemeral range. A port
+    from that range (a bind to port 0) can be handed to another process's outgoing connection before rank 0 binds
+    it again, and a suite of hundreds of jobs on one machine opens thousands of such connections (gloo's pairs)."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(10_000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # nothing free down there: the kernel's choice
+        s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _rank(job: dict, rank: int, port: int, run_id: str, base_path: list) -> None:

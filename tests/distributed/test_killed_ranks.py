@@ -42,6 +42,12 @@ TIMEOUT_S = 180
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
+def first_errors(log: str, count: int = 5) -> list[str]:
+    """The first lines of `log` that name an error: what a failed launch's tail (a C++ backtrace, the agent's
+    summary) leaves out."""
+    return [line for line in log.splitlines() if re.search(r"Error|error:|refus", line)][:count]
+
+
 @dataclass
 class Run:
     """What one launch left: how it ended, where it resumed, what it said it skipped, its losses."""
@@ -200,7 +206,7 @@ def test_a_run_killed_six_times_resumes_each_time_and_ends_bit_for_bit_like_an_u
         kill = kill_point(rng, path, phase, newest or 0, ref["counts"]) if phase else None
         run = path.run(work, f"launch{i}", kill)
         # resumed from the newest complete checkpoint on disk, naming every newer unfinished one
-        assert run.resumed_from == newest, (kill, run.resumed_from, newest, run.log[-3000:])
+        assert run.resumed_from == newest, (kill, run.resumed_from, newest, first_errors(run.log), run.log[-3000:])
         assert all(u in run.said for u in unfinished), (unfinished, run.said)
         resumed.append(newest)
         # every step it trained has the uninterrupted run's loss
