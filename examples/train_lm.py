@@ -17,6 +17,7 @@ import argparse
 import math
 import sys
 import time
+from typing import Optional
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ from fp4_dist.launch import init_distributed, shutdown
 from fp4_dist.optim import Zero1Config, Zero1Optimizer
 from fp4_dist.cast import CommStats
 from fp4_dist.cast.collectives import all_reduce_sum_
+from fp4_dist.compute.fp8_copy import fp8_copy_bytes
 
 DATA = Path(__file__).resolve().parent / "data" / "tiny_corpus.txt"
 
@@ -188,13 +190,15 @@ def main(argv=None) -> int:
         first_loss = last_loss if step == 0 else first_loss
         progress.update(step, last_loss)
     seconds = time.perf_counter() - t0
-    report_step(say, opt, stats, args.steps, seconds, first_loss, last_loss, evaluate(model, val))
+    report_step(say, opt, stats, args.steps, seconds, first_loss, last_loss, evaluate(model, val),
+                fp8_copy_bytes(model) if args.fp4_compute == "fp8" else None)
     if rank0:
         print("sample:", repr(sample(model, vocab, info.device)))
     return finish(say, model, opt, info)
 
 
-def report_step(say, opt, stats: CommStats, steps: int, seconds: float, first: float, last: float, val: float):
+def report_step(say, opt, stats: CommStats, steps: int, seconds: float, first: float, last: float, val: float,
+                fp8_bytes: Optional[int] = None):  # fmt: skip
     per_step = opt.gathered_bytes_per_step()
     gathered = stats.bytes["all_gather"] / steps
     ratio = gathered / per_step["bf16_equivalent"]
@@ -206,8 +210,11 @@ def report_step(say, opt, stats: CommStats, steps: int, seconds: float, first: f
         f"{kib['bf16_equivalent']:.1f} KiB for a bf16 gather = {ratio:.3f}x")
     mem = {k: v / 1024 for k, v in opt.param_memory_bytes().items()}
     pool = fp4_dist.compute.pool_bytes() / 1024
+    copies = (f"FP8 copies of the NVFP4 weights {fp8_bytes / 1024:.1f} KiB" if fp8_bytes is not None
+              else f"bf16 copies of the NVFP4 weights: lean pool {pool:.1f} KiB, kept copies "
+                   f"{mem['compute_copies']:.1f} KiB")  # fmt: skip
     say(f"param memory per rank: NVFP4 gather buffer {mem['nvfp4']:.1f} KiB + dense params {mem['dense']:.1f} KiB; "
-        f"bf16 copies of the NVFP4 weights: lean pool {pool:.1f} KiB, kept copies {mem['compute_copies']:.1f} KiB")
+        f"{copies}")
     calls = {k: v / steps for k, v in stats.calls.items() if k != "all_reduce"}
     say(f"collectives per step: {calls} + {stats.calls['all_reduce'] / steps:.0f} all-reduces (the gradient check "
         f"and the amaxes; {stats.bytes['all_reduce'] / steps / 1024:.2f} KiB)")

@@ -146,6 +146,7 @@ def test_train_lm_example_runs_on_two_ranks_and_passes_its_parity_check(tmp_path
     assert proc.returncode == 0, log[-4000:]
     assert "PASS (bit-identical)" in proc.stdout and "bf16 gather" in proc.stdout, log[-4000:]
     assert f"GEMMs in {compute}" in proc.stdout, log[-4000:]
+    assert ("FP8 copies of the NVFP4 weights" in proc.stdout) == (compute == "fp8"), log[-4000:]
 
 
 def _train_sh(*options: str) -> subprocess.CompletedProcess:
