@@ -11,7 +11,7 @@ GPUs), every run's per-iteration record kept, the figures drawn, and any two run
 Variants: ``bf16`` (plain bf16 weights), ``fp4`` (``--fp4-param-gather``: NVFP4 weights, 4-bit gather, lean
 compute), ``fake`` (``--fp4-fake-quant``: bf16 weights, the NVFP4 forward of every step; bitwise fp4's reference),
 ``fp4-fl`` (fp4 with the first and the last layer in bf16), ``kept`` (fp4 with kept compute copies,
-``--fp4-compute-copy``). Every run writes DIR/<variant>-lr<lr>-s<seed>.json (the trainer's record: loss, grad
+``--fp4-compute-copy``), ``fp8`` (fp4 in the FP8 compute mode, ``--fp4-compute fp8``: Hopper GPUs). Every run writes DIR/<variant>-lr<lr>-s<seed>.json (the trainer's record: loss, grad
 norm and lr of every iteration, validation losses; written after each evaluation and at the end) and .log, and
 DIR/runs.json says how they were made; a run stopped before its end (a time limit) is plotted as far as its record,
 or without one its log, goes. The plots read those files and draw with matplotlib: ``scripts/bootstrap.sh``
@@ -39,6 +39,7 @@ VARIANTS = {
     "fp4-fl": ["--fp4-param-gather", "--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "1",
                "--num-layers-at-end-in-bf16", "1"],
     "kept": ["--fp4-param-gather", "--fp4-compute-copy"],
+    "fp8": ["--fp4-param-gather", "--fp4-compute", "fp8"],
 }  # fmt: skip
 MODELS = {
     "gpt12x1024": "--num-layers 12 --hidden-size 1024 --num-attention-heads 16 --seq-length 512 "
@@ -253,7 +254,8 @@ def plot(args) -> int:
         return 1
     out = Path(args.out or args.folders[0])
     out.mkdir(parents=True, exist_ok=True)
-    colors = {"bf16": "tab:blue", "fp4": "tab:red", "fake": "tab:green", "fp4-fl": "tab:purple", "kept": "tab:orange"}
+    colors = {"bf16": "tab:blue", "fp4": "tab:red", "fake": "tab:green", "fp4-fl": "tab:purple", "kept": "tab:orange",
+              "fp8": "tab:brown"}
     for lr in sorted({r["lr"] for r in runs}):
         at = [r for r in runs if r["lr"] == lr]
         seeds = sorted({r["seed"] for r in at})

@@ -27,7 +27,7 @@ Runs the same GPT (same seed, data, LR schedule, no gradient clipping) several t
               GPUs); the median of the per-pair ratios is shown beside it. A step-time FAIL is a measurement: the
               script prints it in a verdict line and exits 0 unless --strict (a failed correctness check exits 1).
     memory       --memory-only VARIANT: one model trained alone in this process, its peak allocated and reserved
-              memory per rank (run once per variant: bf16, fp4, kept).
+              memory per rank (run once per variant: bf16, fp4, kept, fp8).
 
 Gradient clipping is off (--clip-grad 0): above data-parallel size 1 each rank sums the norm of the shards its
 buffer layout gives it, so fp32 rounding can differ between runs whose buffers are laid out differently (at size 1
@@ -71,8 +71,10 @@ MODELS = {
              "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8"),
 }
 STEP_RATIO_LIMIT = 1.02  # fp4 param gather's median step over the plain bf16 run's: the project's target
-VARIANTS = {"fp4": ["--fp4-param-gather"], "kept": ["--fp4-param-gather", "--fp4-compute-copy"]}
-"""The NVFP4 variants: the default (lean compute, a copy around each use) and kept compute copies."""
+VARIANTS = {"fp4": ["--fp4-param-gather"], "kept": ["--fp4-param-gather", "--fp4-compute-copy"],
+            "fp8": ["--fp4-param-gather", "--fp4-compute", "fp8"]}  # fmt: skip
+"""The NVFP4 variants: the default (lean compute, a copy around each use), kept compute copies, and the FP8
+compute mode (docs/fp8.md: Hopper only; emulated, and slow, on CPU ranks)."""
 COMMON = ("--bf16 --use-distributed-optimizer --lr 6e-4 --min-lr 6e-5 --lr-decay-style cosine "
           "--clip-grad 0 --seed 1234 --deterministic-mode --fp4-master-digest --manual-gc")
 
@@ -89,7 +91,8 @@ def parse() -> tuple[argparse.Namespace, list[str]]:
                    help="steps of each model in the paired measurement (default: --steps)")
     p.add_argument("--paired-only", default=None, metavar="VARIANTS",
                    help="only the paired measurement, of bf16 against each of these comma-separated variants "
-                        f"({', '.join(VARIANTS)}: the default lean compute, kept compute copies), the order rotating "
+                        f"({', '.join(VARIANTS)}: the default lean compute, kept compute copies, the FP8 compute "
+                        "mode), the order rotating "
                         "every step")
     p.add_argument("--check-every", type=int, default=20, help="parity check of the gathered NVFP4 bytes")
     p.add_argument("--log-interval", type=int, default=50)

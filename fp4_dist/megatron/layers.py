@@ -8,12 +8,11 @@ from ..compute.view import compute_view, forget
 from ..compute.lean import is_lean
 from .fp8_linear import fp8_forward_impl
 from .lean_claim import claim, lean_call_refilled
-from .options import current_options
 
 
 def make_forward_impl(original):
     def _forward_impl(self, input, weight, *args, **kwargs):
-        if type(weight) is _tensor.NVFP4Tensor and current_options().compute == "fp8":
+        if getattr(self, "fp4_compute", "bf16") == "fp8" and type(weight) is _tensor.NVFP4Tensor:
             return fp8_forward_impl(self, input, weight, *args, **kwargs)
         # Megatron's linear function reads `weight.main_grad` with gradient_accumulation_fusion and calls the
         # weight's own gather with gtp_remat_size > 1: the parameter itself is passed then (the dispatch path).

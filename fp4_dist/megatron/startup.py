@@ -248,7 +248,8 @@ def _convert_before_ddp(chunks, ddp_config, data_parallel: str) -> None:
     converted = 0
     for chunk in chunks:
         converted += len(convert_to_nvfp4(chunk, get_model_config(chunk), numerics=options.numerics,
-                                          compute_copy=options.compute_copy, device=device))  # fmt: skip
+                                          compute_copy=options.compute_copy, device=device,
+                                          compute=options.compute))  # fmt: skip
     anywhere = converted
     if torch.distributed.is_initialized() and _pipeline_stages() > 1:
         count = torch.tensor([converted], device=collective_device())

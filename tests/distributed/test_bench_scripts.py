@@ -46,9 +46,10 @@ def test_fsdp_bench_times_both_variants_with_its_phases():
 @pytest.mark.megatron
 def test_megatron_benches_run_paired_and_profiled():
     pytest.importorskip("megatron.core")
-    paired = _bench("bench/megatron_compare.py", "--tiny", "--paired-only", "fp4,kept", "--paired-steps", "6",
+    paired = _bench("bench/megatron_compare.py", "--tiny", "--paired-only", "fp4,kept,fp8", "--paired-steps", "6",
                     "--phases", "--lean-diagnostic", "timers", ranks=2)  # fmt: skip
-    _ran(paired, "kept vs plain bf16, paired", "(diagnostic) phases, fp4", "host in lean forward uses")
+    _ran(paired, "kept vs plain bf16, paired", "fp8 vs plain bf16, paired", "(diagnostic) phases, fp4",
+         "host in lean forward uses")
     profiled = _bench("bench/megatron_profile.py", "--model", "tiny", "--steps", "8", "--phases", ranks=2)
     _ran(profiled, "| cast (host, launches, its non-finite check) |", "| post-all-gather refresh |")
     memory = _bench("bench/megatron_compare.py", "--tiny", "--memory-only", "fp4", "--steps", "3",
