@@ -11,10 +11,11 @@ GPUs), every run's per-iteration record kept, the figures drawn, and any two run
 Variants: ``bf16`` (plain bf16 weights), ``fp4`` (``--fp4-param-gather``: NVFP4 weights, 4-bit gather, lean
 compute), ``fake`` (``--fp4-fake-quant``: bf16 weights, the NVFP4 forward of every step; bitwise fp4's reference),
 ``fp4-fl`` (fp4 with the first and the last layer in bf16), ``kept`` (fp4 with kept compute copies,
-``--fp4-compute-copy``), ``fp8`` (fp4 in the FP8 compute mode, ``--fp4-compute fp8``: Hopper GPUs). Every run writes DIR/<variant>-lr<lr>-s<seed>.json (the trainer's record: loss, grad
-norm and lr of every iteration, validation losses; written after each evaluation and at the end) and .log, and
-DIR/runs.json says how they were made; a run stopped before its end (a time limit) is plotted as far as its record,
-or without one its log, goes. The plots read those files and draw with matplotlib: ``scripts/bootstrap.sh``
+``--fp4-compute-copy``), ``fp8`` (fp4 in the FP8 compute mode, ``--fp4-compute fp8``: Hopper GPUs). Every run
+writes DIR/<variant>-lr<lr>-s<seed>.json (the trainer's record: loss, grad norm and lr of every iteration,
+validation losses; written after each evaluation and at the end) and .log, and DIR/runs.json says how they
+were made; a run stopped before its end (a time limit) is plotted as far as its record, or without one its log,
+goes. The plots read those files and draw with matplotlib: ``scripts/bootstrap.sh``
 installs it into ``.venv``, ``pip install '.[bench]'`` into another environment.
 """
 
