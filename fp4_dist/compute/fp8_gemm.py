@@ -12,6 +12,7 @@ values.
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple, Optional
 
 import torch
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from ..format import FP8_BLOCK, ceil_div
 from ..kernels.fp8_block_reference import block_view, fp8_block_copy, per_element, pow2, smallest_shift
 from ..kernels.fp8_rows_reference import quantize_rows_1x128
+from ..kernels import fp8_rows
 from ..kernels.reference import e4m3_rne_satfinite
 
 __all__ = ["Fp8Operand", "fp8_mm", "emulated_mm", "cublas_mm", "require_fp8_gemm", "fp8_gemm_missing"]
@@ -35,7 +37,10 @@ class Fp8Operand(NamedTuple):
 
     @classmethod
     def rows(cls, x: torch.Tensor) -> Fp8Operand:
-        """x [rows, K] quantized in 1 x 128 groups along K."""
+        """x [rows, K] quantized in 1 x 128 groups along K: by the CUDA kernel on a GPU where it gave the
+        reference's bits (`require_fp8_gemm`), else by the PyTorch reference (the same bits)."""
+        if x.is_cuda and _ROWS_KERNEL.get(_device_key(x.device)):
+            return cls(*fp8_rows.quantize_rows_1x128(x), blocks=False)
         return cls(*quantize_rows_1x128(x), blocks=False)
 
     @classmethod
@@ -59,6 +64,14 @@ class Fp8Operand(NamedTuple):
 # leading dimension) in 4s: both are padded to 16.
 _ROWS_ALIGN = 16
 _CHECKED: dict = {}  # device -> None (the GEMM agrees with the emulation there) or the sentence that refuses it
+_ROWS_KERNEL: dict = {}  # device -> whether the CUDA 1 x 128 quantization gave the reference's bits there
+
+
+def _device_key(device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def emulated_mm(a: Fp8Operand, b: Fp8Operand) -> torch.Tensor:
@@ -154,9 +167,7 @@ def require_fp8_gemm(device) -> None:
     there with the emulation (checked once per device, on small ragged products whose every scale differs from its
     neighbours': a scale read from the wrong place gives wrong values, not a slightly different order of
     additions). Callers add which of their options to change."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _device_key(device)
     if device in _CHECKED:
         if _CHECKED[device] is not None:
             raise RuntimeError(_CHECKED[device])
@@ -166,6 +177,7 @@ def require_fp8_gemm(device) -> None:
     if why is None and device.type == "cuda":
         with torch.autocast("cuda", enabled=False):
             why = _disagreement(device)
+            _ROWS_KERNEL[device] = why is None and _rows_kernel_agrees(device)
     _CHECKED[device] = why
     if why is not None:
         raise RuntimeError(why)
@@ -188,6 +200,32 @@ def _disagreement(device: torch.device) -> Optional[str]:
                     f"with torch {torch.__version__} (largest difference {worst:.3g} of the products' magnitude, more "
                     f"than rounding): it would train on wrong values, so it is refused")
     return None
+
+
+def _rows_kernel_agrees(device: torch.device) -> bool:
+    """Whether the CUDA 1 x 128 quantization gives the reference's bits and scales on `device`: bf16 and fp32 rows
+    of every magnitude, ragged groups, a transposed view, zeros, subnormals, inf and NaN. Where it does not, the
+    reference quantizes (the same bits, more launches) and a warning says so."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(37, 300, generator=g) * torch.ldexp(torch.ones(37, 1), torch.randint(-140, 120, (37, 1),
+                                                                                      generator=g))  # fmt: skip
+    x[0, :128] = 0.0
+    x[1, 5], x[2, 130], x[3, 299], x[4, 7] = float("nan"), float("inf"), -float("inf"), -0.0
+    samples = [x, x.to(torch.bfloat16), x.t(), x.to(torch.bfloat16).t()[:, 1:]]
+    for sample in samples:
+        want_bits, want_scales = quantize_rows_1x128(sample)
+        try:
+            bits, scales = fp8_rows.quantize_rows_1x128(sample.to(device))
+        except Exception as e:  # noqa: BLE001 (any failure of the kernel path: the reference serves)
+            warnings.warn(f"fp4_dist: the CUDA 1 x 128 FP8 quantization does not run on {device} ({e}); the "
+                          "PyTorch reference quantizes instead (the same bits, slower)", stacklevel=2)  # fmt: skip
+            return False
+        if not (torch.equal(bits.cpu(), want_bits)
+                and torch.equal(scales.cpu().view(torch.int32), want_scales.view(torch.int32))):  # fmt: skip
+            warnings.warn(f"fp4_dist: the CUDA 1 x 128 FP8 quantization disagrees with its reference on {device}; "
+                          "the PyTorch reference quantizes instead (the same bits, slower)", stacklevel=2)  # fmt: skip
+            return False
+    return True
 
 
 def check_cases(device) -> dict:

@@ -29,7 +29,7 @@ import torch
 from .cuda_plans import current_raw_stream
 
 CUDA_DIR = Path(__file__).resolve().parent / "cuda"
-SOURCES = ("amax.cu", "scale.cu", "cast.cu", "transpose.cu", "dequant.cu")
+SOURCES = ("amax.cu", "scale.cu", "cast.cu", "transpose.cu", "dequant.cu", "fp8_rows.cu")
 THREADS = 256  # every kernel is written for 256-thread blocks (kThreads in common.cuh)
 
 COMPILE_OPTIONS = ("-std=c++17", "-fmad=false", "-ftz=false", "-prec-div=true", "-prec-sqrt=true")
@@ -53,6 +53,8 @@ KERNELS: dict[tuple[str, str], tuple[str, str]] = {
     ("dequantize", ""): ("dequant.cu", "fp4d::dequantize_kernel"),
     **{("e2m1_codes", c): ("cast.cu", f"fp4d::e2m1_codes_kernel<fp4d::{c}>") for c in _E2M1},  # test hooks
     ("e4m3_codes", ""): ("scale.cu", "fp4d::e4m3_codes_kernel"),
+    **{("rows_1x128", d): ("fp8_rows.cu", f"fp4d::rows_1x128_kernel<fp4d::{d}>")
+       for d in ("LoadBf16", "LoadFp16", "LoadFp32")},
 }
 
 # E2M1 rounding of partial_cast (a key of _E2M1): the one with fewer instructions per element by default.
@@ -66,7 +68,7 @@ CAST_E2M1 = "E2M1Min"
 GRID = {"partial_amax": "resident", "fused_scale": "resident", "partial_cast": "units",
         "owner_scales": "resident", "expand_scales": "resident", "nibble_transpose": "units",
         "scale_transpose": "resident", "dequantize": "units", "e2m1_codes": "resident",
-        "e4m3_codes": "resident"}  # fmt: skip
+        "e4m3_codes": "resident", "rows_1x128": "units"}  # fmt: skip
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 
@@ -322,6 +324,20 @@ def launch_dequantize(plan, via=None) -> None:
     """A dequantize unit is one warp's work: 8 units per 256-thread block."""
     (via or _launch)(plan.device, ("dequantize", ""), -(-plan.units // (THREADS // 32)),
             (plan.table, plan.unit_begin, np.int32(plan.n)))  # fmt: skip
+
+
+_LOAD = {torch.bfloat16: "LoadBf16", torch.float16: "LoadFp16", torch.float32: "LoadFp32"}
+
+
+def launch_rows_1x128(x: torch.Tensor, bits: torch.Tensor, scales: torch.Tensor, via=None) -> None:
+    """1 x 128 FP8 quantization of x [rows, cols] (any strides: a transposed view reads without a copy) into
+    bits (uint8 [rows, cols], contiguous) and scales (fp32 [rows, ceil(cols/128)], contiguous). One warp per
+    group: 8 groups per 256-thread block."""
+    rows, cols = x.shape
+    groups = rows * (-(-cols // 128))
+    (via or _launch)(x.device.index, ("rows_1x128", _LOAD[x.dtype]), -(-groups // (THREADS // 32)),
+            (x.data_ptr(), np.int64(rows), np.int64(cols), np.int64(x.stride(0)), np.int64(x.stride(1)),
+             bits.data_ptr(), scales.data_ptr()))  # fmt: skip
 
 
 def launch_pointwise(index, key: str, args: tuple, n: int, variant: str = "") -> None:

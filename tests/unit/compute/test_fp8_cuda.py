@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import fp4_dist
+from fp4_dist.compute import fp8_gemm
 from fp4_dist.compute.fp8 import Fp8Operand
 from fp4_dist.compute.fp8_gemm import cublas_mm, disagreement, emulated_mm, require_fp8_gemm
 
@@ -42,6 +43,7 @@ def test_cublas_block_scaled_gemms_equal_the_emulation_on_ragged_shapes(seed):
 @needs_hopper
 def test_a_converted_layer_on_hopper_computes_what_the_cpu_emulation_does():
     require_fp8_gemm("cuda")
+    assert fp8_gemm._ROWS_KERNEL[torch.device("cuda", torch.cuda.current_device())]  # the kernel quantizes here
     torch.manual_seed(0)
     cpu = nn.Linear(272, 200).to(torch.bfloat16)
     gpu = nn.Linear(272, 200).to(torch.bfloat16)

@@ -1,0 +1,28 @@
+"""The CUDA 1 x 128 FP8 quantization of activations and gradients (`cuda/fp8_rows.cu`): the bits and scales of
+`fp8_rows_reference.quantize_rows_1x128`, in one launch per tensor. The FP8 compute mode uses it on a GPU where it
+gave the reference's bits (`fp4_dist.compute.fp8_gemm.require_fp8_gemm` checks, once per device)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..format import FP8_BLOCK, ceil_div
+from . import _launch
+
+__all__ = ["quantize_rows_1x128"]
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def quantize_rows_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E4M3 bits, uint8 [R, C]; scales, fp32 [R, ceil(C/128)]) of the CUDA tensor x [R, C] (any strides: the
+    transpose of a row-major tensor is read in place), on torch's current stream."""
+    if not x.is_cuda or x.dim() != 2 or x.dtype not in DTYPES:
+        raise ValueError(f"fp8_rows.quantize_rows_1x128: x must be a 2D CUDA tensor of {DTYPES}, got "
+                         f"{x.dtype} {list(x.shape)} on {x.device}")  # fmt: skip
+    rows, cols = x.shape
+    bits = torch.empty(rows, cols, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(rows, ceil_div(cols, FP8_BLOCK), dtype=torch.float32, device=x.device)
+    if x.numel():
+        _launch.launch_rows_1x128(x, bits, scales)
+    return bits, scales

@@ -1,0 +1,50 @@
+"""The CUDA 1 x 128 FP8 quantization (kernels/cuda/fp8_rows.cu) against its PyTorch reference, bit for bit (GPU only):
+ragged rows and groups, bf16 / fp16 / fp32, row-major and transposed views, magnitudes from subnormal to near
+FLT_MAX, zeros, negative zero, inf and NaN; outputs poisoned before the kernel runs, so unwritten bytes show."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from fp4_dist.format import FP8_BLOCK, ceil_div
+from fp4_dist.kernels import _launch
+from fp4_dist.kernels.fp8_rows_reference import quantize_rows_1x128
+
+pytestmark = pytest.mark.gpu
+
+COLS = (1, 16, 100, 127, 128, 129, 300, 1000, 4101)
+
+
+def _case(seed: int) -> torch.Tensor:
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    rows, cols = rng.randint(1, 90), rng.choice(COLS)
+    # one magnitude per row, 2^-140 (subnormal) to 2^120
+    x = torch.randn(rows, cols, generator=g) * torch.ldexp(torch.ones(rows, 1), torch.randint(-140, 121, (rows, 1),
+                                                                                            generator=g))  # fmt: skip
+    for _ in range(rng.randint(0, 4)):  # specials, each somewhere
+        x[rng.randrange(rows), rng.randrange(cols)] = rng.choice([0.0, -0.0, float("inf"), -float("inf"),
+                                                                  float("nan"), 3.0e38, 1e-45])  # fmt: skip
+    if rng.random() < 0.3:
+        x[rng.randrange(rows)] = 0.0
+    return x.to(rng.choice([torch.bfloat16, torch.float16, torch.float32]))
+
+
+def _poisoned(rows: int, cols: int):
+    bits = torch.full((rows, cols), 0xA5, dtype=torch.uint8, device="cuda")
+    scales = torch.full((rows, ceil_div(cols, FP8_BLOCK)), -1.25, dtype=torch.float32, device="cuda")
+    return bits, scales
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_kernel_gives_the_references_bits(seed):
+    x = _case(seed)
+    for view in (x, x.t()):  # the weight gradient quantizes transposes, read in place
+        want_bits, want_scales = quantize_rows_1x128(view)
+        bits, scales = _poisoned(*view.shape)
+        _launch.launch_rows_1x128(view.cuda() if view is x else x.cuda().t(), bits, scales)
+        assert torch.equal(bits.cpu(), want_bits), (seed, view.dtype, list(view.shape))
+        assert torch.equal(scales.cpu().view(torch.int32), want_scales.view(torch.int32)), (seed, list(view.shape))
