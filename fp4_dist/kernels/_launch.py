@@ -30,6 +30,9 @@ from .cuda_plans import current_raw_stream
 
 CUDA_DIR = Path(__file__).resolve().parent / "cuda"
 SOURCES = ("amax.cu", "scale.cu", "cast.cu", "transpose.cu", "dequant.cu", "fp8_rows.cu")
+# Compiled at the first launch of one of their kernels, not with the stage kernels: the FP8 compute mode's alone,
+# so that nothing of it stands between a run that does not use it and the NVFP4 stages.
+LAZY_SOURCES = ("fp8_rows.cu",)
 THREADS = 256  # every kernel is written for 256-thread blocks (kThreads in common.cuh)
 
 COMPILE_OPTIONS = ("-std=c++17", "-fmad=false", "-ftz=false", "-prec-div=true", "-prec-sqrt=true")
@@ -117,29 +120,35 @@ def compile_source(name: str, expressions: list[str], capability: tuple[int, int
 
 
 class _DeviceKernels:
-    """Every kernel of the name table, loaded on one device, with its launch grid limit."""
+    """The kernels of the name table loaded on one device (those of LAZY_SOURCES from their first launch), each
+    with its launch grid limit."""
 
     def __init__(self, index: int):
-        import cupy
-        from cupy_backends.cuda.api import driver
-
         self.index = index
         props = torch.cuda.get_device_properties(index)
         self.sm_count = props.multi_processor_count
-        capability = (props.major, props.minor)
+        self.capability = (props.major, props.minor)
         self.functions, self.max_blocks, self._modules = {}, {}, []
-        with cupy.cuda.Device(index):
-            for src in SOURCES:
-                keys = [key for key, (s, _) in KERNELS.items() if s == src]
-                cubin, lowered = compile_source(src, [KERNELS[k][1] for k in keys], capability)
-                module = cupy.cuda.function.Module()
-                module.load(cubin)
-                self._modules.append(module)
-                for key in keys:
-                    fn = module.get_function(lowered[KERNELS[key][1]])
-                    per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, THREADS, 0)
-                    self.functions[key] = fn
-                    self.max_blocks[key] = max(1, per_sm) * self.sm_count
+        for src in SOURCES:
+            if src not in LAZY_SOURCES:
+                self.load(src)
+
+    def load(self, src: str) -> None:
+        """Compile and load the kernels of cuda/<src> on this device."""
+        import cupy
+        from cupy_backends.cuda.api import driver
+
+        with cupy.cuda.Device(self.index):
+            keys = [key for key, (s, _) in KERNELS.items() if s == src]
+            cubin, lowered = compile_source(src, [KERNELS[k][1] for k in keys], self.capability)
+            module = cupy.cuda.function.Module()
+            module.load(cubin)
+            self._modules.append(module)
+            for key in keys:
+                fn = module.get_function(lowered[KERNELS[key][1]])
+                per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, THREADS, 0)
+                self.functions[key] = fn
+                self.max_blocks[key] = max(1, per_sm) * self.sm_count
 
 
 _lock = threading.Lock()
@@ -199,6 +208,11 @@ def _kernel_and_grid(index: int, key: tuple[str, str], units: int):
         raise ValueError(f"{key[0]}: launch with {units} work units")
     k = device_kernels(index)
     fn = k.functions.get(key)
+    if fn is None and key in KERNELS and KERNELS[key][0] in LAZY_SOURCES:
+        with _lock:
+            if key not in k.functions:
+                k.load(KERNELS[key][0])
+        fn = k.functions.get(key)
     if fn is None:
         raise KeyError(f"no kernel {key} in the name table")
     return fn, min(units, k.max_blocks[key] if GRID[key[0]] == "resident" else (1 << 31) - 1)
