@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from ..format import FP8_BLOCK, ceil_div
-from ..kernels.fp8_block_reference import block_view, fp8_block_copy, per_element, pow2, smallest_shift
-from ..kernels.fp8_rows_reference import quantize_rows_1x128
 from ..kernels import fp8_rows
-from ..kernels.reference import e4m3_rne_satfinite
+from ..kernels import reference as nvfp4_reference
+from ..kernels.fp8_block_reference import fp8_block_copy, pow2
+from ..kernels.fp8_rows_reference import quantize_rows_1x128
 
 __all__ = ["Fp8Operand", "fp8_mm", "emulated_mm", "cublas_mm", "require_fp8_gemm", "fp8_gemm_missing"]
 
@@ -78,11 +78,16 @@ def emulated_mm(a: Fp8Operand, b: Fp8Operand) -> torch.Tensor:
     """fp32 [rows of a, rows of b] = a @ b^T over their common K, group by group: for each 128-group of K the
     fp32 product of the E4M3 values, times both operands' scales of the group (what a block-scaled GEMM computes;
     only the order of additions differs)."""
+    k = _common_k(a, b)
+    with torch.autocast(a.bits.device.type, enabled=False):  # fp32 products, whatever region the caller is in
+        return _emulated_mm(a, b, k)
+
+
+def _common_k(a: Fp8Operand, b: Fp8Operand) -> int:
     k = a.bits.shape[1]
     if b.bits.shape[1] != k:
         raise ValueError(f"fp8 GEMM: the operands' K differ ({k} and {b.bits.shape[1]})")
-    with torch.autocast(a.bits.device.type, enabled=False):  # fp32 products, whatever region the caller is in
-        return _emulated_mm(a, b, k)
+    return k
 
 
 def _emulated_mm(a: Fp8Operand, b: Fp8Operand, k: int) -> torch.Tensor:
@@ -120,11 +125,8 @@ def _cublas_operand(op: Fp8Operand, rows: int, k_groups: int) -> tuple[torch.Ten
 def cublas_mm(a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype) -> torch.Tensor:
     """a @ b^T in `out_dtype` by cuBLAS's block-scaled FP8 GEMM (sm_90), the operands padded as its recipes want
     them (module docstring)."""
-    m, k = a.bits.shape
-    n = b.bits.shape[0]
-    if b.bits.shape[1] != k:
-        raise ValueError(f"fp8 GEMM: the operands' K differ ({k} and {b.bits.shape[1]})")
-    k_groups = ceil_div(k, FP8_BLOCK)
+    m, n = a.bits.shape[0], b.bits.shape[0]
+    k_groups = ceil_div(_common_k(a, b), FP8_BLOCK)
     rows_a = ceil_div(m, _ROWS_ALIGN) * _ROWS_ALIGN
     rows_b = ceil_div(n, _ROWS_ALIGN) * _ROWS_ALIGN
     a_bits, a_scales, a_recipe = _cublas_operand(a, rows_a, k_groups)
@@ -233,11 +235,13 @@ def check_cases(device) -> dict:
     (the forward, the dgrad on the transposed copy, the wgrad, fp32 out for fp32 weights). Magnitudes change along
     both dimensions of both operands, by block and by row, so every scale differs from its neighbours'."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(70, 300, generator=g) * torch.logspace(-3, 3, 300) * torch.logspace(-2, 2, 70)[:, None]
-    rows, cols = torch.arange(200) // FP8_BLOCK, torch.arange(300) // FP8_BLOCK
-    w = torch.randn(200, 300, generator=g) * pow2(3 * rows[:, None] + 5 * cols[None, :] - 4)
+    x = torch.randn(70, 304, generator=g) * torch.logspace(-3, 3, 304) * torch.logspace(-2, 2, 70)[:, None]
+    rows, cols = torch.arange(200) // FP8_BLOCK, torch.arange(304) // FP8_BLOCK
+    w = torch.randn(200, 304, generator=g) * pow2(3 * rows[:, None] + 5 * cols[None, :] - 4)
     x, w = x.to(device), w.to(device)
-    a, block = Fp8Operand.rows(x), Fp8Operand(*_block_scaled(w), blocks=True)
+    # the block operand is what the linear reads: the FP8 copy of the NVFP4 weight (the reference's bytes) of w
+    data, scale_inv, amax, _ = nvfp4_reference.quantize(w)
+    a, block = Fp8Operand.rows(x), Fp8Operand(*fp8_block_copy(data, scale_inv, amax), blocks=True)
     return {"1 x 128 by 128 x 128": (a, block, torch.bfloat16),
             "1 x 128 by a transposed 128 x 128": (Fp8Operand.rows(x[:, :200]), block.t(), torch.bfloat16),
             "1 x 128 by 1 x 128": (a, Fp8Operand.rows(w), torch.bfloat16),
@@ -257,14 +261,4 @@ def disagreement(got: torch.Tensor, left: Fp8Operand, right: Fp8Operand, out_dty
     if not bool(bad.any()):
         return None
     return ((got - want).abs() / (magnitude + 1e-30))[bad].max().item()
-
-
-def _block_scaled(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] as E4M3 with one power-of-two scale per 128 x 128 block: a block operand for the check (any block
-    scale serves: the check compares two products of the same operands)."""
-    n, k = w.shape
-    shift = smallest_shift(block_view(w.float().abs(), n, k).amax(dim=-1)).clamp(min=-126)
-    scaled = w.float() * pow2(-per_element(shift, n, k))
-    bits = e4m3_rne_satfinite(scaled.abs()) | ((scaled < 0).to(torch.uint8) << 7)
-    return bits, pow2(shift)
 
