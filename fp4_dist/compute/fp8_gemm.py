@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..format import FP8_BLOCK, ceil_div
-from ..kernels import fp8_rows
+from ..kernels import fp8_block, fp8_rows
 from ..kernels import reference as nvfp4_reference
 from ..kernels.fp8_block_reference import fp8_block_copy, pow2
 from ..kernels.fp8_rows_reference import quantize_rows_1x128
@@ -45,8 +45,12 @@ class Fp8Operand(NamedTuple):
 
     @classmethod
     def weight(cls, w) -> Fp8Operand:
-        """NVFP4 weight `w` [N, K] as its FP8 block copy."""
-        return cls(*fp8_block_copy(w.rowwise_data, w.rowwise_scale_inv, w.amax), blocks=True)
+        """NVFP4 weight `w` [N, K] as its FP8 block copy: by the CUDA kernel on a GPU where it gave the reference's
+        bits (`require_fp8_gemm`), else by the PyTorch reference (the same bits)."""
+        fields = (w.rowwise_data, w.rowwise_scale_inv, w.amax)
+        if w.rowwise_data.is_cuda and _BLOCK_KERNEL.get(_device_key(w.rowwise_data.device)):
+            return cls(*fp8_block.fp8_block_copy(*fields), blocks=True)
+        return cls(*fp8_block_copy(*fields), blocks=True)
 
     def t(self) -> Fp8Operand:
         """The transposed operand: only a 128 x 128 block copy transposes without requantizing."""
@@ -65,6 +69,7 @@ class Fp8Operand(NamedTuple):
 _ROWS_ALIGN = 16
 _CHECKED: dict = {}  # device -> None (the GEMM agrees with the emulation there) or the sentence that refuses it
 _ROWS_KERNEL: dict = {}  # device -> whether the CUDA 1 x 128 quantization gave the reference's bits there
+_BLOCK_KERNEL: dict = {}  # device -> whether the CUDA weight copy gave the reference's bits there
 
 
 def _device_key(device) -> torch.device:
@@ -180,6 +185,7 @@ def require_fp8_gemm(device) -> None:
         with torch.autocast("cuda", enabled=False):
             why = _disagreement(device)
             _ROWS_KERNEL[device] = why is None and _rows_kernel_agrees(device)
+            _BLOCK_KERNEL[device] = why is None and _block_kernel_agrees(device)
     _CHECKED[device] = why
     if why is not None:
         raise RuntimeError(why)
@@ -227,6 +233,31 @@ def _rows_kernel_agrees(device: torch.device) -> bool:
             warnings.warn(f"fp4_dist: the CUDA 1 x 128 FP8 quantization disagrees with its reference on {device}; "
                           "the PyTorch reference quantizes instead (the same bits, slower)", stacklevel=2)  # fmt: skip
             return False
+    return True
+
+
+def _block_kernel_agrees(device: torch.device) -> bool:
+    """Whether the CUDA weight copy gives the reference's bits and scales on `device`: ragged weights whose blocks
+    span six orders of magnitude (normal and subnormal tile scales), with compact and row-expanded tile scales.
+    Where it does not, the reference makes the copies (the same bits, far slower) and a warning says so."""
+    g = torch.Generator().manual_seed(2)
+    for m, k in ((200, 304), (131, 48)):
+        rows, cols = torch.arange(m) // FP8_BLOCK, torch.arange(k) // 16
+        w = torch.randn(m, k, generator=g) * pow2((cols[None, :] * 7 + rows[:, None] * 3) % 23 - 11)
+        data, expanded, amax, compact = nvfp4_reference.quantize(w)
+        for scales in (expanded, compact):
+            want_bits, want_scales = fp8_block_copy(data, scales, amax)
+            try:
+                bits, got_scales = fp8_block.fp8_block_copy(data.to(device), scales.to(device), amax.to(device))
+            except Exception as e:  # noqa: BLE001 (any failure of the kernel path: the reference serves)
+                warnings.warn(f"fp4_dist: the CUDA FP8 weight copy does not run on {device} ({e}); the PyTorch "
+                              "reference makes the copies instead (the same bits, far slower)", stacklevel=2)
+                return False
+            if not (torch.equal(bits.cpu(), want_bits)
+                    and torch.equal(got_scales.cpu().view(torch.int32), want_scales.view(torch.int32))):  # fmt: skip
+                warnings.warn(f"fp4_dist: the CUDA FP8 weight copy disagrees with its reference on {device}; the "
+                              "PyTorch reference makes the copies instead (the same bits, far slower)", stacklevel=2)
+                return False
     return True
 
 

@@ -29,10 +29,10 @@ import torch
 from .cuda_plans import current_raw_stream
 
 CUDA_DIR = Path(__file__).resolve().parent / "cuda"
-SOURCES = ("amax.cu", "scale.cu", "cast.cu", "transpose.cu", "dequant.cu", "fp8_rows.cu")
+SOURCES = ("amax.cu", "scale.cu", "cast.cu", "transpose.cu", "dequant.cu", "fp8_rows.cu", "fp8_block.cu")
 # Compiled at the first launch of one of their kernels, not with the stage kernels: the FP8 compute mode's alone,
 # so that nothing of it stands between a run that does not use it and the NVFP4 stages.
-LAZY_SOURCES = ("fp8_rows.cu",)
+LAZY_SOURCES = ("fp8_rows.cu", "fp8_block.cu")
 THREADS = 256  # every kernel is written for 256-thread blocks (kThreads in common.cuh)
 
 COMPILE_OPTIONS = ("-std=c++17", "-fmad=false", "-ftz=false", "-prec-div=true", "-prec-sqrt=true")
@@ -58,6 +58,11 @@ KERNELS: dict[tuple[str, str], tuple[str, str]] = {
     ("e4m3_codes", ""): ("scale.cu", "fp4d::e4m3_codes_kernel"),
     **{("rows_1x128", d): ("fp8_rows.cu", f"fp4d::rows_1x128_kernel<fp4d::{d}>")
        for d in ("LoadBf16", "LoadFp16", "LoadFp32")},
+    **{("rows_1x128_vec", d): ("fp8_rows.cu", f"fp4d::rows_1x128_vec_kernel<fp4d::{d}>")
+       for d in ("LoadBf16", "LoadFp16", "LoadFp32")},
+    **{("cols_1x128", d): ("fp8_rows.cu", f"fp4d::cols_1x128_kernel<fp4d::{d}>")
+       for d in ("LoadBf16", "LoadFp16", "LoadFp32")},
+    ("fp8_block_copy", ""): ("fp8_block.cu", "fp4d::fp8_block_copy_kernel"),
 }
 
 # E2M1 rounding of partial_cast (a key of _E2M1): the one with fewer instructions per element by default.
@@ -71,7 +76,8 @@ CAST_E2M1 = "E2M1Min"
 GRID = {"partial_amax": "resident", "fused_scale": "resident", "partial_cast": "units",
         "owner_scales": "resident", "expand_scales": "resident", "nibble_transpose": "units",
         "scale_transpose": "resident", "dequantize": "units", "e2m1_codes": "resident",
-        "e4m3_codes": "resident", "rows_1x128": "units"}  # fmt: skip
+        "e4m3_codes": "resident", "rows_1x128": "units", "rows_1x128_vec": "units",
+        "cols_1x128": "units", "fp8_block_copy": "units"}  # fmt: skip
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 
@@ -352,6 +358,38 @@ def launch_rows_1x128(x: torch.Tensor, bits: torch.Tensor, scales: torch.Tensor,
     (via or _launch)(x.device.index, ("rows_1x128", _LOAD[x.dtype]), -(-groups // (THREADS // 32)),
             (x.data_ptr(), np.int64(rows), np.int64(cols), np.int64(x.stride(0)), np.int64(x.stride(1)),
              bits.data_ptr(), scales.data_ptr()))  # fmt: skip
+
+
+def launch_rows_1x128_vec(x: torch.Tensor, bits: torch.Tensor, scales: torch.Tensor, via=None) -> None:
+    """The row-major fast path of `launch_rows_1x128`: x [rows, cols] with unit column stride, cols and the row
+    stride multiples of 16 elements, 16-byte aligned (the caller checks). Eight threads per group."""
+    rows, cols = x.shape
+    threads = rows * (-(-cols // 128)) * 8
+    (via or _launch)(x.device.index, ("rows_1x128_vec", _LOAD[x.dtype]), -(-threads // THREADS),
+            (x.data_ptr(), np.int64(rows), np.int64(cols), np.int64(x.stride(0)), bits.data_ptr(),
+             scales.data_ptr()))  # fmt: skip
+
+
+def launch_cols_1x128(y: torch.Tensor, bits: torch.Tensor, scales: torch.Tensor, via=None) -> None:
+    """1 x 128 FP8 quantization of y^T for y [tokens, cols] with unit column stride (groups along the tokens) into
+    bits (uint8 [cols, tokens]) and scales (fp32 [cols, ceil(tokens/128)]). One block per 128 x 64 tile of y."""
+    tokens, cols = y.shape
+    tiles = (-(-tokens // 128)) * (-(-cols // 64))
+    (via or _launch)(y.device.index, ("cols_1x128", _LOAD[y.dtype]), tiles,
+            (y.data_ptr(), np.int64(tokens), np.int64(cols), np.int64(y.stride(0)), bits.data_ptr(),
+             scales.data_ptr()))  # fmt: skip
+
+
+def launch_fp8_block_copy(data: torch.Tensor, scales: torch.Tensor, scale_row_div: int, m: int, k: int,
+                          amax: torch.Tensor, bits: torch.Tensor, out_scales: torch.Tensor, via=None) -> None:
+    """FP8 block copy of the NVFP4 weight [m, k] (packed `data`, E4M3 tile `scales` whose row r // scale_row_div
+    serves row r, fp32 `amax` on the device) into bits (uint8 [m, k], contiguous) and out_scales (fp32
+    [ceil(m/128), ceil(k/128)], contiguous). One 256-thread block per 128 x 128 block."""
+    blocks = (-(-m // 128)) * (-(-k // 128))
+    (via or _launch)(data.device.index, ("fp8_block_copy", ""), blocks,
+            (data.data_ptr(), np.int64(data.stride(0)), scales.data_ptr(), np.int64(scales.stride(0)),
+             np.int64(scale_row_div), np.int64(m), np.int64(k), amax.data_ptr(), bits.data_ptr(),
+             out_scales.data_ptr()))  # fmt: skip
 
 
 def launch_pointwise(index, key: str, args: tuple, n: int, variant: str = "") -> None:

@@ -16,7 +16,7 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def quantize_rows_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(E4M3 bits, uint8 [R, C]; scales, fp32 [R, ceil(C/128)]) of the CUDA tensor x [R, C] (any strides: the
-    transpose of a row-major tensor is read in place), on torch's current stream."""
+    transpose of a row-major tensor is read in place), on torch's current stream, by the kernel `path` picks."""
     if not x.is_cuda or x.dim() != 2 or x.dtype not in DTYPES:
         raise ValueError(f"fp8_rows.quantize_rows_1x128: x must be a 2D CUDA tensor of {DTYPES}, got "
                          f"{x.dtype} {list(x.shape)} on {x.device}")  # fmt: skip
@@ -24,5 +24,26 @@ def quantize_rows_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     bits = torch.empty(rows, cols, dtype=torch.uint8, device=x.device)
     scales = torch.empty(rows, ceil_div(cols, FP8_BLOCK), dtype=torch.float32, device=x.device)
     if x.numel():
-        _launch.launch_rows_1x128(x, bits, scales)
+        LAUNCHERS[path(x)](x, bits, scales)
     return bits, scales
+
+
+def _launch_transposed(x: torch.Tensor, bits: torch.Tensor, scales: torch.Tensor) -> None:
+    _launch.launch_cols_1x128(x.t(), bits, scales)
+
+
+LAUNCHERS = {"rows": _launch.launch_rows_1x128_vec, "transposed": _launch_transposed,
+             "strided": _launch.launch_rows_1x128}  # fmt: skip
+
+
+def path(x: torch.Tensor) -> str:
+    """Which kernel quantizes x [R, C]: "rows" (row-major, 16-element aligned: 16-byte loads and stores),
+    "transposed" (the transpose of a row-major tensor, the weight gradient's operands: staged through shared
+    memory so that both its reads and its writes are coalesced), else "strided" (any strides, one warp per group)."""
+    rows, cols = x.shape
+    aligned = x.data_ptr() % 16 == 0
+    if x.stride(1) == 1 and cols % 16 == 0 and (x.stride(0) % 16 == 0 or rows == 1) and aligned:
+        return "rows"
+    if x.stride(0) == 1 and cols > 1:
+        return "transposed"
+    return "strided"

@@ -74,7 +74,7 @@ def test_the_projected_ratios_are_the_range_docs_fsdp2_gives():
 
 
 @pytest.mark.parametrize("script", ["kernels.py", "linear.py", "host_per_use.py", "zero1_stack.py", "lean_l2.py",
-                                    "lean_overlap.py"])
+                                    "lean_overlap.py", "fp8_linear.py"])
 def test_gpu_only_benches_say_they_need_a_gpu(script):
     proc = _bench(f"bench/{script}")
     assert proc.returncode != 0

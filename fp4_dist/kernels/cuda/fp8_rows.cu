@@ -11,22 +11,56 @@
 
 namespace fp4d {
 
+// Loaders: at(base, i) reads element i; load16(base, i, v) reads elements i..i+15 in 16-byte loads (i a multiple
+// of 16 and the address 16-byte aligned: the caller's promise).
 struct LoadBf16 {
     static __device__ __forceinline__ float at(i64 base, i64 i) {
         return __uint_as_float(static_cast<u32>(reinterpret_cast<const u16*>(base)[i]) << 16);
     }
+    static __device__ __forceinline__ void load16(i64 base, i64 i, float* v) {
+        const uint4* p = reinterpret_cast<const uint4*>(reinterpret_cast<const u16*>(base) + i);
+        const uint4 a = p[0], b = p[1];
+        const u32 w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            v[2 * j] = bf16_lo(w[j]);
+            v[2 * j + 1] = bf16_hi(w[j]);
+        }
+    }
 };
 
 struct LoadFp16 {
-    static __device__ __forceinline__ float at(i64 base, i64 i) {
+    static __device__ __forceinline__ float half(u32 h) {
         float y;
-        asm("cvt.f32.f16 %0, %1;" : "=f"(y) : "h"(reinterpret_cast<const u16*>(base)[i]));
+        asm("cvt.f32.f16 %0, %1;" : "=f"(y) : "h"(static_cast<u16>(h)));
         return y;
+    }
+    static __device__ __forceinline__ float at(i64 base, i64 i) { return half(reinterpret_cast<const u16*>(base)[i]); }
+    static __device__ __forceinline__ void load16(i64 base, i64 i, float* v) {
+        const uint4* p = reinterpret_cast<const uint4*>(reinterpret_cast<const u16*>(base) + i);
+        const uint4 a = p[0], b = p[1];
+        const u32 w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            v[2 * j] = half(w[j] & 0xffffu);
+            v[2 * j + 1] = half(w[j] >> 16);
+        }
     }
 };
 
 struct LoadFp32 {
     static __device__ __forceinline__ float at(i64 base, i64 i) { return reinterpret_cast<const float*>(base)[i]; }
+    static __device__ __forceinline__ void load16(i64 base, i64 i, float* v) {
+        const uint4* p = reinterpret_cast<const uint4*>(reinterpret_cast<const float*>(base) + i);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const uint4 a = p[j];
+            v[4 * j] = __uint_as_float(a.x);
+            v[4 * j + 1] = __uint_as_float(a.y);
+            v[4 * j + 2] = __uint_as_float(a.z);
+            v[4 * j + 3] = __uint_as_float(a.w);
+        }
+    }
 };
 
 // fp32 2^e from its bits, as the reference's pow2 builds it (for e outside [-126, 127] the same bits as there).
@@ -85,8 +119,125 @@ __global__ void __launch_bounds__(kThreads) rows_1x128_kernel(i64 x, i64 rows, i
     }
 }
 
+// The row-major fast path: each thread quantizes 16 consecutive elements (16-byte loads and one 16-byte store), 8
+// threads a group, their amax met by shuffles. Needs stride_c = 1, cols % 16 == 0 and 16-byte aligned rows (the
+// launcher checks). Lanes of a ragged last group past cols idle.
+template <class L>
+__global__ void __launch_bounds__(kThreads) rows_1x128_vec_kernel(i64 x, i64 rows, i64 cols, i64 stride_r, i64 bits,
+                                                                  i64 scales) {
+    constexpr int kEls = 16;
+    const i64 groups = (cols + 127) / 128;
+    const i64 u = static_cast<i64>(blockIdx.x) * kThreads + threadIdx.x;
+    const i64 g = u / 8;  // the group: 8 threads each (lanes 8i..8i+7 of a warp)
+    const bool live = g < rows * groups;
+    const i64 r = live ? g / groups : 0;
+    const i64 c = (g % groups) * 128 + (u % 8) * kEls;
+    const bool mine = live && c < cols;
+    float v[kEls];
+    if (mine) {
+        L::load16(x, r * stride_r + c, v);
+    } else {
+#pragma unroll
+        for (int i = 0; i < kEls; ++i) v[i] = 0.0f;
+    }
+    float top = 0.0f;
+    bool finite = true;
+#pragma unroll
+    for (int i = 0; i < kEls; ++i) {
+        const float a = fabsf(v[i]);
+        finite = finite && a <= kFltMax;
+        top = a > top ? a : top;
+    }
+    int all_finite = finite ? 1 : 0;
+#pragma unroll
+    for (int off = 4; off > 0; off >>= 1) {
+        top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, off));
+        all_finite &= __shfl_xor_sync(0xffffffffu, all_finite, off);
+    }
+    if (!mine) return;
+    const int k = all_finite ? group_shift(top) : 0;
+    const float down = pow2_bits(-k);
+    u32 word[4];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+        word[w] = 0;
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+            const float e = v[4 * w + b];
+            const u32 code = e4m3_rne_satfinite(fabsf(e * down)) | (e < 0.0f ? 0x80u : 0u);
+            word[w] |= code << (8 * b);
+        }
+    }
+    *reinterpret_cast<uint4*>(reinterpret_cast<u8*>(bits) + r * cols + c) = make_uint4(word[0], word[1], word[2],
+                                                                                     word[3]);
+    if (u % 8 == 0) {
+        reinterpret_cast<float*>(scales)[g] = all_finite ? pow2_bits(k) : __uint_as_float(0x7fc00000u);
+    }
+}
+
+// The transposed path: the 1 x 128 quantization of y^T for a row-major y [tokens, cols] (the weight gradient's
+// operands, grouped along the tokens), bits [cols, tokens] and scales [cols, ceil(tokens / 128)]. A block
+// stages a 128-token x 64-column tile of y in shared memory (coalesced reads along y's rows), then each warp
+// quantizes 8 of its columns, one 128-token group each, and writes them along the output's rows.
+template <class L>
+__global__ void __launch_bounds__(kThreads) cols_1x128_kernel(i64 y, i64 tokens, i64 cols, i64 stride_t, i64 bits,
+                                                              i64 scales) {
+    constexpr int kCols = 64;
+    __shared__ float tile[kCols][128 + 1];
+    const i64 tiles_c = (cols + kCols - 1) / kCols;
+    const i64 t0 = (blockIdx.x / tiles_c) * 128, c0 = (blockIdx.x % tiles_c) * kCols;
+    const int cl = threadIdx.x % kCols;
+#pragma unroll 8
+    for (int tl = threadIdx.x / kCols; tl < 128; tl += kThreads / kCols) {
+        const i64 t = t0 + tl, c = c0 + cl;
+        tile[cl][tl] = t < tokens && c < cols ? L::at(y, t * stride_t + c) : 0.0f;
+    }
+    __syncthreads();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const i64 groups = (tokens + 127) / 128;
+    for (int j = 0; j < kCols / (kThreads / 32); ++j) {
+        const int col = warp * (kCols / (kThreads / 32)) + j;
+        const i64 c = c0 + col;
+        if (c >= cols) break;  // the same for the whole warp
+        float v[4];
+        float top = 0.0f;
+        bool finite = true;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            v[i] = tile[col][lane + 32 * i];
+            const float a = fabsf(v[i]);
+            finite = finite && a <= kFltMax;
+            top = a > top ? a : top;
+        }
+        finite = __all_sync(0xffffffffu, finite);
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, off));
+        const int k = finite ? group_shift(top) : 0;
+        const float down = pow2_bits(-k);
+        u8* out = reinterpret_cast<u8*>(bits) + c * tokens;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const i64 t = t0 + lane + 32 * i;
+            if (t < tokens) {
+                out[t] = static_cast<u8>(e4m3_rne_satfinite(fabsf(v[i] * down)) | (v[i] < 0.0f ? 0x80u : 0u));
+            }
+        }
+        if (lane == 0) {
+            reinterpret_cast<float*>(scales)[c * groups + t0 / 128] =
+                finite ? pow2_bits(k) : __uint_as_float(0x7fc00000u);
+        }
+    }
+}
+
 template __global__ void rows_1x128_kernel<LoadBf16>(i64, i64, i64, i64, i64, i64, i64);
 template __global__ void rows_1x128_kernel<LoadFp16>(i64, i64, i64, i64, i64, i64, i64);
 template __global__ void rows_1x128_kernel<LoadFp32>(i64, i64, i64, i64, i64, i64, i64);
+
+template __global__ void rows_1x128_vec_kernel<LoadBf16>(i64, i64, i64, i64, i64, i64);
+template __global__ void rows_1x128_vec_kernel<LoadFp16>(i64, i64, i64, i64, i64, i64);
+template __global__ void rows_1x128_vec_kernel<LoadFp32>(i64, i64, i64, i64, i64, i64);
+template __global__ void cols_1x128_kernel<LoadBf16>(i64, i64, i64, i64, i64, i64);
+template __global__ void cols_1x128_kernel<LoadFp16>(i64, i64, i64, i64, i64, i64);
+template __global__ void cols_1x128_kernel<LoadFp32>(i64, i64, i64, i64, i64, i64);
 
 }  // namespace fp4d

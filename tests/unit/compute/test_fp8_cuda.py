@@ -25,7 +25,7 @@ needs_hopper = pytest.mark.skipif(not HOPPER, reason="cuBLAS's 1 x 128 / 128 x 1
 @pytest.mark.parametrize("seed", range(12))
 def test_cublas_block_scaled_gemms_equal_the_emulation_on_ragged_shapes(seed):
     rng = random.Random(seed)
-    m, n, k = rng.randint(1, 300), rng.randint(1, 300), rng.choice([16, 128, 144, 272, 384, 1000])
+    m, n, k = rng.randint(1, 300), rng.randint(1, 300), rng.choice([16, 128, 144, 272, 384, 1008])
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g) * torch.logspace(-2, 2, k)
     lin = nn.Linear(k, n, bias=False).to(torch.bfloat16)
@@ -43,7 +43,8 @@ def test_cublas_block_scaled_gemms_equal_the_emulation_on_ragged_shapes(seed):
 @needs_hopper
 def test_a_converted_layer_on_hopper_computes_what_the_cpu_emulation_does():
     require_fp8_gemm("cuda")
-    assert fp8_gemm._ROWS_KERNEL[torch.device("cuda", torch.cuda.current_device())]  # the kernel quantizes here
+    here = torch.device("cuda", torch.cuda.current_device())
+    assert fp8_gemm._ROWS_KERNEL[here] and fp8_gemm._BLOCK_KERNEL[here]  # the kernels quantize and copy here
     torch.manual_seed(0)
     cpu = nn.Linear(272, 200).to(torch.bfloat16)
     gpu = nn.Linear(272, 200).to(torch.bfloat16)
@@ -55,7 +56,7 @@ def test_a_converted_layer_on_hopper_computes_what_the_cpu_emulation_does():
     dy = torch.randn(3, 45, 200, dtype=torch.bfloat16)
     outs = {}
     for name, layer, dev in (("cpu", cpu, "cpu"), ("gpu", gpu, "cuda")):
-        xi = x.to(dev).requires_grad_()
+        xi = x.to(dev).detach().requires_grad_()  # a leaf on each device
         y = layer(xi)
         y.backward(dy.to(dev))
         outs[name] = (y.detach().cpu(), xi.grad.cpu(), layer.weight.grad.cpu())

@@ -131,3 +131,18 @@ def test_zero_weights_and_the_compact_tile_grid():
     for got, want in zip(fp8_block_copy(q.rowwise_data, grid, q.amax),
                          fp8_block_copy(q.rowwise_data, q.rowwise_scale_inv, q.amax)):  # fmt: skip
         assert torch.equal(got, want)
+
+
+def test_an_fp32_division_gives_the_codes_of_the_fp64_one_for_every_element_and_scale():
+    # The CUDA copy divides in fp32 where the reference divides in fp64 and rounds to fp32 (cuda/fp8_block.cu):
+    # every element value P * 2^X against every significand and every shift that keeps the quotient in E4M3's range.
+    twice_q, significand = torch.tensor([1, 2, 3, 4, 6, 8, 12]), torch.arange(16)
+    p = torch.unique(twice_q[:, None] * significand[None, :])
+    v = (p[:, None].double() * torch.pow(2.0, torch.arange(-10, 5).double())[None, :]).reshape(-1)
+    for sig in range(8, 16):
+        for shift in range(-22, 12):
+            scaled = v * 2.0 ** (3 - shift)
+            fp64 = (scaled / sig).float()
+            fp32 = scaled.float() / torch.tensor(float(sig))
+            in_range = fp64 <= 448.0
+            assert torch.equal(fp32[in_range].view(torch.int32), fp64[in_range].view(torch.int32)), (sig, shift)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fp4_dist.format import FP8_BLOCK, ceil_div
-from fp4_dist.kernels import _launch
+from fp4_dist.kernels import fp8_rows
 from fp4_dist.kernels.fp8_rows_reference import quantize_rows_1x128
 
 pytestmark = pytest.mark.gpu
@@ -40,11 +40,23 @@ def _poisoned(rows: int, cols: int):
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_the_kernel_gives_the_references_bits(seed):
-    x = _case(seed)
-    for view in (x, x.t()):  # the weight gradient quantizes transposes, read in place
-        want_bits, want_scales = quantize_rows_1x128(view)
-        bits, scales = _poisoned(*view.shape)
-        _launch.launch_rows_1x128(view.cuda() if view is x else x.cuda().t(), bits, scales)
-        assert torch.equal(bits.cpu(), want_bits), (seed, view.dtype, list(view.shape))
-        assert torch.equal(scales.cpu().view(torch.int32), want_scales.view(torch.int32)), (seed, list(view.shape))
+def test_every_kernel_gives_the_references_bits(seed):
+    xg = _case(seed).cuda()
+    # row-major (the aligned fast path where it applies), the transpose (the weight gradient's operands, through
+    # shared memory), and an unaligned slice; each also through the any-strides kernel
+    views = [xg, xg.t()] + ([xg[:, 1:]] if xg.shape[1] > 1 else [])
+    for view in views:
+        want_bits, want_scales = quantize_rows_1x128(view.cpu())
+        for name in sorted({fp8_rows.path(view), "strided"}):
+            bits, scales = _poisoned(*view.shape)
+            fp8_rows.LAUNCHERS[name](view, bits, scales)
+            label = (seed, name, view.dtype, list(view.shape), view.stride())
+            assert torch.equal(bits.cpu(), want_bits), label
+            assert torch.equal(scales.cpu().view(torch.int32), want_scales.view(torch.int32)), label
+
+
+def test_each_layout_takes_its_kernel():
+    x = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16)
+    assert fp8_rows.path(x) == "rows" and fp8_rows.path(x.t()) == "transposed"
+    assert fp8_rows.path(x[:, 1:]) == "strided" and fp8_rows.path(x[:, :100]) == "strided"
+    assert fp8_rows.path(x[::2]) == "rows"  # rows 512 elements apart: still aligned

@@ -1,0 +1,39 @@
+"""The CUDA FP8 block copy of an NVFP4 weight (`cuda/fp8_block.cu`): the bits and scales of
+`fp8_block_reference.fp8_block_copy`, in one launch per weight. The FP8 compute mode uses it on a GPU where it gave
+the reference's bits (`fp4_dist.compute.fp8_gemm.require_fp8_gemm` checks, once per device)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..format import FP8_BLOCK, TILE, ceil_div, is_tile_grid, tile_grid
+from . import _launch
+
+__all__ = ["fp8_block_copy"]
+
+
+def fp8_block_copy(rowwise_data: torch.Tensor, rowwise_scale_inv: torch.Tensor,
+                   amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(E4M3 bits, uint8 [M, K]; block scales, fp32 [ceil(M/128), ceil(K/128)]) of the NVFP4 weight [M, K] held
+    on a CUDA device as packed codes [M, K/2], E4M3 tile scales (row-expanded or the compact tile grid) and its
+    fp32 amax; on torch's current stream, without a host synchronization."""
+    if not rowwise_data.is_cuda or rowwise_data.dtype != torch.uint8 or rowwise_data.dim() != 2:
+        raise ValueError(f"fp8_block.fp8_block_copy: rowwise_data must be 2D uint8 on a CUDA device, got "
+                         f"{rowwise_data.dtype} {list(rowwise_data.shape)} on {rowwise_data.device}")  # fmt: skip
+    m, k = rowwise_data.shape[0], rowwise_data.shape[1] * 2
+    scales = rowwise_scale_inv
+    tile_rows, tile_cols = tile_grid(m, k)
+    grid = is_tile_grid(scales.shape, m, k)
+    if (scales.device != rowwise_data.device or scales.dtype != torch.uint8 or scales.dim() != 2
+            or scales.shape[0] < (tile_rows if grid else m) or scales.shape[1] < tile_cols):  # fmt: skip
+        raise ValueError(f"fp8_block.fp8_block_copy: the tile scales {scales.dtype} {list(scales.shape)} on "
+                         f"{scales.device} do not cover an NVFP4 weight [{m}, {k}] on {rowwise_data.device}")
+    if rowwise_data.stride(1) != 1 or scales.stride(1) != 1:
+        raise ValueError("fp8_block.fp8_block_copy: the packed codes and the tile scales must be row-major")
+    amax = amax.reshape(1).to(device=rowwise_data.device, dtype=torch.float32)
+    bits = torch.empty(m, k, dtype=torch.uint8, device=rowwise_data.device)
+    out_scales = torch.empty(ceil_div(m, FP8_BLOCK), ceil_div(k, FP8_BLOCK), dtype=torch.float32,
+                             device=rowwise_data.device)  # fmt: skip
+    if m and k:
+        _launch.launch_fp8_block_copy(rowwise_data, scales, TILE if grid else 1, m, k, amax, bits, out_scales)
+    return bits, out_scales
