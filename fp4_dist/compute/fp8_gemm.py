@@ -118,7 +118,10 @@ def _cublas_operand(op: Fp8Operand, rows: int, k_groups: int) -> tuple[torch.Ten
     """(E4M3 [rows, 128 k_groups] row-major, its scales as cuBLAS's recipe reads them, the recipe)."""
     # Row-major values (a transposed weight copy, the dgrad's operand, is materialized here), and scales in the
     # layouts torch's sm_90 recipes read.
-    bits = _padded(op.bits, rows, k_groups * FP8_BLOCK).contiguous().view(torch.float8_e4m3fn)
+    bits = op.bits
+    if bits.is_cuda and not bits.is_contiguous() and bits.t().is_contiguous():  # the dgrad's transposed copy
+        bits = fp8_block.transposed_bytes(bits.t())
+    bits = _padded(bits, rows, k_groups * FP8_BLOCK).contiguous().view(torch.float8_e4m3fn)
     if op.blocks:
         k_blocks = ceil_div(k_groups, 4) * 4
         scales = _padded(op.scales, ceil_div(rows, FP8_BLOCK), k_blocks).contiguous().t()  # [K blocks, row blocks]

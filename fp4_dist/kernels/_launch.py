@@ -63,6 +63,7 @@ KERNELS: dict[tuple[str, str], tuple[str, str]] = {
     **{("cols_1x128", d): ("fp8_rows.cu", f"fp4d::cols_1x128_kernel<fp4d::{d}>")
        for d in ("LoadBf16", "LoadFp16", "LoadFp32")},
     ("fp8_block_copy", ""): ("fp8_block.cu", "fp4d::fp8_block_copy_kernel"),
+    ("transpose_bytes", ""): ("fp8_block.cu", "fp4d::transpose_bytes_kernel"),
 }
 
 # E2M1 rounding of partial_cast (a key of _E2M1): the one with fewer instructions per element by default.
@@ -77,7 +78,7 @@ GRID = {"partial_amax": "resident", "fused_scale": "resident", "partial_cast": "
         "owner_scales": "resident", "expand_scales": "resident", "nibble_transpose": "units",
         "scale_transpose": "resident", "dequantize": "units", "e2m1_codes": "resident",
         "e4m3_codes": "resident", "rows_1x128": "units", "rows_1x128_vec": "units",
-        "cols_1x128": "units", "fp8_block_copy": "units"}  # fmt: skip
+        "cols_1x128": "units", "fp8_block_copy": "units", "transpose_bytes": "units"}  # fmt: skip
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 
@@ -390,6 +391,14 @@ def launch_fp8_block_copy(data: torch.Tensor, scales: torch.Tensor, scale_row_di
             (data.data_ptr(), np.int64(data.stride(0)), scales.data_ptr(), np.int64(scales.stride(0)),
              np.int64(scale_row_div), np.int64(m), np.int64(k), amax.data_ptr(), bits.data_ptr(),
              out_scales.data_ptr()))  # fmt: skip
+
+
+def launch_transpose_bytes(src: torch.Tensor, dst: torch.Tensor, via=None) -> None:
+    """dst [cols, rows] = src [rows, cols]^T, uint8, both contiguous, rows and cols multiples of 16 (the caller
+    checks). One block per 64 x 64 tile."""
+    rows, cols = src.shape
+    (via or _launch)(src.device.index, ("transpose_bytes", ""), (-(-rows // 64)) * (-(-cols // 64)),
+            (src.data_ptr(), np.int64(rows), np.int64(cols), dst.data_ptr()))  # fmt: skip
 
 
 def launch_pointwise(index, key: str, args: tuple, n: int, variant: str = "") -> None:

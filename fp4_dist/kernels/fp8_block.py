@@ -9,7 +9,7 @@ import torch
 from ..format import FP8_BLOCK, TILE, ceil_div, is_tile_grid, tile_grid
 from . import _launch
 
-__all__ = ["fp8_block_copy"]
+__all__ = ["fp8_block_copy", "transposed_bytes"]
 
 
 def fp8_block_copy(rowwise_data: torch.Tensor, rowwise_scale_inv: torch.Tensor,
@@ -37,3 +37,14 @@ def fp8_block_copy(rowwise_data: torch.Tensor, rowwise_scale_inv: torch.Tensor,
     if m and k:
         _launch.launch_fp8_block_copy(rowwise_data, scales, TILE if grid else 1, m, k, amax, bits, out_scales)
     return bits, out_scales
+
+
+def transposed_bytes(x: torch.Tensor) -> torch.Tensor:
+    """x^T made row-major, for a uint8 CUDA tensor x [R, C] (the weight copy's transpose that the dgrad's GEMM
+    reads): by the tiled kernel where x is contiguous with R and C multiples of 16, else by torch."""
+    if x.is_cuda and x.dtype == torch.uint8 and x.dim() == 2 and x.is_contiguous() and x.data_ptr() % 16 == 0 \
+            and x.shape[0] % 16 == 0 and x.shape[1] % 16 == 0 and x.numel():  # fmt: skip
+        out = torch.empty(x.shape[1], x.shape[0], dtype=torch.uint8, device=x.device)
+        _launch.launch_transpose_bytes(x, out)
+        return out
+    return x.t().contiguous()

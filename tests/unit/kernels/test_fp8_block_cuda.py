@@ -14,6 +14,7 @@ from fp4_dist.format import FP8_BLOCK, ceil_div
 from fp4_dist.kernels import _launch, fp8_block
 from fp4_dist.kernels import reference as nvfp4
 from fp4_dist.kernels.fp8_block_reference import fp8_block_copy, pow2
+from fp4_dist.testing import extreme_nvfp4_bytes
 
 pytestmark = pytest.mark.gpu
 
@@ -77,3 +78,19 @@ def test_a_trained_weight_gives_the_references_bits():
     w[torch.randint(0, 1024, (20,), generator=g), torch.randint(0, 1040, (20,), generator=g)] = 0.5
     data, expanded, amax, _ = nvfp4.quantize(w)
     _check(data, expanded, amax, "trained-like")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_bytes_of_every_kind_give_the_references_bits(seed):
+    # random codes under tile scales from the smallest subnormal to 448, ragged edges: the largest and the finest
+    # values of the format in one block, where the errors' sums span the most bits
+    data, tiles = extreme_nvfp4_bytes(seed, 272, 400)
+    amax = torch.tensor([float(2.0 ** (seed * 7 - 20))])
+    _check(data[:263], tiles[:17], amax, seed)
+
+
+@pytest.mark.parametrize("shape", [(16, 16), (48, 4096), (4096, 48), (200, 336), (1040, 272)])
+def test_the_byte_transpose_equals_torchs(shape):
+    x = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda")  # 16s: the kernel; else torch
+    assert torch.equal(fp8_block.transposed_bytes(x), x.t().contiguous())
+    assert torch.equal(fp8_block.transposed_bytes(x[:, 1:]), x[:, 1:].t().contiguous())  # torch's, unaligned

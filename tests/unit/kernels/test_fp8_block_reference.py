@@ -14,7 +14,7 @@ import fp4_dist
 from fp4_dist.format import E2M1_VALUES, FP8_BLOCK
 from fp4_dist.kernels import reference
 from fp4_dist.kernels.fp8_block_reference import fp8_block_copy, fp8_block_values
-from fp4_dist.testing import random_weight
+from fp4_dist.testing import extreme_nvfp4_bytes, random_weight
 
 
 def _e4m3(code: int) -> Fraction:
@@ -146,3 +146,27 @@ def test_an_fp32_division_gives_the_codes_of_the_fp64_one_for_every_element_and_
             fp32 = scaled.float() / torch.tensor(float(sig))
             in_range = fp64 <= 448.0
             assert torch.equal(fp32[in_range].view(torch.int32), fp64[in_range].view(torch.int32)), (sig, shift)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_blocks_squared_errors_sum_exactly_in_fp64_so_any_order_gives_the_reference_sum(seed):
+    # The CUDA copy sums squared errors in another order than tree_sum (cuda/fp8_block.cu): the same total only
+    # because every partial sum is exact. Checked here against exact rational sums, on blocks of extreme spread.
+    from fp4_dist.kernels.fp8_block_reference import (block_view, element_integers, pow2, smallest_shift,
+                                                      tree_sum)  # fmt: skip
+    from fp4_dist.kernels.reference import e4m3_rne_satfinite
+
+    data, tiles = extreme_nvfp4_bytes(seed)
+    m, k = data.shape[0], data.shape[1] * 2
+    p, x, _ = element_integers(data, tiles, m, k)
+    value = p.double() * pow2(x).double()
+    top = block_view(value, m, k).amax(dim=-1)
+    for sig in range(8, 16):
+        shift = smallest_shift(top, sig)
+        unit = pow2(shift.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1) - 3).double()
+        bits = e4m3_rne_satfinite(((value / unit) / sig).float())
+        err = bits.view(torch.float8_e4m3fn).double() * sig * unit - value
+        sq = block_view(err * err, m, k)
+        for b, got in zip(sq.reshape(-1, FP8_BLOCK * FP8_BLOCK), tree_sum(sq).reshape(-1)):
+            exact = sum((Fraction(v) for v in b.tolist()), Fraction(0))
+            assert Fraction(got.item()) == exact and Fraction(b.flip(0).cumsum(0)[-1].item()) == exact, sig
