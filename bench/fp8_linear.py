@@ -90,8 +90,7 @@ def kernel_rows(t: int, n: int, k: int, reps: int, copy_gbs: float) -> list[dict
 
 def fp8_rows_out(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = x.shape
-    return (torch.empty(rows, cols, dtype=torch.uint8, device=x.device),
-            torch.empty(rows, -(-cols // 128), dtype=torch.float32, device=x.device))
+    return torch.empty(rows, cols, dtype=torch.uint8, device=x.device), fp8_rows.scales_buffer(rows, cols, x.device)
 
 
 def layer_rows(t: int, n: int, k: int, reps: int) -> list[dict]:
@@ -128,15 +127,42 @@ def layer_rows(t: int, n: int, k: int, reps: int) -> list[dict]:
     return out
 
 
+def profile_host(t: int, n: int, k: int, reps: int) -> None:
+    """Where the FP8 layer's host time goes: cProfile of `reps` forward + backward calls (copy kept)."""
+    import cProfile
+    import pstats
+
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
+    layer = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    fp4_dist.convert_linear_weights(layer, compute="fp8")
+    for _ in range(3):
+        layer(x).backward(dy)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(reps):
+        layer(x).backward(dy)
+    prof.disable()
+    torch.cuda.synchronize()
+    print(f"FP8 layer {n}x{k}, {t} tokens: host per forward + backward, {reps} calls")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--shapes", default="4096x4096,11008x4096,4096x11008", help="N x K (out x in), comma separated")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default=os.environ.get("OUT"))
+    p.add_argument("--profile-host", action="store_true",
+                   help="instead: cProfile of the FP8 layer's forward + backward (copy kept), by own time")
     args = p.parse_args()
     require_gpu("bench/fp8_linear.py", "the FP8 compute mode's GEMMs and kernels")
     require_fp8_gemm("cuda")
+    if args.profile_host:
+        profile_host(args.tokens, *[int(v) for v in args.shapes.split(",")[0].split("x")], args.reps)
+        return
     name = torch.cuda.get_device_name()
     copy_gbs = copy_bandwidth()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]

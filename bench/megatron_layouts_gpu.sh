@@ -10,7 +10,8 @@
 # under ${OUT:-bench/out}, with each run's peak memory (max over ranks). GPT 4 layers x 512, seq 512, micro-batch 4,
 # global batch 16, byte tokens of TEXT (default: this Python's standard library sources); the llama-* layouts
 # override the model. KEPT=1: each fp4 run again with kept compute copies (the launcher's --compute-copy), tabled
-# under $OUT/kept against the same bf16 run.
+# under $OUT/kept against the same bf16 run; FP8=1 likewise in the FP8 compute mode (--compute fp8, Hopper), under
+# $OUT/fp8. FP4=0 leaves out the default mode's runs (and their table).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -53,6 +54,8 @@ ORDER=(tp2-dp2 pp2-dp2 tp2-pp2 moe-ep2-dp2 moe-ep4)
 (( $# )) && ORDER=("$@")
 status=0
 KEPT=${KEPT:-0}
+FP8=${FP8:-0}
+FP4=${FP4:-1}
 run() {  # run DIR NAME LAYOUT-ARGS [--fp4-param-gather]; the launcher's own options in $LAUNCHER_OPTS
   local dir=$1 name=$2 layout=$3; shift 3
   local opts=(--log-json "$dir/$name.json" ${LAUNCHER_OPTS:-})
@@ -64,18 +67,31 @@ run() {  # run DIR NAME LAYOUT-ARGS [--fp4-param-gather]; the launcher's own opt
   echo "=== $name: exit $rc"; [[ $rc -eq 0 ]] || { status=1; grep "fp4_dist\|Error" "$dir/$name.log" | tail -8; }
 }
 (( KEPT )) && mkdir -p "$OUT/kept"
+(( FP8 )) && mkdir -p "$OUT/fp8"
 for l in "${ORDER[@]}"; do
   run "$OUT" "$l-bf16" "${LAYOUT[$l]}"
-  run "$OUT" "$l-fp4" "${LAYOUT[$l]}" --fp4-param-gather
+  (( FP4 )) && run "$OUT" "$l-fp4" "${LAYOUT[$l]}" --fp4-param-gather
   if (( KEPT )); then
     cp "$OUT/$l-bf16.json" "$OUT/$l-bf16.log" "$OUT/kept/"
     LAUNCHER_OPTS=--compute-copy run "$OUT/kept" "$l-fp4" "${LAYOUT[$l]}" --fp4-param-gather
   fi
+  if (( FP8 )); then
+    cp "$OUT/$l-bf16.json" "$OUT/$l-bf16.log" "$OUT/fp8/"
+    LAUNCHER_OPTS="--compute fp8" run "$OUT/fp8" "$l-fp4" "${LAYOUT[$l]}" --fp4-param-gather
+  fi
 done
-"$PY" bench/megatron_lm_table.py "$OUT" "${ORDER[@]}" --check-every "$CHECK" --summary | tee "$OUT/layouts.md" || status=1
+if (( FP4 )); then
+  "$PY" bench/megatron_lm_table.py "$OUT" "${ORDER[@]}" --check-every "$CHECK" --summary | tee "$OUT/layouts.md" ||
+    status=1
+fi
 if (( KEPT )); then
   echo "kept compute copies (--compute-copy) in the fp4 columns:"
   "$PY" bench/megatron_lm_table.py "$OUT/kept" "${ORDER[@]}" --check-every "$CHECK" --summary |
     tee "$OUT/kept/layouts.md" || status=1
+fi
+if (( FP8 )); then
+  echo "the FP8 compute mode (--compute fp8) in the fp4 columns:"
+  "$PY" bench/megatron_lm_table.py "$OUT/fp8" "${ORDER[@]}" --check-every "$CHECK" --summary |
+    tee "$OUT/fp8/layouts.md" || status=1
 fi
 exit $status

@@ -290,6 +290,12 @@ class BoundLaunch:
         _launch(self.index, self.key, self.units, self.args)
 
 
+def launch_now(index: int, key: tuple[str, str], units: int, args: tuple) -> None:
+    """One launch made through the driver directly, arguments packed for it alone: what the FP8 compute mode's
+    launches use, whose pointers change every call (a few microseconds of host time against CuPy's tens)."""
+    BoundLaunch(index, key, units, args)()
+
+
 def bind(launch: Callable) -> BoundLaunch:
     """The launch that ``launch(via)`` makes through one of the launchers below (called with ``via=via``), bound:
     calling the result launches the same kernel with the same arguments."""
@@ -352,11 +358,11 @@ _LOAD = {torch.bfloat16: "LoadBf16", torch.float16: "LoadFp16", torch.float32: "
 
 def launch_rows_1x128(x: torch.Tensor, bits: torch.Tensor, scales: torch.Tensor, via=None) -> None:
     """1 x 128 FP8 quantization of x [rows, cols] (any strides: a transposed view reads without a copy) into
-    bits (uint8 [rows, cols], contiguous) and scales (fp32 [rows, ceil(cols/128)], contiguous). One warp per
-    group: 8 groups per 256-thread block."""
+    bits (uint8 [rows, cols], contiguous) and scales (fp32 [rows, ceil(cols/128)], outer-dim-major: strides
+    (1, rows)). One warp per group: 8 groups per 256-thread block."""
     rows, cols = x.shape
     groups = rows * (-(-cols // 128))
-    (via or _launch)(x.device.index, ("rows_1x128", _LOAD[x.dtype]), -(-groups // (THREADS // 32)),
+    (via or launch_now)(x.device.index, ("rows_1x128", _LOAD[x.dtype]), -(-groups // (THREADS // 32)),
             (x.data_ptr(), np.int64(rows), np.int64(cols), np.int64(x.stride(0)), np.int64(x.stride(1)),
              bits.data_ptr(), scales.data_ptr()))  # fmt: skip
 
@@ -366,17 +372,18 @@ def launch_rows_1x128_vec(x: torch.Tensor, bits: torch.Tensor, scales: torch.Ten
     stride multiples of 16 elements, 16-byte aligned (the caller checks). Eight threads per group."""
     rows, cols = x.shape
     threads = rows * (-(-cols // 128)) * 8
-    (via or _launch)(x.device.index, ("rows_1x128_vec", _LOAD[x.dtype]), -(-threads // THREADS),
+    (via or launch_now)(x.device.index, ("rows_1x128_vec", _LOAD[x.dtype]), -(-threads // THREADS),
             (x.data_ptr(), np.int64(rows), np.int64(cols), np.int64(x.stride(0)), bits.data_ptr(),
              scales.data_ptr()))  # fmt: skip
 
 
 def launch_cols_1x128(y: torch.Tensor, bits: torch.Tensor, scales: torch.Tensor, via=None) -> None:
     """1 x 128 FP8 quantization of y^T for y [tokens, cols] with unit column stride (groups along the tokens) into
-    bits (uint8 [cols, tokens]) and scales (fp32 [cols, ceil(tokens/128)]). One block per 128 x 64 tile of y."""
+    bits (uint8 [cols, tokens]) and scales (fp32 [cols, ceil(tokens/128)], outer-dim-major). One block per 128 x 64
+    tile of y."""
     tokens, cols = y.shape
     tiles = (-(-tokens // 128)) * (-(-cols // 64))
-    (via or _launch)(y.device.index, ("cols_1x128", _LOAD[y.dtype]), tiles,
+    (via or launch_now)(y.device.index, ("cols_1x128", _LOAD[y.dtype]), tiles,
             (y.data_ptr(), np.int64(tokens), np.int64(cols), np.int64(y.stride(0)), bits.data_ptr(),
              scales.data_ptr()))  # fmt: skip
 
@@ -387,7 +394,7 @@ def launch_fp8_block_copy(data: torch.Tensor, scales: torch.Tensor, scale_row_di
     serves row r, fp32 `amax` on the device) into bits (uint8 [m, k], contiguous) and out_scales (fp32
     [ceil(m/128), ceil(k/128)], contiguous). One 256-thread block per 128 x 128 block."""
     blocks = (-(-m // 128)) * (-(-k // 128))
-    (via or _launch)(data.device.index, ("fp8_block_copy", ""), blocks,
+    (via or launch_now)(data.device.index, ("fp8_block_copy", ""), blocks,
             (data.data_ptr(), np.int64(data.stride(0)), scales.data_ptr(), np.int64(scales.stride(0)),
              np.int64(scale_row_div), np.int64(m), np.int64(k), amax.data_ptr(), bits.data_ptr(),
              out_scales.data_ptr()))  # fmt: skip
@@ -397,7 +404,7 @@ def launch_transpose_bytes(src: torch.Tensor, dst: torch.Tensor, via=None) -> No
     """dst [cols, rows] = src [rows, cols]^T, uint8, both contiguous, rows and cols multiples of 16 (the caller
     checks). One block per 64 x 64 tile."""
     rows, cols = src.shape
-    (via or _launch)(src.device.index, ("transpose_bytes", ""), (-(-rows // 64)) * (-(-cols // 64)),
+    (via or launch_now)(src.device.index, ("transpose_bytes", ""), (-(-rows // 64)) * (-(-cols // 64)),
             (src.data_ptr(), np.int64(rows), np.int64(cols), dst.data_ptr()))  # fmt: skip
 
 

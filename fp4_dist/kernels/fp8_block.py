@@ -30,6 +30,9 @@ def fp8_block_copy(rowwise_data: torch.Tensor, rowwise_scale_inv: torch.Tensor,
                          f"{scales.device} do not cover an NVFP4 weight [{m}, {k}] on {rowwise_data.device}")
     if rowwise_data.stride(1) != 1 or scales.stride(1) != 1:
         raise ValueError("fp8_block.fp8_block_copy: the packed codes and the tile scales must be row-major")
+    if k % TILE or rowwise_data.stride(0) % 4 or rowwise_data.data_ptr() % 4:  # the kernel reads 32-bit words
+        raise ValueError(f"fp8_block.fp8_block_copy: an NVFP4 weight's K is a multiple of 16 and its packed rows "
+                         f"are 4-byte aligned; got K = {k}, row stride {rowwise_data.stride(0)} bytes")
     amax = amax.reshape(1).to(device=rowwise_data.device, dtype=torch.float32)
     bits = torch.empty(m, k, dtype=torch.uint8, device=rowwise_data.device)
     out_scales = torch.empty(ceil_div(m, FP8_BLOCK), ceil_div(k, FP8_BLOCK), dtype=torch.float32,

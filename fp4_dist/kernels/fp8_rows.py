@@ -15,17 +15,24 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def quantize_rows_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(E4M3 bits, uint8 [R, C]; scales, fp32 [R, ceil(C/128)]) of the CUDA tensor x [R, C] (any strides: the
-    transpose of a row-major tensor is read in place), on torch's current stream, by the kernel `path` picks."""
+    """(E4M3 bits, uint8 [R, C]; scales, fp32 [R, ceil(C/128)], outer-dim-major) of the CUDA tensor x [R, C] (any
+    strides: the transpose of a row-major tensor is read in place), on torch's current stream, by the kernel `path`
+    picks."""
     if not x.is_cuda or x.dim() != 2 or x.dtype not in DTYPES:
         raise ValueError(f"fp8_rows.quantize_rows_1x128: x must be a 2D CUDA tensor of {DTYPES}, got "
                          f"{x.dtype} {list(x.shape)} on {x.device}")  # fmt: skip
     rows, cols = x.shape
     bits = torch.empty(rows, cols, dtype=torch.uint8, device=x.device)
-    scales = torch.empty(rows, ceil_div(cols, FP8_BLOCK), dtype=torch.float32, device=x.device)
+    scales = scales_buffer(rows, cols, x.device)
     if x.numel():
         LAUNCHERS[path(x)](x, bits, scales)
     return bits, scales
+
+
+def scales_buffer(rows: int, cols: int, device) -> torch.Tensor:
+    """fp32 [rows, ceil(cols/128)] for the kernels' scales, outer-dim-major (strides (1, rows)): the layout
+    cuBLAS's 1 x 128 recipe reads, so the GEMM takes them as they are."""
+    return torch.empty(ceil_div(cols, FP8_BLOCK), rows, dtype=torch.float32, device=device).t()
 
 
 def _launch_transposed(x: torch.Tensor, bits: torch.Tensor, scales: torch.Tensor) -> None:

@@ -19,13 +19,18 @@ namespace fp4d {
 // 2 * |q| for an E2M1 code's magnitude bits (code & 7): integers
 __device__ __forceinline__ u32 twice_e2m1(u32 code) { return (0xC8643210u >> (4u * (code & 7u))) & 0xFu; }
 
-// An element's |value| in units of G (exact in fp32): 2|q| * S * 2^X for its code's magnitude and its tile's E4M3
-// scale byte s (S the 4-bit significand, X = max(exponent field, 1) - 11).
-__device__ __forceinline__ float element_value(u32 magnitude, u32 s) {
+// An element's |value| in units of G (exact in fp32): 2|q| * S * 2^X for 2|q| and its tile's E4M3 scale byte s
+// (S the 4-bit significand, X = max(exponent field, 1) - 11).
+__device__ __forceinline__ float element_value_of_twice(u32 twice_q, u32 s) {
     const u32 field = (s >> 3) & 0xFu, mantissa = s & 7u;
-    const u32 p = twice_e2m1(magnitude) * (field > 0 ? mantissa + 8u : mantissa);
+    const u32 p = twice_q * (field > 0 ? mantissa + 8u : mantissa);
     const int x = static_cast<int>(field > 1 ? field : 1u) - 11;
     return static_cast<float>(p) * __uint_as_float(static_cast<u32>(x + 127) << 23);
+}
+
+// The same for an E2M1 code's magnitude bits (code & 7).
+__device__ __forceinline__ float element_value(u32 magnitude, u32 s) {
+    return element_value_of_twice(twice_e2m1(magnitude), s);
 }
 
 // 2^e as a double, exact for the small exponents used here (|e| < 1000)
@@ -66,14 +71,15 @@ __device__ __forceinline__ double squared_error(float v, int sig, int shift) {
 constexpr int kBlock = 128;
 constexpr int kTiles = (kBlock / kTile) * (kBlock / kTile);  // 64 tiles of 16 x 16 in a block
 constexpr int kKinds = kTiles * 8;                           // (tile, code magnitude) pairs: 512
-constexpr int kPerThread = kBlock * kBlock / kThreads;       // 64 elements
+constexpr int kPasses = kBlock / kTile;                      // 8 passes of 16 rows
 constexpr int kSigs = 8;                                     // block scale significands 8..15
 
 // data: packed codes [m, k/2] (row stride data_stride bytes, even column in the low nibble); scales: E4M3 tile
 // scales, the scale of element (r, c) at scales[(r / scale_row_div) * scale_stride + c / 16] (row-expanded:
 // scale_row_div 1; the compact tile grid: 16); amax: the tensor's fp32 amax (one, on the device).
 // bits: E4M3 [m, k] row-major; out_scales: fp32 [ceil(m / 128), ceil(k / 128)] row-major.
-// One 256-thread block per 128 x 128 block; thread t holds column t % 128 of rows t / 128 + 2 j (j < 64).
+// One 256-thread block per 128 x 128 block. In pass j (j < 8) thread t holds the 8 elements of row 16 j + t / 16,
+// columns 8 (t % 16) .. + 7: one 32-bit word of packed codes, all in one 16 x 16 tile (tile row j).
 __global__ void __launch_bounds__(kThreads)
     fp8_block_copy_kernel(i64 data, i64 data_stride, i64 scales, i64 scale_stride, i64 scale_row_div, i64 m,
                           i64 k, i64 amax, i64 bits, i64 out_scales) {
@@ -86,31 +92,41 @@ __global__ void __launch_bounds__(kThreads)
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
     const i64 blocks_k = (k + kBlock - 1) / kBlock;
     const i64 row0 = (blockIdx.x / blocks_k) * kBlock, col0 = (blockIdx.x % blocks_k) * kBlock;
-    const int cl = t % kBlock;
+    const int rl0 = t / 16, cl = (t % 16) * 8;  // row within the pass, first of the thread's 8 columns
     const i64 c = col0 + cl;
+    const int tile_c = cl / kTile;
     for (int i = t; i < kKinds; i += kThreads) count[i] = 0;
     if (t < kTiles) tile_scale[t] = 0;
     __syncthreads();
 
-    // Read: each element's code (sign and magnitude, kept in registers), the tile scales, the counts, the top.
-    u32 codes[kPerThread / 8];  // 8 codes of 4 bits per word
+    // Read: each pass's word of 8 codes (kept in registers), the tile scales, the counts, the top.
+    u32 codes[kPasses];
     float top = 0.0f;
 #pragma unroll
-    for (int j = 0; j < kPerThread; ++j) {
-        const int rl = t / kBlock + 2 * j;
-        const i64 r = row0 + rl;
-        u32 code = 0;
-        if (r < m && c < k) {
-            const u32 byte = reinterpret_cast<const u8*>(data)[r * data_stride + c / 2];
-            code = (c & 1) ? byte >> 4 : byte & 0xFu;
+    for (int j = 0; j < kPasses; ++j) {
+        const i64 r = row0 + kTile * j + rl0;
+        codes[j] = 0;
+        if (r < m && c < k) {  // k is a multiple of 16: a thread's 8 columns are all in or all out
+            const u8* row = reinterpret_cast<const u8*>(data) + r * data_stride;
+            const u32 word = *reinterpret_cast<const u32*>(row + c / 2);
             const u32 s = reinterpret_cast<const u8*>(scales)[(r / scale_row_div) * scale_stride + c / kTile];
-            const int tile = (rl / kTile) * (kBlock / kTile) + cl / kTile;
-            if (rl % kTile == 0 && cl % kTile == 0) tile_scale[tile] = s;
-            atomicAdd(&count[tile * 8 + (code & 7u)], 1u);
-            top = fmaxf(top, element_value(code & 7u, s));
+            const int tile = j * (kBlock / kTile) + tile_c;
+            if (rl0 == 0 && (cl % kTile) == 0) tile_scale[tile] = s;
+            codes[j] = word;
+            // this word's magnitudes counted in nibbles (at most 8 each), then added to the block's counts
+            unsigned long long kinds = 0;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) kinds += 1ull << (8 * ((word >> (4 * e)) & 7u));
+#pragma unroll
+            for (int q = 0; q < 8; ++q) {
+                const u32 n = static_cast<u32>(kinds >> (8 * q)) & 0xFFu;
+                if (n) atomicAdd(&count[tile * 8 + q], n);
+            }
+            u32 largest = 0;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) largest = max(largest, twice_e2m1((word >> (4 * e)) & 7u));
+            top = fmaxf(top, element_value_of_twice(largest, s));
         }
-        if (j % 8 == 0) codes[j / 8] = 0;
-        codes[j / 8] |= code << (4 * (j % 8));
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, off));
@@ -162,16 +178,20 @@ __global__ void __launch_bounds__(kThreads)
     }
     __syncthreads();
 
-    // Write: each element's code from the table, with its sign.
+    // Write: each element's code from the table, with its sign, 8 bytes at a time.
     u8* out = reinterpret_cast<u8*>(bits);
 #pragma unroll
-    for (int j = 0; j < kPerThread; ++j) {
-        const int rl = t / kBlock + 2 * j;
-        const i64 r = row0 + rl;
+    for (int j = 0; j < kPasses; ++j) {
+        const i64 r = row0 + kTile * j + rl0;
         if (r < m && c < k) {
-            const u32 code = (codes[j / 8] >> (4 * (j % 8))) & 0xFu;
-            const int tile = (rl / kTile) * (kBlock / kTile) + cl / kTile;
-            out[r * k + c] = static_cast<u8>(table[tile * 8 + (code & 7u)] | ((code & 8u) << 4));
+            const u32* row_table = table + (j * (kBlock / kTile) + tile_c) * 8;
+            unsigned long long word = 0;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const u32 code = (codes[j] >> (4 * e)) & 0xFu;
+                word |= static_cast<unsigned long long>(row_table[code & 7u] | ((code & 8u) << 4)) << (8 * e);
+            }
+            *reinterpret_cast<unsigned long long*>(out + r * k + c) = word;
         }
     }
     if (t == 0) {

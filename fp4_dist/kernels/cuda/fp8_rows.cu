@@ -6,7 +6,8 @@
 //
 // x is read through two strides, so the transpose of a row-major tensor (the weight gradient's operands, grouped
 // along the tokens) is quantized without a copy of it; its reads are then strided. One warp per group; bits are
-// written row-major [rows, cols], scales [rows, groups].
+// written row-major [rows, cols], scales [rows, groups] outer-dim-major (scale (r, g) at g * rows + r: the layout
+// cuBLAS's 1 x 128 recipe reads, so the GEMM takes them without a copy).
 #include "common.cuh"
 
 namespace fp4d {
@@ -114,7 +115,8 @@ __global__ void __launch_bounds__(kThreads) rows_1x128_kernel(i64 x, i64 rows, i
             }
         }
         if (lane == 0) {
-            reinterpret_cast<float*>(scales)[g] = finite ? pow2_bits(k) : __uint_as_float(0x7fc00000u);
+            reinterpret_cast<float*>(scales)[(g % groups) * rows + r] =
+                finite ? pow2_bits(k) : __uint_as_float(0x7fc00000u);
         }
     }
 }
@@ -171,14 +173,16 @@ __global__ void __launch_bounds__(kThreads) rows_1x128_vec_kernel(i64 x, i64 row
     *reinterpret_cast<uint4*>(reinterpret_cast<u8*>(bits) + r * cols + c) = make_uint4(word[0], word[1], word[2],
                                                                                      word[3]);
     if (u % 8 == 0) {
-        reinterpret_cast<float*>(scales)[g] = all_finite ? pow2_bits(k) : __uint_as_float(0x7fc00000u);
+        reinterpret_cast<float*>(scales)[(g % groups) * rows + r] =
+            all_finite ? pow2_bits(k) : __uint_as_float(0x7fc00000u);
     }
 }
 
 // The transposed path: the 1 x 128 quantization of y^T for a row-major y [tokens, cols] (the weight gradient's
 // operands, grouped along the tokens), bits [cols, tokens] and scales [cols, ceil(tokens / 128)]. A block
 // stages a 128-token x 64-column tile of y in shared memory (coalesced reads along y's rows), then each warp
-// quantizes 8 of its columns, one 128-token group each, and writes them along the output's rows.
+// quantizes 8 of its columns, one 128-token group each, and writes them along the output's rows. Scales
+// outer-dim-major, as above: scale (c, g) at g * cols + c.
 template <class L>
 __global__ void __launch_bounds__(kThreads) cols_1x128_kernel(i64 y, i64 tokens, i64 cols, i64 stride_t, i64 bits,
                                                               i64 scales) {
@@ -194,7 +198,6 @@ __global__ void __launch_bounds__(kThreads) cols_1x128_kernel(i64 y, i64 tokens,
     }
     __syncthreads();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const i64 groups = (tokens + 127) / 128;
     for (int j = 0; j < kCols / (kThreads / 32); ++j) {
         const int col = warp * (kCols / (kThreads / 32)) + j;
         const i64 c = c0 + col;
@@ -223,7 +226,7 @@ __global__ void __launch_bounds__(kThreads) cols_1x128_kernel(i64 y, i64 tokens,
             }
         }
         if (lane == 0) {
-            reinterpret_cast<float*>(scales)[c * groups + t0 / 128] =
+            reinterpret_cast<float*>(scales)[(t0 / 128) * cols + c] =
                 finite ? pow2_bits(k) : __uint_as_float(0x7fc00000u);
         }
     }

@@ -9,7 +9,6 @@ import random
 import pytest
 import torch
 
-from fp4_dist.format import FP8_BLOCK, ceil_div
 from fp4_dist.kernels import fp8_rows
 from fp4_dist.kernels.fp8_rows_reference import quantize_rows_1x128
 
@@ -35,7 +34,7 @@ def _case(seed: int) -> torch.Tensor:
 
 def _poisoned(rows: int, cols: int):
     bits = torch.full((rows, cols), 0xA5, dtype=torch.uint8, device="cuda")
-    scales = torch.full((rows, ceil_div(cols, FP8_BLOCK)), -1.25, dtype=torch.float32, device="cuda")
+    scales = fp8_rows.scales_buffer(rows, cols, "cuda").fill_(-1.25)
     return bits, scales
 
 
