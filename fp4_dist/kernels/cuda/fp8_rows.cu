@@ -14,14 +14,20 @@ namespace fp4d {
 
 // Loaders: at(base, i) reads element i; load16(base, i, v) reads elements i..i+15 in 16-byte loads (i a multiple
 // of 16 and the address 16-byte aligned: the caller's promise).
+// 16 two-byte elements from element i, in two 16-byte loads, as 8 words (element 2j in the low half of word j).
+__device__ __forceinline__ void sixteen_halves(i64 base, i64 i, u32 (&w)[8]) {
+    const uint4* p = reinterpret_cast<const uint4*>(reinterpret_cast<const u16*>(base) + i);
+    const uint4 a = p[0], b = p[1];
+    w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w, w[4] = b.x, w[5] = b.y, w[6] = b.z, w[7] = b.w;
+}
+
 struct LoadBf16 {
     static __device__ __forceinline__ float at(i64 base, i64 i) {
         return __uint_as_float(static_cast<u32>(reinterpret_cast<const u16*>(base)[i]) << 16);
     }
     static __device__ __forceinline__ void load16(i64 base, i64 i, float* v) {
-        const uint4* p = reinterpret_cast<const uint4*>(reinterpret_cast<const u16*>(base) + i);
-        const uint4 a = p[0], b = p[1];
-        const u32 w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        u32 w[8];
+        sixteen_halves(base, i, w);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             v[2 * j] = bf16_lo(w[j]);
@@ -38,9 +44,8 @@ struct LoadFp16 {
     }
     static __device__ __forceinline__ float at(i64 base, i64 i) { return half(reinterpret_cast<const u16*>(base)[i]); }
     static __device__ __forceinline__ void load16(i64 base, i64 i, float* v) {
-        const uint4* p = reinterpret_cast<const uint4*>(reinterpret_cast<const u16*>(base) + i);
-        const uint4 a = p[0], b = p[1];
-        const u32 w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        u32 w[8];
+        sixteen_halves(base, i, w);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             v[2 * j] = half(w[j] & 0xffffu);
@@ -80,6 +85,32 @@ __device__ __forceinline__ int group_shift(float top) {
     return k < -126 ? -126 : k;
 }
 
+// One 128-group held by a warp, its element lane + 32 i in v[i] (zeros past the group's end): the codes of the first
+// `valid` elements into out[lane + 32 i], the scale (by lane 0) into *scale.
+__device__ __forceinline__ void quantize_warp_group(const float (&v)[4], i64 valid, u8* out, float* scale) {
+    const int lane = threadIdx.x & 31;
+    float top = 0.0f;
+    bool finite = true;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float a = fabsf(v[i]);
+        finite = finite && a <= kFltMax;
+        top = a > top ? a : top;
+    }
+    finite = __all_sync(0xffffffffu, finite);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, off));
+    const int k = finite ? group_shift(top) : 0;
+    const float down = pow2_bits(-k);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        if (lane + 32 * i < valid) {
+            out[lane + 32 * i] = static_cast<u8>(e4m3_rne_satfinite(fabsf(v[i] * down)) | (v[i] < 0.0f ? 0x80u : 0u));
+        }
+    }
+    if (lane == 0) *scale = finite ? pow2_bits(k) : __uint_as_float(0x7fc00000u);
+}
+
 template <class L>
 __global__ void __launch_bounds__(kThreads) rows_1x128_kernel(i64 x, i64 rows, i64 cols, i64 stride_r,
                                                               i64 stride_c, i64 bits, i64 scales) {
@@ -90,34 +121,13 @@ __global__ void __launch_bounds__(kThreads) rows_1x128_kernel(i64 x, i64 rows, i
     for (i64 g = static_cast<i64>(blockIdx.x) * (kThreads / 32) + (threadIdx.x >> 5); g < n; g += warps) {
         const i64 r = g / groups, c0 = (g % groups) * 128;
         float v[4];
-        float top = 0.0f;
-        bool finite = true;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const i64 c = c0 + lane + 32 * i;
             v[i] = c < cols ? L::at(x, r * stride_r + c * stride_c) : 0.0f;
-            const float a = fabsf(v[i]);
-            finite = finite && a <= kFltMax;
-            top = a > top ? a : top;
         }
-        finite = __all_sync(0xffffffffu, finite);
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, off));
-        const int k = finite ? group_shift(top) : 0;
-        const float down = pow2_bits(-k);
-        u8* out = reinterpret_cast<u8*>(bits) + r * cols;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const i64 c = c0 + lane + 32 * i;
-            if (c < cols) {
-                const float y = v[i] * down;
-                out[c] = static_cast<u8>(e4m3_rne_satfinite(fabsf(y)) | (v[i] < 0.0f ? 0x80u : 0u));
-            }
-        }
-        if (lane == 0) {
-            reinterpret_cast<float*>(scales)[(g % groups) * rows + r] =
-                finite ? pow2_bits(k) : __uint_as_float(0x7fc00000u);
-        }
+        quantize_warp_group(v, cols - c0, reinterpret_cast<u8*>(bits) + r * cols + c0,
+                            reinterpret_cast<float*>(scales) + (g % groups) * rows + r);
     }
 }
 
@@ -203,32 +213,10 @@ __global__ void __launch_bounds__(kThreads) cols_1x128_kernel(i64 y, i64 tokens,
         const i64 c = c0 + col;
         if (c >= cols) break;  // the same for the whole warp
         float v[4];
-        float top = 0.0f;
-        bool finite = true;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            v[i] = tile[col][lane + 32 * i];
-            const float a = fabsf(v[i]);
-            finite = finite && a <= kFltMax;
-            top = a > top ? a : top;
-        }
-        finite = __all_sync(0xffffffffu, finite);
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, off));
-        const int k = finite ? group_shift(top) : 0;
-        const float down = pow2_bits(-k);
-        u8* out = reinterpret_cast<u8*>(bits) + c * tokens;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const i64 t = t0 + lane + 32 * i;
-            if (t < tokens) {
-                out[t] = static_cast<u8>(e4m3_rne_satfinite(fabsf(v[i] * down)) | (v[i] < 0.0f ? 0x80u : 0u));
-            }
-        }
-        if (lane == 0) {
-            reinterpret_cast<float*>(scales)[(t0 / 128) * cols + c] =
-                finite ? pow2_bits(k) : __uint_as_float(0x7fc00000u);
-        }
+        for (int i = 0; i < 4; ++i) v[i] = tile[col][lane + 32 * i];
+        quantize_warp_group(v, tokens - t0, reinterpret_cast<u8*>(bits) + c * tokens + t0,
+                            reinterpret_cast<float*>(scales) + (t0 / 128) * cols + c);
     }
 }
 
