@@ -79,7 +79,7 @@ def kernel_rows(t: int, n: int, k: int, reps: int, copy_gbs: float) -> list[dict
               quant_bytes),
              ("weight copy [N, K]", lambda: fp8_block.fp8_block_copy(w.rowwise_data, w.rowwise_scale_inv, w.amax),
               copy_bytes),
-             ("its transpose (the dgrad's, torch)", lambda: wop.bits.t().contiguous(), 2 * n * k)]  # fmt: skip
+             ("its transpose (the dgrad's)", lambda: fp8_block.transposed_bytes(wop.bits), 2 * n * k)]  # fmt: skip
     out = []
     for name, fn, nbytes in cases:
         ms = median_ms(fn, reps)

@@ -80,7 +80,8 @@ def numerics_sensitive_weight(m: int = 32, k: int = 32) -> torch.Tensor:
 def extreme_nvfp4_bytes(seed: int, m: int = 256, k: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed codes [m, k/2], compact tile scales [m/16, k/16]) of an NVFP4 weight with every kind of value side by
     side: random codes under tile scales anywhere in E4M3's range, the largest (448) beside subnormal ones, so one
-    128 x 128 block holds the largest element values (2880 in units of the global scale) and the finest (2^-10)."""
+    128 x 128 block holds the largest element values (6 x 448 = 2688 in units of the global scale) and the finest
+    (2^-10)."""
     g = torch.Generator().manual_seed(seed)
     data = torch.randint(0, 256, (m, k // 2), generator=g, dtype=torch.uint8)
     tiles = torch.randint(0, 0x7F, (m // 16, k // 16), generator=g, dtype=torch.uint8)

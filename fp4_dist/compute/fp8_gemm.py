@@ -39,8 +39,10 @@ class Fp8Operand(NamedTuple):
     def rows(cls, x: torch.Tensor) -> Fp8Operand:
         """x [rows, K] quantized in 1 x 128 groups along K: by the CUDA kernel on a GPU where it gave the
         reference's bits (`require_fp8_gemm`), else by the PyTorch reference (the same bits)."""
-        if x.is_cuda and _ROWS_KERNEL.get(_device_key(x.device)):
-            return cls(*fp8_rows.quantize_rows_1x128(x), blocks=False)
+        if x.is_cuda:
+            require_fp8_gemm(x.device)  # checks the kernels once per device (a lookup after that)
+            if _ROWS_KERNEL.get(_device_key(x.device)) and x.dtype in fp8_rows.DTYPES:
+                return cls(*fp8_rows.quantize_rows_1x128(x), blocks=False)
         return cls(*quantize_rows_1x128(x), blocks=False)
 
     @classmethod
@@ -48,8 +50,10 @@ class Fp8Operand(NamedTuple):
         """NVFP4 weight `w` [N, K] as its FP8 block copy: by the CUDA kernel on a GPU where it gave the reference's
         bits (`require_fp8_gemm`), else by the PyTorch reference (the same bits)."""
         fields = (w.rowwise_data, w.rowwise_scale_inv, w.amax)
-        if w.rowwise_data.is_cuda and _BLOCK_KERNEL.get(_device_key(w.rowwise_data.device)):
-            return cls(*fp8_block.fp8_block_copy(*fields), blocks=True)
+        if w.rowwise_data.is_cuda:
+            require_fp8_gemm(w.rowwise_data.device)  # checks the kernels once per device (a lookup after that)
+            if _BLOCK_KERNEL.get(_device_key(w.rowwise_data.device)) and fp8_block.can_copy(*fields[:2]):
+                return cls(*fp8_block.fp8_block_copy(*fields), blocks=True)
         return cls(*fp8_block_copy(*fields), blocks=True)
 
     def t(self) -> Fp8Operand:
@@ -68,6 +72,7 @@ class Fp8Operand(NamedTuple):
 # leading dimension) in 4s: both are padded to 16.
 _ROWS_ALIGN = 16
 _CHECKED: dict = {}  # device -> None (the GEMM agrees with the emulation there) or the sentence that refuses it
+_CHECKING: set = set()  # devices whose check is running (its operands are made by the references)
 _ROWS_KERNEL: dict = {}  # device -> whether the CUDA 1 x 128 quantization gave the reference's bits there
 _BLOCK_KERNEL: dict = {}  # device -> whether the CUDA weight copy gave the reference's bits there
 
@@ -182,13 +187,19 @@ def require_fp8_gemm(device) -> None:
         if _CHECKED[device] is not None:
             raise RuntimeError(_CHECKED[device])
         return
+    if device in _CHECKING:  # the check's own operands: by the references, the kernels not yet trusted
+        return
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     why = fp8_gemm_missing(device.type, capability, hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"))
     if why is None and device.type == "cuda":
-        with torch.autocast("cuda", enabled=False):
-            why = _disagreement(device)
-            _ROWS_KERNEL[device] = why is None and _rows_kernel_agrees(device)
-            _BLOCK_KERNEL[device] = why is None and _block_kernel_agrees(device)
+        _CHECKING.add(device)
+        try:
+            with torch.autocast("cuda", enabled=False):
+                why = _disagreement(device)
+                _ROWS_KERNEL[device] = why is None and _rows_kernel_agrees(device)
+                _BLOCK_KERNEL[device] = why is None and _block_kernel_agrees(device)
+        finally:
+            _CHECKING.discard(device)
     _CHECKED[device] = why
     if why is not None:
         raise RuntimeError(why)
@@ -222,11 +233,20 @@ def _rows_kernel_agrees(device: torch.device) -> bool:
                                                                                       generator=g))  # fmt: skip
     x[0, :128] = 0.0
     x[1, 5], x[2, 130], x[3, 299], x[4, 7] = float("nan"), float("inf"), -float("inf"), -0.0
-    samples = [x, x.to(torch.bfloat16), x.t(), x.to(torch.bfloat16).t()[:, 1:]]
-    for sample in samples:
+    # each kernel (`fp8_rows.path`): row-major with several groups and a ragged last one, in every dtype; the
+    # transpose of a row-major tensor; any strides
+    samples = [(x[:, :272].to(dtype), "rows") for dtype in fp8_rows.DTYPES]
+    samples += [(x.t(), "transposed"), (x.to(torch.bfloat16).t(), "transposed"), (x[:, 1:], "strided"),
+                (x.to(torch.bfloat16)[:, 1:], "strided")]  # fmt: skip
+    for sample, name in samples:
         want_bits, want_scales = quantize_rows_1x128(sample)
+        on_device = sample.contiguous().to(device) if name == "rows" else sample.to(device)
+        if name == "strided":
+            on_device = x.to(sample.dtype).to(device)[:, 1:]
         try:
-            bits, scales = fp8_rows.quantize_rows_1x128(sample.to(device))
+            bits = torch.empty(sample.shape, dtype=torch.uint8, device=device)
+            scales = fp8_rows.scales_buffer(*sample.shape, device)
+            fp8_rows.LAUNCHERS[name](on_device, bits, scales)
         except Exception as e:  # noqa: BLE001 (any failure of the kernel path: the reference serves)
             warnings.warn(f"fp4_dist: the CUDA 1 x 128 FP8 quantization does not run on {device} ({e}); the "
                           "PyTorch reference quantizes instead (the same bits, slower)", stacklevel=2)  # fmt: skip
@@ -270,14 +290,15 @@ def check_cases(device) -> dict:
     both dimensions of both operands, by block and by row, so every scale differs from its neighbours'."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(70, 304, generator=g) * torch.logspace(-3, 3, 304) * torch.logspace(-2, 2, 70)[:, None]
-    rows, cols = torch.arange(200) // FP8_BLOCK, torch.arange(304) // FP8_BLOCK
-    w = torch.randn(200, 304, generator=g) * pow2(3 * rows[:, None] + 5 * cols[None, :] - 4)
+    # 208 rows: a multiple of 16, so the dgrad's transposed copy is made by the byte-transpose kernel, as in training
+    rows, cols = torch.arange(208) // FP8_BLOCK, torch.arange(304) // FP8_BLOCK
+    w = torch.randn(208, 304, generator=g) * pow2(3 * rows[:, None] + 5 * cols[None, :] - 4)
     x, w = x.to(device), w.to(device)
     # the block operand is what the linear reads: the FP8 copy of the NVFP4 weight (the reference's bytes) of w
     data, scale_inv, amax, _ = nvfp4_reference.quantize(w)
     a, block = Fp8Operand.rows(x), Fp8Operand(*fp8_block_copy(data, scale_inv, amax), blocks=True)
     return {"1 x 128 by 128 x 128": (a, block, torch.bfloat16),
-            "1 x 128 by a transposed 128 x 128": (Fp8Operand.rows(x[:, :200]), block.t(), torch.bfloat16),
+            "1 x 128 by a transposed 128 x 128": (Fp8Operand.rows(x[:, :208]), block.t(), torch.bfloat16),
             "1 x 128 by 1 x 128": (a, Fp8Operand.rows(w), torch.bfloat16),
             "1 x 128 by 1 x 128 into fp32": (a, Fp8Operand.rows(w), torch.float32)}  # fmt: skip
 

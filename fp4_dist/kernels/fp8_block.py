@@ -9,14 +9,25 @@ import torch
 from ..format import FP8_BLOCK, TILE, ceil_div, is_tile_grid, tile_grid
 from . import _launch
 
-__all__ = ["fp8_block_copy", "transposed_bytes"]
+__all__ = ["can_copy", "fp8_block_copy", "transposed_bytes"]
+
+
+def can_copy(rowwise_data: torch.Tensor, rowwise_scale_inv: torch.Tensor) -> bool:
+    """Whether the kernel reads this NVFP4 weight as it is laid out (row-major packed codes in 4-byte aligned rows,
+    K a multiple of 16, row-major tile scales on the same device); `fp8_block_copy` raises where it does not."""
+    data, scales = rowwise_data, rowwise_scale_inv
+    return (data.is_cuda and data.dtype == torch.uint8 and data.dim() == 2 and scales.dim() == 2
+            and scales.device == data.device and scales.dtype == torch.uint8 and data.stride(1) == 1
+            and scales.stride(1) == 1 and (data.shape[1] * 2) % TILE == 0 and data.stride(0) % 4 == 0
+            and data.data_ptr() % 4 == 0)  # fmt: skip
 
 
 def fp8_block_copy(rowwise_data: torch.Tensor, rowwise_scale_inv: torch.Tensor,
                    amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(E4M3 bits, uint8 [M, K]; block scales, fp32 [ceil(M/128), ceil(K/128)]) of the NVFP4 weight [M, K] held
     on a CUDA device as packed codes [M, K/2], E4M3 tile scales (row-expanded or the compact tile grid) and its
-    fp32 amax; on torch's current stream, without a host synchronization."""
+    fp32 amax; on torch's current stream, without a host synchronization. Row-expanded scales are read from each
+    tile's first row (an NVFP4 weight's 16 rows of a tile hold the same scales)."""
     if not rowwise_data.is_cuda or rowwise_data.dtype != torch.uint8 or rowwise_data.dim() != 2:
         raise ValueError(f"fp8_block.fp8_block_copy: rowwise_data must be 2D uint8 on a CUDA device, got "
                          f"{rowwise_data.dtype} {list(rowwise_data.shape)} on {rowwise_data.device}")  # fmt: skip
@@ -33,12 +44,14 @@ def fp8_block_copy(rowwise_data: torch.Tensor, rowwise_scale_inv: torch.Tensor,
     if k % TILE or rowwise_data.stride(0) % 4 or rowwise_data.data_ptr() % 4:  # the kernel reads 32-bit words
         raise ValueError(f"fp8_block.fp8_block_copy: an NVFP4 weight's K is a multiple of 16 and its packed rows "
                          f"are 4-byte aligned; got K = {k}, row stride {rowwise_data.stride(0)} bytes")
+    if not grid:  # row-expanded: each tile's first row stands for its 16 (they are equal in an NVFP4 weight)
+        scales = scales[::TILE]
     amax = amax.reshape(1).to(device=rowwise_data.device, dtype=torch.float32)
     bits = torch.empty(m, k, dtype=torch.uint8, device=rowwise_data.device)
     out_scales = torch.empty(ceil_div(m, FP8_BLOCK), ceil_div(k, FP8_BLOCK), dtype=torch.float32,
                              device=rowwise_data.device)  # fmt: skip
     if m and k:
-        _launch.launch_fp8_block_copy(rowwise_data, scales, TILE if grid else 1, m, k, amax, bits, out_scales)
+        _launch.launch_fp8_block_copy(rowwise_data, scales, TILE, m, k, amax, bits, out_scales)
     return bits, out_scales
 
 

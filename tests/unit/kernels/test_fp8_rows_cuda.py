@@ -14,7 +14,7 @@ from fp4_dist.kernels.fp8_rows_reference import quantize_rows_1x128
 
 pytestmark = pytest.mark.gpu
 
-COLS = (1, 16, 100, 127, 128, 129, 300, 1000, 4101)
+COLS = (1, 16, 100, 127, 128, 129, 272, 300, 1000, 1040, 4096, 4101)  # multiples of 16: the 16-byte path
 
 
 def _case(seed: int) -> torch.Tensor:
