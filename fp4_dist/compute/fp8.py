@@ -6,6 +6,9 @@ Per linear, with W the NVFP4 weight [N, K]:
     dgrad     dx = dy @ W        dy: 1 x 128 groups along N;  W's copy, transposed (the blocks are symmetric)
     wgrad     dW = dy^T @ x      dy and x: 1 x 128 groups along the tokens; fp32 result
 
+x is quantized both ways from one read in the forward (`Fp8Operand.both`), and its transpose is what the layer keeps
+for the backward: 1 byte per element instead of the input's 2. dy likewise, both ways at once, in the backward.
+
 The GEMMs are `fp8_gemm.fp8_mm`: cuBLAS on Hopper, and on the CPU an emulation that sums each 128-group of the
 contraction in fp32 and scales the partial sum by both operands' scales of the group, as cuBLAS does, in another
 order of additions. Outputs are the input's dtype (bf16), the weight gradient fp32 then the weight's dtype.
@@ -34,32 +37,42 @@ class Fp8BlockLinear(torch.autograd.Function):
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
         w = operand if operand is not None else Fp8Operand.weight(weight)
-        y = fp8_mm(Fp8Operand.rows(x2), w, x.dtype)
+        if ctx.needs_input_grad[1]:  # the weight gradient's operand too, from the same read: kept in FP8
+            xq, xtq = Fp8Operand.both(x2)
+        else:
+            xq, xtq = Fp8Operand.rows(x2), Fp8Operand(x2.new_empty(0, dtype=torch.uint8), x2.new_empty(0), False)
+        y = fp8_mm(xq, w, x.dtype)
         if bias is not None:
             y = y + bias
-        ctx.save_for_backward(x2, w.bits, w.scales)
+        ctx.save_for_backward(xtq.bits, xtq.scales, w.bits, w.scales)
         ctx.has_bias, ctx.weight, ctx.stamp = bias is not None, weight, _stamp(weight)
         return y.view(*x.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        x2, w_bits, w_scales = ctx.saved_tensors
+        xt_bits, xt_scales, w_bits, w_scales = ctx.saved_tensors
         weight = ctx.weight
         if _stamp(weight) != ctx.stamp:
             raise_changed(weight)
         dy2 = dy.reshape(-1, dy.shape[-1])
         w = Fp8Operand(w_bits, w_scales, blocks=True)
-        dx = fp8_mm(Fp8Operand.rows(dy2), w.t(), dy.dtype) if ctx.needs_input_grad[0] else None
-        dw = weight_gradient(dy2, x2, weight.dtype) if ctx.needs_input_grad[1] else None
+        want_dx, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if want_dx and want_dw:
+            dyq, dytq = Fp8Operand.both(dy2)
+        else:
+            dyq = Fp8Operand.rows(dy2) if want_dx else None
+            dytq = Fp8Operand.rows(dy2.t()) if want_dw else None
+        dx = fp8_mm(dyq, w.t(), dy.dtype) if want_dx else None
+        dw = weight_gradient(dytq, Fp8Operand(xt_bits, xt_scales, False), weight.dtype) if want_dw else None
         db = dy2.sum(dim=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return (dx.view(*dy.shape[:-1], -1) if dx is not None else None), dw, db, None
 
 
-def weight_gradient(dy2: torch.Tensor, x2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """dW = dy^T @ x for output gradients dy2 [T, N] and inputs x2 [T, K], both quantized in 1 x 128 groups along
-    the tokens: fp32 sums rounded once to `dtype`, straight out of the GEMM for bf16 and fp32."""
+def weight_gradient(dyt: Fp8Operand, xt: Fp8Operand, dtype: torch.dtype) -> torch.Tensor:
+    """dW = dy^T @ x from the output gradients' and the inputs' transposes, dy^T [N, T] and x^T [K, T], quantized in
+    1 x 128 groups along the tokens: fp32 sums rounded once to `dtype`, straight out of the GEMM for bf16 and fp32."""
     out = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
-    return fp8_mm(Fp8Operand.rows(dy2.t()), Fp8Operand.rows(x2.t()), out).to(dtype)
+    return fp8_mm(dyt, xt, out).to(dtype)
 
 
 def _stamp(w) -> Optional[tuple]:

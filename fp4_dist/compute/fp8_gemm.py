@@ -46,6 +46,18 @@ class Fp8Operand(NamedTuple):
         return cls(*quantize_rows_1x128(x), blocks=False)
 
     @classmethod
+    def both(cls, x: torch.Tensor) -> tuple[Fp8Operand, Fp8Operand]:
+        """(`rows(x)`, `rows(x.t())`), the same bits: on a GPU where the kernels gave the reference's bits, a bf16
+        or fp16 x is read once for both (an activation's forward and weight-gradient operands, an output
+        gradient's dgrad and weight-gradient ones)."""
+        if x.is_cuda:
+            require_fp8_gemm(x.device)
+            if _ROWS_KERNEL.get(_device_key(x.device)):
+                (a, sa), (b, sb) = fp8_rows.quantize_both(x)
+                return cls(a, sa, blocks=False), cls(b, sb, blocks=False)
+        return cls.rows(x), cls.rows(x.t())
+
+    @classmethod
     def weight(cls, w) -> Fp8Operand:
         """NVFP4 weight `w` [N, K] as its FP8 block copy: by the CUDA kernel on a GPU where it gave the reference's
         bits (`require_fp8_gemm`), else by the PyTorch reference (the same bits)."""
@@ -225,37 +237,47 @@ def _disagreement(device: torch.device) -> Optional[str]:
 
 
 def _rows_kernel_agrees(device: torch.device) -> bool:
-    """Whether the CUDA 1 x 128 quantization gives the reference's bits and scales on `device`: bf16 and fp32 rows
-    of every magnitude, ragged groups, a transposed view, zeros, subnormals, inf and NaN. Where it does not, the
-    reference quantizes (the same bits, more launches) and a warning says so."""
+    """Whether the CUDA 1 x 128 quantization gives the reference's bits and scales on `device`, each of its kernels
+    (`fp8_rows.path`, and both ways in one read): bf16, fp16 and fp32 rows of every magnitude, several groups and
+    a ragged last one, zeros, subnormals, inf and NaN. Where it does not, the reference quantizes (the same bits,
+    more launches) and a warning says so."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(37, 300, generator=g) * torch.ldexp(torch.ones(37, 1), torch.randint(-140, 120, (37, 1),
                                                                                       generator=g))  # fmt: skip
     x[0, :128] = 0.0
     x[1, 5], x[2, 130], x[3, 299], x[4, 7] = float("nan"), float("inf"), -float("inf"), -0.0
-    # each kernel (`fp8_rows.path`): row-major with several groups and a ragged last one, in every dtype; the
-    # transpose of a row-major tensor; any strides
-    samples = [(x[:, :272].to(dtype), "rows") for dtype in fp8_rows.DTYPES]
-    samples += [(x.t(), "transposed"), (x.to(torch.bfloat16).t(), "transposed"), (x[:, 1:], "strided"),
-                (x.to(torch.bfloat16)[:, 1:], "strided")]  # fmt: skip
-    for sample, name in samples:
-        want_bits, want_scales = quantize_rows_1x128(sample)
-        on_device = sample.contiguous().to(device) if name == "rows" else sample.to(device)
-        if name == "strided":
-            on_device = x.to(sample.dtype).to(device)[:, 1:]
-        try:
-            bits = torch.empty(sample.shape, dtype=torch.uint8, device=device)
-            scales = fp8_rows.scales_buffer(*sample.shape, device)
-            fp8_rows.LAUNCHERS[name](on_device, bits, scales)
-        except Exception as e:  # noqa: BLE001 (any failure of the kernel path: the reference serves)
-            warnings.warn(f"fp4_dist: the CUDA 1 x 128 FP8 quantization does not run on {device} ({e}); the "
-                          "PyTorch reference quantizes instead (the same bits, slower)", stacklevel=2)  # fmt: skip
-            return False
-        if not (torch.equal(bits.cpu(), want_bits)
-                and torch.equal(scales.cpu().view(torch.int32), want_scales.view(torch.int32))):  # fmt: skip
-            warnings.warn(f"fp4_dist: the CUDA 1 x 128 FP8 quantization disagrees with its reference on {device}; "
-                          "the PyTorch reference quantizes instead (the same bits, slower)", stacklevel=2)  # fmt: skip
-            return False
+
+    def launched(name, on_device):
+        bits = torch.empty(on_device.shape, dtype=torch.uint8, device=device)
+        scales = fp8_rows.scales_buffer(*on_device.shape, device)
+        fp8_rows.LAUNCHERS[name](on_device, bits, scales)
+        return bits, scales
+
+    def outputs():  # (the reference's input, what a kernel gives for it)
+        for dtype in fp8_rows.DTYPES:
+            rows = x[:, :272].to(dtype)
+            yield rows, launched("rows", rows.contiguous().to(device))
+        for dtype in (torch.float32, torch.bfloat16):
+            yield x.to(dtype).t(), launched("transposed", x.to(dtype).to(device).t())
+            yield x.to(dtype)[:, 1:], launched("strided", x.to(dtype).to(device)[:, 1:])
+        for sample in (x.to(torch.bfloat16), x[:, :37].to(torch.float16)):
+            along_rows, along_columns = fp8_rows.quantize_both(sample.contiguous().to(device))
+            yield sample, along_rows
+            yield sample.t(), along_columns
+
+    try:
+        for want_input, (bits, scales) in outputs():
+            want_bits, want_scales = quantize_rows_1x128(want_input)
+            if not (torch.equal(bits.cpu(), want_bits)
+                    and torch.equal(scales.cpu().view(torch.int32), want_scales.view(torch.int32))):  # fmt: skip
+                warnings.warn(f"fp4_dist: the CUDA 1 x 128 FP8 quantization disagrees with its reference on "
+                              f"{device}; the PyTorch reference quantizes instead (the same bits, slower)",
+                              stacklevel=2)  # fmt: skip
+                return False
+    except Exception as e:  # noqa: BLE001 (any failure of the kernel path: the reference serves)
+        warnings.warn(f"fp4_dist: the CUDA 1 x 128 FP8 quantization does not run on {device} ({e}); the "
+                      "PyTorch reference quantizes instead (the same bits, slower)", stacklevel=2)  # fmt: skip
+        return False
     return True
 
 

@@ -62,6 +62,7 @@ KERNELS: dict[tuple[str, str], tuple[str, str]] = {
        for d in ("LoadBf16", "LoadFp16", "LoadFp32")},
     **{("cols_1x128", d): ("fp8_rows.cu", f"fp4d::cols_1x128_kernel<fp4d::{d}>")
        for d in ("LoadBf16", "LoadFp16", "LoadFp32")},
+    **{("both_1x128", d): ("fp8_rows.cu", f"fp4d::both_1x128_kernel<fp4d::{d}>") for d in ("LoadBf16", "LoadFp16")},
     ("fp8_block_copy", ""): ("fp8_block.cu", "fp4d::fp8_block_copy_kernel"),
     ("transpose_bytes", ""): ("fp8_block.cu", "fp4d::transpose_bytes_kernel"),
 }
@@ -78,7 +79,7 @@ GRID = {"partial_amax": "resident", "fused_scale": "resident", "partial_cast": "
         "owner_scales": "resident", "expand_scales": "resident", "nibble_transpose": "units",
         "scale_transpose": "resident", "dequantize": "units", "e2m1_codes": "resident",
         "e4m3_codes": "resident", "rows_1x128": "units", "rows_1x128_vec": "units",
-        "cols_1x128": "units", "fp8_block_copy": "units", "transpose_bytes": "units"}  # fmt: skip
+        "cols_1x128": "units", "both_1x128": "units", "fp8_block_copy": "units", "transpose_bytes": "units"}  # fmt: skip
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 
@@ -386,6 +387,18 @@ def launch_cols_1x128(y: torch.Tensor, bits: torch.Tensor, scales: torch.Tensor,
     (via or launch_now)(y.device.index, ("cols_1x128", _LOAD[y.dtype]), tiles,
             (y.data_ptr(), np.int64(tokens), np.int64(cols), np.int64(y.stride(0)), bits.data_ptr(),
              scales.data_ptr()))  # fmt: skip
+
+
+def launch_both_1x128(x: torch.Tensor, bits: torch.Tensor, scales: torch.Tensor, bits_t: torch.Tensor,
+                      scales_t: torch.Tensor, via=None) -> None:  # fmt: skip
+    """Both 1 x 128 FP8 quantizations of x [rows, cols] (bf16 or fp16, unit column stride): along its rows into
+    bits [rows, cols] and scales [rows, ceil(cols/128)], along its columns (of x^T) into bits_t [cols, rows] and
+    scales_t [cols, ceil(rows/128)]; scales outer-dim-major. One block per 128 x 128 tile."""
+    rows, cols = x.shape
+    tiles = (-(-rows // 128)) * (-(-cols // 128))
+    (via or launch_now)(x.device.index, ("both_1x128", _LOAD[x.dtype]), tiles,
+            (x.data_ptr(), np.int64(rows), np.int64(cols), np.int64(x.stride(0)), bits.data_ptr(),
+             scales.data_ptr(), bits_t.data_ptr(), scales_t.data_ptr()))  # fmt: skip
 
 
 def launch_fp8_block_copy(data: torch.Tensor, scales: torch.Tensor, scale_row_div: int, m: int, k: int,

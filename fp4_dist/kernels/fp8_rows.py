@@ -9,7 +9,7 @@ import torch
 from ..format import FP8_BLOCK, ceil_div
 from . import _launch
 
-__all__ = ["quantize_rows_1x128"]
+__all__ = ["quantize_rows_1x128", "quantize_both"]
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -27,6 +27,20 @@ def quantize_rows_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.numel():
         LAUNCHERS[path(x)](x, bits, scales)
     return bits, scales
+
+
+def quantize_both(x: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """(`quantize_rows_1x128(x)`, `quantize_rows_1x128(x.t())`) of the CUDA tensor x [R, C], the same bits: for a
+    bf16 or fp16 x with unit column stride in one read of x (one launch), else by the two calls."""
+    if not (x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1):
+        return quantize_rows_1x128(x), quantize_rows_1x128(x.t())
+    rows, cols = x.shape
+    bits = torch.empty(rows, cols, dtype=torch.uint8, device=x.device)
+    bits_t = torch.empty(cols, rows, dtype=torch.uint8, device=x.device)
+    scales, scales_t = scales_buffer(rows, cols, x.device), scales_buffer(cols, rows, x.device)
+    if x.numel():
+        _launch.launch_both_1x128(x, bits, scales, bits_t, scales_t)
+    return (bits, scales), (bits_t, scales_t)
 
 
 def scales_buffer(rows: int, cols: int, device) -> torch.Tensor:

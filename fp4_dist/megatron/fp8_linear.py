@@ -37,30 +37,49 @@ class Fp8ParallelLinear(torch.autograd.Function):
         total = _gather_sequence(input, tp_group) if sequence_parallel else input
         k = total.shape[-1]
         x2 = total.reshape(-1, k)
-        y = fp8_mm(Fp8Operand.rows(x2), operand, input.dtype)
+        if ctx.needs_input_grad[1] and not sequence_parallel:
+            # the weight gradient's operand from the same read, kept in FP8 (with sequence parallelism the local
+            # input is kept instead, as Megatron keeps it, and gathered again for the backward)
+            xq, xtq = Fp8Operand.both(x2)
+            kept = (xtq.bits, xtq.scales)
+        else:
+            xq, kept = Fp8Operand.rows(x2), (input, input.new_empty(0))
+        ctx.kept_fp8 = kept[0] is not input
+        y = fp8_mm(xq, operand, input.dtype)
         if bias is not None:
             y = y + bias
-        ctx.save_for_backward(input, operand.bits, operand.scales)
+        ctx.save_for_backward(*kept, operand.bits, operand.scales)
         ctx.weight, ctx.stamp, ctx.has_bias = weight, stamp(weight), bias is not None
         ctx.allreduce_dgrad, ctx.sequence_parallel, ctx.tp_group = allreduce_dgrad, sequence_parallel, tp_group
         return y.view(*total.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx, dy):
-        input, w_bits, w_scales = ctx.saved_tensors
+        kept, kept_scales, w_bits, w_scales = ctx.saved_tensors
         weight = ctx.weight
         if stamp(weight) != ctx.stamp:
             raise_changed(weight)
-        total = _gather_sequence(input, ctx.tp_group) if ctx.sequence_parallel else input
-        x2 = total.reshape(-1, total.shape[-1])
+        want_dw = ctx.needs_input_grad[1]
         dy2 = dy.reshape(-1, dy.shape[-1])
         w = Fp8Operand(w_bits, w_scales, blocks=True)
-        dx = fp8_mm(Fp8Operand.rows(dy2), w.t(), dy.dtype).view(*total.shape)
+        if want_dw:
+            dyq, dytq = Fp8Operand.both(dy2)
+        else:
+            dyq, dytq = Fp8Operand.rows(dy2), None
+        rows = dy2.shape[0]
+        dx = fp8_mm(dyq, w.t(), dy.dtype).view(*dy.shape[:-1], -1)
         if ctx.sequence_parallel:
             dx = _reduce_scatter_sequence(dx, ctx.tp_group)
         elif ctx.allreduce_dgrad:
             dist.all_reduce(dx, group=ctx.tp_group)
-        dw = weight_gradient(dy2, x2, weight.dtype) if ctx.needs_input_grad[1] else None
+        dw = None
+        if want_dw:
+            if ctx.kept_fp8:  # x^T in FP8, kept by the forward
+                xt = Fp8Operand(kept, kept_scales, False)
+            else:  # the local input (sequence parallel): gathered again
+                total = _gather_sequence(kept, ctx.tp_group) if ctx.sequence_parallel else kept
+                xt = Fp8Operand.rows(total.reshape(rows, -1).t())
+            dw = weight_gradient(dytq, xt, weight.dtype)
         db = dy2.sum(dim=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db, None, None, None, None
 

@@ -22,6 +22,7 @@ __device__ __forceinline__ void sixteen_halves(i64 base, i64 i, u32 (&w)[8]) {
 }
 
 struct LoadBf16 {
+    static __device__ __forceinline__ float widen(u16 h) { return __uint_as_float(static_cast<u32>(h) << 16); }
     static __device__ __forceinline__ float at(i64 base, i64 i) {
         return __uint_as_float(static_cast<u32>(reinterpret_cast<const u16*>(base)[i]) << 16);
     }
@@ -42,6 +43,7 @@ struct LoadFp16 {
         asm("cvt.f32.f16 %0, %1;" : "=f"(y) : "h"(static_cast<u16>(h)));
         return y;
     }
+    static __device__ __forceinline__ float widen(u16 h) { return half(h); }
     static __device__ __forceinline__ float at(i64 base, i64 i) { return half(reinterpret_cast<const u16*>(base)[i]); }
     static __device__ __forceinline__ void load16(i64 base, i64 i, float* v) {
         u32 w[8];
@@ -220,6 +222,47 @@ __global__ void __launch_bounds__(kThreads) cols_1x128_kernel(i64 y, i64 tokens,
     }
 }
 
+// Both quantizations of a row-major x [rows, cols] of 2-byte values (bf16, fp16) in one read: 1 x 128 groups along
+// its rows (bits [rows, cols], scales outer-dim-major [rows, ceil(cols / 128)]) and along its columns, i.e. of
+// x^T (bits [cols, rows], scales outer-dim-major [cols, ceil(rows / 128)]): an activation's forward and weight-
+// gradient operands, or an output gradient's dgrad and weight-gradient ones. A block stages a 128 x 128 tile in
+// shared memory (its 2-byte values as they are: 33 KB), then each warp quantizes 16 of its rows and 16 of its
+// columns, each one group.
+template <class L>
+__global__ void __launch_bounds__(kThreads) both_1x128_kernel(i64 x, i64 rows, i64 cols, i64 stride_r, i64 bits,
+                                                              i64 scales, i64 bits_t, i64 scales_t) {
+    __shared__ u16 tile[128][128 + 2];
+    const i64 tiles_c = (cols + 127) / 128;
+    const i64 r0 = (blockIdx.x / tiles_c) * 128, c0 = (blockIdx.x % tiles_c) * 128;
+    const int cl = threadIdx.x % 128;
+#pragma unroll 8
+    for (int rl = threadIdx.x / 128; rl < 128; rl += kThreads / 128) {
+        const i64 r = r0 + rl, c = c0 + cl;
+        tile[rl][cl] = r < rows && c < cols ? reinterpret_cast<const u16*>(x)[r * stride_r + c] : u16(0);
+    }
+    __syncthreads();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    constexpr int kPerWarp = 128 / (kThreads / 32);  // 16
+    for (int j = 0; j < kPerWarp; ++j) {
+        const int rl = warp * kPerWarp + j;
+        if (r0 + rl >= rows) break;  // the same for the whole warp
+        float v[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[i] = L::widen(tile[rl][lane + 32 * i]);
+        quantize_warp_group(v, cols - c0, reinterpret_cast<u8*>(bits) + (r0 + rl) * cols + c0,
+                            reinterpret_cast<float*>(scales) + (c0 / 128) * rows + r0 + rl);
+    }
+    for (int j = 0; j < kPerWarp; ++j) {
+        const int col = warp * kPerWarp + j;
+        if (c0 + col >= cols) break;
+        float v[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[i] = L::widen(tile[lane + 32 * i][col]);
+        quantize_warp_group(v, rows - r0, reinterpret_cast<u8*>(bits_t) + (c0 + col) * rows + r0,
+                            reinterpret_cast<float*>(scales_t) + (r0 / 128) * cols + c0 + col);
+    }
+}
+
 template __global__ void rows_1x128_kernel<LoadBf16>(i64, i64, i64, i64, i64, i64, i64);
 template __global__ void rows_1x128_kernel<LoadFp16>(i64, i64, i64, i64, i64, i64, i64);
 template __global__ void rows_1x128_kernel<LoadFp32>(i64, i64, i64, i64, i64, i64, i64);
@@ -230,5 +273,8 @@ template __global__ void rows_1x128_vec_kernel<LoadFp32>(i64, i64, i64, i64, i64
 template __global__ void cols_1x128_kernel<LoadBf16>(i64, i64, i64, i64, i64, i64);
 template __global__ void cols_1x128_kernel<LoadFp16>(i64, i64, i64, i64, i64, i64);
 template __global__ void cols_1x128_kernel<LoadFp32>(i64, i64, i64, i64, i64, i64);
+
+template __global__ void both_1x128_kernel<LoadBf16>(i64, i64, i64, i64, i64, i64, i64, i64);
+template __global__ void both_1x128_kernel<LoadFp16>(i64, i64, i64, i64, i64, i64, i64, i64);
 
 }  // namespace fp4d

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from fp4_dist.kernels import fp8_rows
+from fp4_dist.kernels import _launch, fp8_rows
 from fp4_dist.kernels.fp8_rows_reference import quantize_rows_1x128
 
 pytestmark = pytest.mark.gpu
@@ -59,3 +59,19 @@ def test_each_layout_takes_its_kernel():
     assert fp8_rows.path(x) == "rows" and fp8_rows.path(x.t()) == "transposed"
     assert fp8_rows.path(x[:, 1:]) == "strided" and fp8_rows.path(x[:, :100]) == "strided"
     assert fp8_rows.path(x[::2]) == "rows"  # rows 512 elements apart: still aligned
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_both_ways_in_one_read_give_the_references_bits(seed):
+    # an activation's forward and weight-gradient operands (or an output gradient's) from one read of it
+    x = _case(seed)
+    if x.dtype == torch.float32:
+        x = x.to(random.Random(seed).choice([torch.bfloat16, torch.float16]))
+    for xg in (x.cuda(), torch.cat([x, x], dim=1).cuda()[:, : x.shape[1]]):  # contiguous, and rows strided apart
+        (bits, scales), (bits_t, scales_t) = _poisoned(*x.shape), _poisoned(x.shape[1], x.shape[0])
+        _launch.launch_both_1x128(xg, bits, scales, bits_t, scales_t)
+        for got_bits, got_scales, view in ((bits, scales, x), (bits_t, scales_t, x.t())):
+            want_bits, want_scales = quantize_rows_1x128(view)
+            assert torch.equal(got_bits.cpu(), want_bits), (seed, list(view.shape), xg.stride())
+            assert torch.equal(got_scales.cpu().view(torch.int32), want_scales.view(torch.int32)), seed
+    assert fp8_rows.quantize_both(x.float().cuda())[1][0].shape == (x.shape[1], x.shape[0])  # fp32: two launches
