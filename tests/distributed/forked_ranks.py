@@ -397,8 +397,12 @@ def _rank(job: dict, rank: int, port: int, run_id: str, base_path: list) -> None
     import runpy
 
     os.setsid()
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD, signal.SIGPIPE):
-        signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
+    # the dispositions a fresh interpreter starts with: SIGPIPE ignored (a write to a dead peer's socket is an error
+    # the rank reports, not a silent death), SIGINT to KeyboardInterrupt, the others default
+    for sig in (signal.SIGTERM, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     out = Path(job["out"])
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.dup2(os.open(out / "stdout", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), 1)

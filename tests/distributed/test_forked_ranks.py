@@ -23,7 +23,7 @@ SEEN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "G
 SET = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")  # set by both, to values of their own
 
 PROBE = textwrap.dedent(f"""
-    import json, os, sys
+    import json, os, signal, sys
     import torch.distributed as dist
     dist.init_process_group("gloo")
     import torch
@@ -31,8 +31,10 @@ PROBE = textwrap.dedent(f"""
     dist.all_reduce(t)
     seen = {{k: os.environ.get(k) for k in {SEEN!r}}}
     seen.update({{k: k in os.environ for k in {SET!r}}})
+    # signal dispositions: a rank that dies of SIGPIPE where a real interpreter ignores it says nothing
+    signals = {{s: str(signal.getsignal(getattr(signal, s))) for s in ("SIGPIPE", "SIGINT", "SIGTERM", "SIGCHLD")}}
     line = json.dumps(dict(seen, argv=sys.argv[1:], path0=sys.path[0], cwd=os.getcwd(), name=__name__, sum=t.item(),
-                           unbuffered=sys.stdout.write_through))
+                           unbuffered=sys.stdout.write_through, signals=signals))
     sys.stdout.write(line + "\\n")
     dist.destroy_process_group()
     if "fail" in sys.argv and dist.get_rank() == 1:
