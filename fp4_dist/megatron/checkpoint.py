@@ -1,8 +1,42 @@
-"""Checkpoint rows: the distributed optimizer's own checkpoint loads with the torch.optim fallback (no apex/TE)."""
+"""Checkpoint rows: the distributed optimizer's own checkpoint loads with the torch.optim fallback (no apex/TE), and
+megatron-core's checkpoint code stopping a run with a failing exit status."""
 
 from __future__ import annotations
 
+import sys
+
 import torch
+
+
+class CheckpointingStopped(RuntimeError):
+    """megatron.training.checkpointing stopped the run with a bare ``sys.exit()`` (exit status 0 upstream)."""
+
+
+class _FailingExit:
+    """Stands for `sys` inside megatron.training.checkpointing: everything is sys's, but a bare ``exit()`` raises.
+    Upstream ends a run whose checkpoint cannot be read (a file torch refuses to unpickle, a corrupt one, an
+    unknown checkpoint version, none at all with --exit-on-missing-checkpoint) with ``sys.exit()``: status 0, which
+    a job scheduler or a retry loop reads as success."""
+
+    def __getattr__(self, name):
+        return getattr(sys, name)
+
+    @staticmethod
+    def exit(status=None):
+        if status is None or status == 0:
+            raise CheckpointingStopped(
+                "megatron-core's checkpoint code stopped the run (its reason is printed above: a checkpoint file "
+                "that cannot be read or that holds a class outside the allow-list, an unknown checkpoint version, or "
+                "no checkpoint with --exit-on-missing-checkpoint); exit status 1, where upstream's sys.exit() gives 0")
+        sys.exit(status)
+
+
+def failing_checkpoint_exits() -> None:
+    """Make megatron-core's checkpoint code end a run it stops with exit status 1 instead of 0 (idempotent)."""
+    from megatron.training import checkpointing
+
+    if not isinstance(checkpointing.sys, _FailingExit):
+        checkpointing.sys = _FailingExit()
 
 def make_set_states(original):
     def _set_main_param_and_optimizer_states(self, model_param, tensors):

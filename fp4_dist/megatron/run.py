@@ -12,6 +12,8 @@ The script runs unmodified (Megatron-LM's own ``pretrain_gpt.py``, or any script
   TransformerEngine; Hopper GPUs and CPU ranks), the linear weights become NVFP4 parameters inside Megatron's own
   build path (after ``.cuda()`` and Float16Module, before DDP), and what fp4_dist does not serve is refused at
   start-up;
+- makes megatron-core's checkpoint code end a run it stops (a checkpoint it cannot read) with exit status 1, not
+  upstream's 0;
 - adds the Megatron flags this machine needs that the command line does not give (`defaults.LAUNCHER_DEFAULTS`:
   ``--distributed-backend gloo`` on a machine without CUDA, which then runs Megatron on CPU ranks through fp4_dist's
   CPU layer; ``--transformer-impl local`` without TransformerEngine; the fusions that need apex or Megatron's
@@ -212,13 +214,14 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             print(f"fp4_dist.megatron.run: added {' '.join((d.flag, *d.values))} ({d.why})", flush=True)
 
     quiet_fallback_warnings(machine, rank0)
-    from . import adapter, enable
+    from . import adapter, checkpoint, enable
 
     adapter.python_311_shim()
     # The script's own folder first on the path, as `python script.py` would have it (pretrain_gpt.py imports
     # gpt_builders and model_provider from beside it).
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     enable(options=AdapterOptions.from_args(opts))
+    checkpoint.failing_checkpoint_exits()
     sys.argv = [script, *opts.script_args, *added]
     runpy.run_path(script, run_name="__main__")
     launch.shutdown()  # not after an error: its barrier would wait for ranks that may never come

@@ -242,6 +242,26 @@ def test_unsupported_runs_are_refused_at_start_up_on_every_rank(tmp_path, data):
     assert "Transformer Engine >=" not in proc.stderr
 
 
+def test_a_checkpoint_megatron_cannot_read_fails_the_run_on_every_rank(tmp_path, data):
+    # A --ckpt-format torch file holding a class outside the allow-list: megatron-core prints torch's refusal and
+    # calls sys.exit(), exit status 0 upstream; a scheduler would read that as success.
+    import fractions
+
+    import torch
+
+    folder = tmp_path / "ckpt"
+    (folder / "iter_0000001" / "mp_rank_00").mkdir(parents=True)
+    (folder / "latest_checkpointed_iteration.txt").write_text("1")
+    torch.save({"model": {}, "stray": fractions.Fraction(1, 3)}, folder / "iter_0000001" / "mp_rank_00" /
+               "model_optim_rng.pt")  # fmt: skip
+    proc = launch(2, ["--data-path", data, "--train-iters", "2", "--fp4-param-gather", "--load", str(folder),
+                      "--ckpt-format", "torch"], refused=True)  # fmt: skip
+    assert "Unsupported global" in proc.stdout + proc.stderr
+    for rank in (0, 1):
+        assert "megatron-core's checkpoint code stopped the run" in refusal(proc, rank)
+    assert "iteration        1/" not in proc.stdout
+
+
 def refusal(proc: subprocess.CompletedProcess, rank: int) -> str:
     """The launcher's one-line account of what stopped `rank` (the job must have failed)."""
     assert proc.returncode != 0
