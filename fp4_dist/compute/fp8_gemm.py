@@ -52,7 +52,7 @@ class Fp8Operand(NamedTuple):
         gradient's dgrad and weight-gradient ones)."""
         if x.is_cuda:
             require_fp8_gemm(x.device)
-            if _ROWS_KERNEL.get(_device_key(x.device)):
+            if _ROWS_KERNEL.get(_device_key(x.device)) and x.dtype in fp8_rows.DTYPES:
                 (a, sa), (b, sb) = fp8_rows.quantize_both(x)
                 return cls(a, sa, blocks=False), cls(b, sb, blocks=False)
         return cls.rows(x), cls.rows(x.t())
