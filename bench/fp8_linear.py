@@ -33,13 +33,7 @@ from fp4_dist.compute.fp8_gemm import Fp8Operand, cublas_mm, require_fp8_gemm  #
 from fp4_dist.kernels import fp8_block, fp8_rows  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import median_ms, publish, require_gpu  # noqa: E402 - bench/timing.py, beside this script
-
-
-def copy_bandwidth(nbytes: int = 1 << 30) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    return 2 * nbytes / median_ms(lambda: dst.copy_(src), 20) / 1e6  # GB/s, read + write
+from timing import copy_bandwidth, median_ms, publish, require_gpu  # noqa: E402 - bench/timing.py, beside this script
 
 
 def gemm_rows(t: int, n: int, k: int, reps: int) -> list[dict]:

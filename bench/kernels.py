@@ -22,7 +22,7 @@ import torch
 import fp4_dist.kernels as K
 from fp4_dist.format import columnwise_data_shape, columnwise_scale_shape, rowwise_scale_shape
 from fp4_dist.kernels import _launch
-from timing import median_ms, publish, require_gpu  # noqa: E402 - bench/timing.py, beside this script
+from timing import copy_bandwidth, median_ms, publish, require_gpu  # noqa: E402 - bench/timing.py, beside this script
 
 DEV = torch.device("cuda")
 
@@ -30,13 +30,6 @@ DEV = torch.device("cuda")
 def timed(fn, reps: int, flush: torch.Tensor | None) -> float:
     """Median device milliseconds of fn() over `reps` runs (after 3 warm-ups); L2 flushed before each."""
     return median_ms(fn, reps, before=None if flush is None else flush.zero_)
-
-
-def copy_bandwidth(nbytes: int = 1 << 30) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, device=DEV).random_()
-    dst = torch.empty_like(src)
-    ms = timed(lambda: dst.copy_(src), 20, None)
-    return 2 * nbytes / ms / 1e6  # GB/s, read + write
 
 
 def same_size_copy_gbs(nbytes: int, reps: int, flush: torch.Tensor) -> float:

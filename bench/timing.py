@@ -2,6 +2,7 @@
 keep their tables.
 
     median_ms(fn, reps)    median device milliseconds of fn() over reps runs, after warm-ups
+    copy_bandwidth()       the GPU's device-to-device copy bandwidth, GB/s (read + write)
     Span                   device time between two points of a step (start(), stop(), ms())
     publish(text, ...)     print a table, and keep it with its numbers under --out
     SLOW_LINK              the NCCL environment of the benches' slow-link mode (no NVLink, shared memory or
@@ -113,6 +114,14 @@ def median_ms(fn: Callable[[], object], reps: int, *, warmup: int = 3,
         fn()
         times.append(span.stop().ms())
     return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """GB/s (read + write) of a device-to-device copy of `nbytes` on the current GPU: the ceiling the benches'
+    bandwidths are given against."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    return 2 * nbytes / median_ms(lambda: dst.copy_(src), 20) / 1e6
 
 
 def publish(text: str, out: Optional[str], stem: str, data: dict) -> None:

@@ -267,9 +267,7 @@ def _rows_kernel_agrees(device: torch.device) -> bool:
 
     try:
         for want_input, (bits, scales) in outputs():
-            want_bits, want_scales = quantize_rows_1x128(want_input)
-            if not (torch.equal(bits.cpu(), want_bits)
-                    and torch.equal(scales.cpu().view(torch.int32), want_scales.view(torch.int32))):  # fmt: skip
+            if not _same_bits((bits, scales), quantize_rows_1x128(want_input)):
                 warnings.warn(f"fp4_dist: the CUDA 1 x 128 FP8 quantization disagrees with its reference on "
                               f"{device}; the PyTorch reference quantizes instead (the same bits, slower)",
                               stacklevel=2)  # fmt: skip
@@ -279,6 +277,12 @@ def _rows_kernel_agrees(device: torch.device) -> bool:
                       "PyTorch reference quantizes instead (the same bits, slower)", stacklevel=2)  # fmt: skip
         return False
     return True
+
+
+def _same_bits(got: tuple, want: tuple) -> bool:
+    """Whether a kernel's (E4M3 bits, fp32 scales) on the device are its reference's, bit for bit (NaN scales too)."""
+    return torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu().view(torch.int32),
+                                                               want[1].view(torch.int32))  # fmt: skip
 
 
 def _block_kernel_agrees(device: torch.device) -> bool:
@@ -291,15 +295,13 @@ def _block_kernel_agrees(device: torch.device) -> bool:
         w = torch.randn(m, k, generator=g) * pow2((cols[None, :] * 7 + rows[:, None] * 3) % 23 - 11)
         data, expanded, amax, compact = nvfp4_reference.quantize(w)
         for scales in (expanded, compact):
-            want_bits, want_scales = fp8_block_copy(data, scales, amax)
             try:
-                bits, got_scales = fp8_block.fp8_block_copy(data.to(device), scales.to(device), amax.to(device))
+                got = fp8_block.fp8_block_copy(data.to(device), scales.to(device), amax.to(device))
             except Exception as e:  # noqa: BLE001 (any failure of the kernel path: the reference serves)
                 warnings.warn(f"fp4_dist: the CUDA FP8 weight copy does not run on {device} ({e}); the PyTorch "
                               "reference makes the copies instead (the same bits, far slower)", stacklevel=2)
                 return False
-            if not (torch.equal(bits.cpu(), want_bits)
-                    and torch.equal(got_scales.cpu().view(torch.int32), want_scales.view(torch.int32))):  # fmt: skip
+            if not _same_bits(got, fp8_block_copy(data, scales, amax)):
                 warnings.warn(f"fp4_dist: the CUDA FP8 weight copy disagrees with its reference on {device}; the "
                               "PyTorch reference makes the copies instead (the same bits, far slower)", stacklevel=2)
                 return False

@@ -37,14 +37,13 @@ class Fp8ParallelLinear(torch.autograd.Function):
         total = _gather_sequence(input, tp_group) if sequence_parallel else input
         k = total.shape[-1]
         x2 = total.reshape(-1, k)
-        if ctx.needs_input_grad[1] and not sequence_parallel:
-            # the weight gradient's operand from the same read, kept in FP8 (with sequence parallelism the local
-            # input is kept instead, as Megatron keeps it, and gathered again for the backward)
+        wgrad = ctx.needs_input_grad[1]
+        if wgrad and not sequence_parallel:  # the weight gradient's operand from the same read, kept in FP8
             xq, xtq = Fp8Operand.both(x2)
             kept = (xtq.bits, xtq.scales)
-        else:
-            xq, kept = Fp8Operand.rows(x2), (input, input.new_empty(0))
-        ctx.kept_fp8 = kept[0] is not input
+        else:  # with sequence parallelism the local input is kept, as Megatron keeps it, and gathered again
+            xq, nothing = Fp8Operand.rows(x2), input.new_empty(0)
+            kept = (input if wgrad else nothing, nothing)
         y = fp8_mm(xq, operand, input.dtype)
         if bias is not None:
             y = y + bias
@@ -74,11 +73,10 @@ class Fp8ParallelLinear(torch.autograd.Function):
             dist.all_reduce(dx, group=ctx.tp_group)
         dw = None
         if want_dw:
-            if ctx.kept_fp8:  # x^T in FP8, kept by the forward
+            if ctx.sequence_parallel:  # the local input, gathered again
+                xt = Fp8Operand.rows(_gather_sequence(kept, ctx.tp_group).reshape(rows, -1).t())
+            else:  # x^T in FP8, kept by the forward
                 xt = Fp8Operand(kept, kept_scales, False)
-            else:  # the local input (sequence parallel): gathered again
-                total = _gather_sequence(kept, ctx.tp_group) if ctx.sequence_parallel else kept
-                xt = Fp8Operand.rows(total.reshape(rows, -1).t())
             dw = weight_gradient(dytq, xt, weight.dtype)
         db = dy2.sum(dim=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db, None, None, None, None
