@@ -44,18 +44,18 @@ class Fp8BlockLinear(torch.autograd.Function):
         y = fp8_mm(xq, w, x.dtype)
         if bias is not None:
             y = y + bias
-        ctx.save_for_backward(xtq.bits, xtq.scales, w.bits, w.scales)
+        ctx.save_for_backward(xtq.bits, xtq.scales, w.bits, w.scales, w.cublas_scales, w.cublas_scales_t)
         ctx.has_bias, ctx.weight, ctx.stamp = bias is not None, weight, _stamp(weight)
         return y.view(*x.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        xt_bits, xt_scales, w_bits, w_scales = ctx.saved_tensors
+        xt_bits, xt_scales, *w_fields = ctx.saved_tensors
         weight = ctx.weight
         if _stamp(weight) != ctx.stamp:
             raise_changed(weight)
         dy2 = dy.reshape(-1, dy.shape[-1])
-        w = Fp8Operand(w_bits, w_scales, blocks=True)
+        w = Fp8Operand(*w_fields[:2], True, *w_fields[2:])
         want_dx, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if want_dx and want_dw:
             dyq, dytq = Fp8Operand.both(dy2)
@@ -72,7 +72,8 @@ def weight_gradient(dyt: Fp8Operand, xt: Fp8Operand, dtype: torch.dtype) -> torc
     """dW = dy^T @ x from the output gradients' and the inputs' transposes, dy^T [N, T] and x^T [K, T], quantized in
     1 x 128 groups along the tokens: fp32 sums rounded once to `dtype`, straight out of the GEMM for bf16 and fp32."""
     out = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
-    return fp8_mm(dyt, xt, out).to(dtype)
+    dw = fp8_mm(dyt, xt, out)
+    return dw if out == dtype else dw.to(dtype)
 
 
 def _stamp(w) -> Optional[tuple]:

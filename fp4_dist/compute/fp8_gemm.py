@@ -29,11 +29,16 @@ __all__ = ["Fp8Operand", "fp8_mm", "emulated_mm", "cublas_mm", "require_fp8_gemm
 
 class Fp8Operand(NamedTuple):
     """One GEMM operand [rows, K] as the block-scaled GEMM reads it: E4M3 bits (uint8) and fp32 scales, either one
-    per 1 x 128 group ([rows, ceil(K/128)]) or one per 128 x 128 block ([ceil(rows/128), ceil(K/128)])."""
+    per 1 x 128 group ([rows, ceil(K/128)]) or one per 128 x 128 block ([ceil(rows/128), ceil(K/128)]).
+
+    A block operand may carry its scales as cuBLAS reads them, for itself and for its transpose
+    (`with_cublas_scales`: made once with a weight's copy, instead of at every GEMM that reads it)."""
 
     bits: torch.Tensor
     scales: torch.Tensor
     blocks: bool
+    cublas_scales: Optional[torch.Tensor] = None
+    cublas_scales_t: Optional[torch.Tensor] = None
 
     @classmethod
     def rows(cls, x: torch.Tensor) -> Fp8Operand:
@@ -41,7 +46,7 @@ class Fp8Operand(NamedTuple):
         reference's bits (`require_fp8_gemm`), else by the PyTorch reference (the same bits)."""
         if x.is_cuda:
             require_fp8_gemm(x.device)  # checks the kernels once per device (a lookup after that)
-            if _ROWS_KERNEL.get(_device_key(x.device)) and x.dtype in fp8_rows.DTYPES:
+            if _ROWS_KERNEL.get(x.device) and x.dtype in fp8_rows.DTYPES:  # a CUDA tensor's device has its index
                 return cls(*fp8_rows.quantize_rows_1x128(x), blocks=False)
         return cls(*quantize_rows_1x128(x), blocks=False)
 
@@ -52,7 +57,7 @@ class Fp8Operand(NamedTuple):
         gradient's dgrad and weight-gradient ones)."""
         if x.is_cuda:
             require_fp8_gemm(x.device)
-            if _ROWS_KERNEL.get(_device_key(x.device)) and x.dtype in fp8_rows.DTYPES:
+            if _ROWS_KERNEL.get(x.device) and x.dtype in fp8_rows.DTYPES:
                 (a, sa), (b, sb) = fp8_rows.quantize_both(x)
                 return cls(a, sa, blocks=False), cls(b, sb, blocks=False)
         return cls.rows(x), cls.rows(x.t())
@@ -65,14 +70,24 @@ class Fp8Operand(NamedTuple):
         if w.rowwise_data.is_cuda:
             require_fp8_gemm(w.rowwise_data.device)  # checks the kernels once per device (a lookup after that)
             if _BLOCK_KERNEL.get(_device_key(w.rowwise_data.device)) and fp8_block.can_copy(*fields[:2]):
-                return cls(*fp8_block.fp8_block_copy(*fields), blocks=True)
+                return cls(*fp8_block.fp8_block_copy(*fields), blocks=True).with_cublas_scales()
+            return cls(*fp8_block_copy(*fields), blocks=True).with_cublas_scales()
         return cls(*fp8_block_copy(*fields), blocks=True)
 
     def t(self) -> Fp8Operand:
         """The transposed operand: only a 128 x 128 block copy transposes without requantizing."""
         if not self.blocks:
             raise ValueError("a 1 x 128 operand does not transpose: quantize the transposed tensor instead")
-        return Fp8Operand(self.bits.t(), self.scales.t(), blocks=True)
+        return Fp8Operand(self.bits.t(), self.scales.t(), True, self.cublas_scales_t, self.cublas_scales)
+
+    def with_cublas_scales(self) -> Fp8Operand:
+        """This block operand with its scales as cuBLAS's 128 x 128 recipe reads them, for itself and for its
+        transpose (`_block_scales`): a weight's copy is read by every forward and backward until the next step."""
+        if not self.blocks:
+            raise ValueError("only a 128 x 128 block operand carries cuBLAS's block scales")
+        rows, k = self.bits.shape
+        return self._replace(cublas_scales=_block_scales(self.scales, rows, ceil_div(k, FP8_BLOCK)),
+                             cublas_scales_t=_block_scales(self.scales.t(), k, ceil_div(rows, FP8_BLOCK)))
 
     def group_scales(self, j: int) -> torch.Tensor:
         """fp32 [rows]: each row's scale for the contraction group j."""
@@ -131,19 +146,31 @@ def _padded(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return out
 
 
+def _block_scales(scales: torch.Tensor, rows: int, k_groups: int) -> torch.Tensor:
+    """128 x 128 block scales [row blocks, K blocks] as cuBLAS reads them: [K blocks padded to 4, row blocks], the
+    transpose of a row-major tensor (padding rows to 16 never adds a row block)."""
+    return _padded(scales, ceil_div(rows, FP8_BLOCK), ceil_div(k_groups, 4) * 4).contiguous().t()
+
+
 def _cublas_operand(op: Fp8Operand, rows: int, k_groups: int) -> tuple[torch.Tensor, torch.Tensor, object]:
     """(E4M3 [rows, 128 k_groups] row-major, its scales as cuBLAS's recipe reads them, the recipe)."""
     # Row-major values (a transposed weight copy, the dgrad's operand, is materialized here), and scales in the
-    # layouts torch's sm_90 recipes read.
+    # layouts torch's sm_90 recipes read. An operand already in them (the kernels' outputs at aligned shapes, a
+    # weight copy's prepared scales) passes as it is: a GEMM's host time is mostly these few tensor ops.
     bits = op.bits
     if bits.is_cuda and not bits.is_contiguous() and bits.t().is_contiguous():  # the dgrad's transposed copy
         bits = fp8_block.transposed_bytes(bits.t())
-    bits = _padded(bits, rows, k_groups * FP8_BLOCK).contiguous().view(torch.float8_e4m3fn)
+    if bits.shape != (rows, k_groups * FP8_BLOCK) or not bits.is_contiguous():
+        bits = _padded(bits, rows, k_groups * FP8_BLOCK).contiguous()
+    bits = bits.view(torch.float8_e4m3fn)
     if op.blocks:
-        k_blocks = ceil_div(k_groups, 4) * 4
-        scales = _padded(op.scales, ceil_div(rows, FP8_BLOCK), k_blocks).contiguous().t()  # [K blocks, row blocks]
+        scales = op.cublas_scales
+        if scales is None:
+            scales = _block_scales(op.scales, rows, k_groups)
         return bits, scales, F.ScalingType.BlockWise128x128
-    scales = _padded(op.scales, rows, k_groups).t().contiguous().t()  # [rows, K groups], outer-dim-major
+    scales = op.scales  # [rows, K groups], outer-dim-major: the kernels write them so
+    if scales.shape != (rows, k_groups) or scales.stride() != (1, rows):
+        scales = _padded(scales, rows, k_groups).t().contiguous().t()
     return bits, scales, F.ScalingType.BlockWise1x128
 
 
@@ -157,7 +184,7 @@ def cublas_mm(a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype) -> torch.Ten
     a_bits, a_scales, a_recipe = _cublas_operand(a, rows_a, k_groups)
     b_bits, b_scales, b_recipe = _cublas_operand(b, rows_b, k_groups)
     out = F.scaled_mm(a_bits, b_bits.t(), a_scales, a_recipe, b_scales, b_recipe, output_dtype=out_dtype)
-    return out[:m, :n]
+    return out if (rows_a, rows_b) == (m, n) else out[:m, :n]
 
 
 def fp8_mm(a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype) -> torch.Tensor:
@@ -194,6 +221,8 @@ def require_fp8_gemm(device) -> None:
     there with the emulation (checked once per device, on small ragged products whose every scale differs from its
     neighbours': a scale read from the wrong place gives wrong values, not a slightly different order of
     additions). Callers add which of their options to change."""
+    if type(device) is torch.device and device.index is not None and _CHECKED.get(device, False) is None:
+        return  # checked, and it runs here: every GEMM and quantization asks
     device = _device_key(device)
     if device in _CHECKED:
         if _CHECKED[device] is not None:

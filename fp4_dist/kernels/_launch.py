@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import re
+import struct
 import threading
 from pathlib import Path
 from typing import Callable
@@ -214,6 +215,13 @@ def _kernel_and_grid(index: int, key: tuple[str, str], units: int):
     """Kernel `key` of device `index` and its grid for `units` work units: min(units, resident blocks)."""
     if units <= 0:
         raise ValueError(f"{key[0]}: launch with {units} work units")
+    fn, cap = _kernel_and_cap(index, key)
+    return fn, min(units, cap)
+
+
+def _kernel_and_cap(index: int, key: tuple[str, str]):
+    """Kernel `key` of device `index` (compiled at its first launch if its source is lazy) and the most blocks a
+    launch of it takes."""
     k = device_kernels(index)
     fn = k.functions.get(key)
     if fn is None and key in KERNELS and KERNELS[key][0] in LAZY_SOURCES:
@@ -223,7 +231,7 @@ def _kernel_and_grid(index: int, key: tuple[str, str], units: int):
         fn = k.functions.get(key)
     if fn is None:
         raise KeyError(f"no kernel {key} in the name table")
-    return fn, min(units, k.max_blocks[key] if GRID[key[0]] == "resident" else (1 << 31) - 1)
+    return fn, k.max_blocks[key] if GRID[key[0]] == "resident" else (1 << 31) - 1
 
 
 def _launch(index: int, key: tuple[str, str], units: int, args: tuple) -> None:
@@ -291,9 +299,61 @@ class BoundLaunch:
         _launch(self.index, self.key, self.units, self.args)
 
 
+class _ArgumentBlock:
+    """One kernel's arguments as the driver reads them, for launches whose values change every call (`launch_now`):
+    packed into one buffer in C layout, which a pointer array made once points into. The driver copies the values
+    at the launch, so the buffer is reused; each thread has its own (`_blocks`)."""
+
+    __slots__ = ("fn", "cap", "pack", "buffer", "params")
+
+    def __init__(self, fn: int, cap: int, types: tuple):
+        layout = struct.Struct("@" + "".join(_FORMAT[t] for t in types))
+        # an argument's offset: the size up to and including it (native alignment pads before a field, never
+        # after the last) less its own size
+        offsets = [struct.calcsize("@" + "".join(_FORMAT[t] for t in types[: i + 1])) - struct.calcsize(_FORMAT[t])
+                   for i, t in enumerate(types)]  # fmt: skip
+        self.fn, self.cap, self.pack = fn, cap, layout.pack_into
+        self.buffer = ctypes.create_string_buffer(max(1, layout.size))
+        base = ctypes.addressof(self.buffer)
+        self.params = (ctypes.c_void_p * len(types))(*[base + o for o in offsets])
+
+
+_FORMAT = {int: "Q", np.int64: "q", np.int32: "i"}  # pointers, 64-bit and 32-bit integers (as _CTYPES)
+_blocks = threading.local()
+
+
+def _argument_block(index: int, key: tuple[str, str], args: tuple) -> _ArgumentBlock | None:
+    """This thread's argument block for kernel `key` on device `index` with these argument types (None: a type the
+    block does not pack)."""
+    table = _blocks.__dict__.setdefault("table", {})
+    types = tuple(map(type, args))
+    block = table.get((index, key, types), False)
+    if block is False:
+        block = None
+        if all(t in _FORMAT for t in types):
+            fn, cap = _kernel_and_cap(index, key)
+            block = _ArgumentBlock(fn.ptr, cap, types)
+        table[(index, key, types)] = block
+    return block
+
+
 def launch_now(index: int, key: tuple[str, str], units: int, args: tuple) -> None:
-    """One launch made through the driver directly, arguments packed for it alone: what the FP8 compute mode's
-    launches use, whose pointers change every call (a few microseconds of host time against CuPy's tens)."""
+    """One launch through the driver directly, its arguments packed into this thread's block for the kernel (a
+    few microseconds of host time against CuPy's tens): what the FP8 compute mode's launches use, whose pointers
+    change every call. Where the direct call cannot be made, a `BoundLaunch` (which falls back to `_launch`)."""
+    global _cu_launch
+    if _cu_launch is None:
+        _cu_launch = _driver_launch() or False
+    if units > 0 and _cu_launch and _launch is _DIRECT and torch._C._cuda_getDevice() == index:
+        block = _argument_block(index, key, args)
+        if block is not None:
+            block.pack(block.buffer, 0, *args)
+            err = _cu_launch(block.fn, min(units, block.cap), 1, 1, THREADS, 1, 1, 0, current_raw_stream(index),
+                             block.params, None)  # fmt: skip
+            if err == 0:
+                return
+            if err != 201:  # CUDA_ERROR_INVALID_CONTEXT: this thread has none current; CuPy's path sets it
+                raise RuntimeError(f"cuLaunchKernel of {key} failed with CUresult {err}")
     BoundLaunch(index, key, units, args)()
 
 

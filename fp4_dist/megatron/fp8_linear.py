@@ -47,20 +47,20 @@ class Fp8ParallelLinear(torch.autograd.Function):
         y = fp8_mm(xq, operand, input.dtype)
         if bias is not None:
             y = y + bias
-        ctx.save_for_backward(*kept, operand.bits, operand.scales)
+        ctx.save_for_backward(*kept, operand.bits, operand.scales, operand.cublas_scales, operand.cublas_scales_t)
         ctx.weight, ctx.stamp, ctx.has_bias = weight, stamp(weight), bias is not None
         ctx.allreduce_dgrad, ctx.sequence_parallel, ctx.tp_group = allreduce_dgrad, sequence_parallel, tp_group
         return y.view(*total.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx, dy):
-        kept, kept_scales, w_bits, w_scales = ctx.saved_tensors
+        kept, kept_scales, *w_fields = ctx.saved_tensors
         weight = ctx.weight
         if stamp(weight) != ctx.stamp:
             raise_changed(weight)
         want_dw = ctx.needs_input_grad[1]
         dy2 = dy.reshape(-1, dy.shape[-1])
-        w = Fp8Operand(w_bits, w_scales, blocks=True)
+        w = Fp8Operand(*w_fields[:2], True, *w_fields[2:])
         if want_dw:
             dyq, dytq = Fp8Operand.both(dy2)
         else:

@@ -109,3 +109,26 @@ def test_the_fp8_linear_computes_forward_dgrad_and_wgrad_from_the_fp8_operands()
     for got, ref in ((y.detach(), F.linear(ref_x, ref_w, lin.bias).detach()), (x.grad, ref_x.grad),
                      (w.grad, ref_w.grad)):  # fmt: skip
         assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < 0.06
+
+
+@pytest.mark.parametrize("shape", [(200, 304), (131, 48), (1024, 640), (16, 1408)])
+def test_a_weight_copys_prepared_cublas_scales_are_what_each_gemm_would_make_of_its_scales(shape):
+    # a weight copy carries its block scales as cuBLAS reads them, for itself and its transpose (the dgrad's); a
+    # GEMM reads those instead of laying the scales out again: they must be that layout, value for value and
+    # stride for stride, or cuBLAS reads a scale from the wrong block
+    from fp4_dist.compute.fp8_gemm import _ROWS_ALIGN, _cublas_operand
+    from fp4_dist.kernels import reference
+    from fp4_dist.kernels.fp8_block_reference import fp8_block_copy
+
+    m, k = shape
+    g = torch.Generator().manual_seed(m + k)
+    data, scales, amax, _ = reference.quantize(torch.randn(m, k, generator=g) * torch.logspace(-3, 3, k))
+    plain = Fp8Operand(*fp8_block_copy(data, scales, amax), blocks=True)
+    prepared = plain.with_cublas_scales()
+    for a, b in ((plain, prepared), (plain.t(), prepared.t())):
+        rows, k_groups = -(-a.bits.shape[0] // _ROWS_ALIGN) * _ROWS_ALIGN, -(-a.bits.shape[1] // 128)
+        want, got = _cublas_operand(a, rows, k_groups)[1], _cublas_operand(b, rows, k_groups)[1]
+        assert b.cublas_scales is got and torch.equal(got, want) and got.stride() == want.stride()
+        assert torch.equal(a.scales, b.scales)  # what the emulation reads stays as it was
+    with pytest.raises(ValueError, match="block operand"):
+        Fp8Operand.rows(torch.randn(4, 128)).with_cublas_scales()

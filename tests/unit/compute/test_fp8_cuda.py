@@ -33,11 +33,15 @@ def test_cublas_block_scaled_gemms_equal_the_emulation_on_ragged_shapes(seed):
     cases = [(Fp8Operand.rows(x), Fp8Operand.weight(lin.weight)),  # forward
              (Fp8Operand.rows(torch.randn(m, n, generator=g)), Fp8Operand.weight(lin.weight).t()),  # dgrad
              (Fp8Operand.rows(x.t().contiguous()), Fp8Operand.rows(torch.randn(n, m, generator=g)))]  # wgrad-shaped
-    for a, b in cases:
+    w = Fp8Operand.weight(lin.weight)
+    prepared = Fp8Operand(w.bits.cuda(), w.scales.cuda(), True).with_cublas_scales()  # as a copy on a GPU is
+    for (a, b), b_prepared in zip(cases, (prepared, prepared.t(), None)):
         want = emulated_mm(a, b)
-        got = cublas_mm(Fp8Operand(*(t.cuda() for t in a[:2]), a.blocks), Fp8Operand(*(t.cuda() for t in b[:2]),
-                        b.blocks), torch.bfloat16).cpu()  # fmt: skip
-        assert got.shape == want.shape and disagreement(got, a, b, torch.bfloat16) is None
+        a_gpu = Fp8Operand(*(t.cuda() for t in a[:2]), a.blocks)
+        got = cublas_mm(a_gpu, Fp8Operand(*(t.cuda() for t in b[:2]), b.blocks), torch.bfloat16)
+        assert got.shape == want.shape and disagreement(got.cpu(), a, b, torch.bfloat16) is None
+        if b_prepared is not None:  # the scales laid out once with the copy: the same GEMM, the same bits
+            assert torch.equal(cublas_mm(a_gpu, b_prepared, torch.bfloat16), got)
 
 
 @needs_hopper

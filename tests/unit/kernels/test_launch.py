@@ -118,3 +118,21 @@ def test_launch_counter_counts_every_launch_and_restores_the_launcher_even_when_
         _launch._launch(0, ("partial_amax", "RoundBf16"), 0, ())
     assert c.calls == 1 and c.keys == ["partial_amax"]
     assert _launch._launch is real
+
+
+def test_an_argument_block_holds_each_value_where_its_pointer_points_with_c_alignment():
+    # the kernels read each argument through its pointer, at the C layout's offset and width: a misplaced or
+    # misaligned value would launch with a wrong pointer or size, silently
+    import ctypes
+
+    import numpy as np
+
+    args = (np.int32(-7), 0xDEADBEEF0000, np.int64(-(2**40)), np.int32(2**31 - 1), np.int64(5), 2**64 - 1)
+    block = _launch._ArgumentBlock(0, 1, tuple(map(type, args)))
+    block.pack(block.buffer, 0, *args)
+    read = {np.int32: ctypes.c_int32, np.int64: ctypes.c_int64, int: ctypes.c_uint64}
+    for i, a in enumerate(args):
+        pointer = block.params[i]
+        assert pointer % ctypes.sizeof(read[type(a)]) == 0
+        assert read[type(a)].from_address(pointer).value == int(a)
+    assert block.params[5] + 8 <= ctypes.addressof(block.buffer) + ctypes.sizeof(block.buffer)
