@@ -71,6 +71,8 @@ def kernel_rows(t: int, n: int, k: int, reps: int, copy_gbs: float) -> list[dict
              ("quantize x^T (the wgrad's)", lambda: fp8_rows.quantize_rows_1x128(x.t()), quant_bytes),
              ("quantize x^T, any-strides kernel", lambda: fp8_rows.LAUNCHERS["strided"](x.t(), *fp8_rows_out(x.t())),
               quant_bytes),
+             ("quantize x both ways, one read (the layer's)", lambda: fp8_rows.quantize_both(x),
+              quant_bytes + t * k + t * (k // 128) * 4),
              ("weight copy [N, K]", lambda: fp8_block.fp8_block_copy(w.rowwise_data, w.rowwise_scale_inv, w.amax),
               copy_bytes),
              ("its transpose (the dgrad's)", lambda: fp8_block.transposed_bytes(wop.bits), 2 * n * k)]  # fmt: skip

@@ -50,7 +50,7 @@ from fp4_dist.checkpoint import atomic
 from fp4_dist.launch import export_mpi_env, shutdown
 from fp4_dist.megatron import adapter, defaults
 from fp4_dist.megatron.defaults import Default
-from fp4_dist.megatron.options import AdapterOptions
+from fp4_dist.megatron.options import AdapterOptions, current_options, set_options
 from .megatron_data import VOCAB_SIZE, BatchPlan, load_indexed, load_tokens, microbatches, split_stream
 
 UNSUPPORTED_BACKEND_FLAGS = ("--fp4-format", "--fp4-recipe")
@@ -242,6 +242,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     installed_here = not adapter.is_installed()
     if installed_here:
         _install_adapter(args)
+    # validated under this run's options, not those of an earlier run in this process (a bench's bf16 run after
+    # its FP8 one) whose adapter is still installed
+    earlier = current_options()
+    set_options(options_of(args))
     table = io.StringIO()
     try:
         with contextlib.redirect_stdout(table):
@@ -251,6 +255,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         raise ValueError(f"Megatron's validate_args rejected the arguments: {str(e) or where.line} "
                          f"({os.path.basename(where.filename)}:{where.lineno})") from e
     finally:
+        set_options(earlier)
         if installed_here:
             adapter.uninstall()
     if args.fp4_print_args and args.rank == 0:

@@ -289,7 +289,8 @@ def _rows_kernel_agrees(device: torch.device) -> bool:
         for dtype in (torch.float32, torch.bfloat16):
             yield x.to(dtype).t(), launched("transposed", x.to(dtype).to(device).t())
             yield x.to(dtype)[:, 1:], launched("strided", x.to(dtype).to(device)[:, 1:])
-        for sample in (x.to(torch.bfloat16), x[:, :37].to(torch.float16)):
+        whole_tiles = torch.cat([x] * 5)[:160, :272]  # whole 128 x 128 tiles (16-byte loads) and ragged ones
+        for sample in (x.to(torch.bfloat16), x[:, :37].to(torch.float16), whole_tiles.to(torch.bfloat16)):
             along_rows, along_columns = fp8_rows.quantize_both(sample.contiguous().to(device))
             yield sample, along_rows
             yield sample.t(), along_columns

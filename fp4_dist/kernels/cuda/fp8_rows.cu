@@ -87,6 +87,21 @@ __device__ __forceinline__ int group_shift(float top) {
     return k < -126 ? -126 : k;
 }
 
+// The E4M3 codes of two non-negative floats, e4m3_rne_satfinite of each, a's in the low byte. From sm_89 on one
+// hardware conversion: its round-to-nearest-even and saturation give the same codes (NaN 0x7F, inf and anything
+// from 464 up 0x7E, subnormals on the 2^-9 grid), in one instruction against some twenty each.
+__device__ __forceinline__ u32 e4m3_pair(float a, float b) {
+#if __CUDA_ARCH__ >= 890
+    unsigned short d;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(b), "f"(a));  // the first source: the high byte
+    return d;
+#else
+    return e4m3_rne_satfinite(a) | (e4m3_rne_satfinite(b) << 8);
+#endif
+}
+
+__device__ __forceinline__ u32 sign_bit(float v) { return v < 0.0f ? 0x80u : 0u; }  // -0.0 and NaN: none
+
 // One 128-group held by a warp, its element lane + 32 i in v[i] (zeros past the group's end): the codes of the first
 // `valid` elements into out[lane + 32 i], the scale (by lane 0) into *scale.
 __device__ __forceinline__ void quantize_warp_group(const float (&v)[4], i64 valid, u8* out, float* scale) {
@@ -104,10 +119,12 @@ __device__ __forceinline__ void quantize_warp_group(const float (&v)[4], i64 val
     for (int off = 16; off > 0; off >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, off));
     const int k = finite ? group_shift(top) : 0;
     const float down = pow2_bits(-k);
+    const u32 pairs[2] = {e4m3_pair(fabsf(v[0] * down), fabsf(v[1] * down)),
+                          e4m3_pair(fabsf(v[2] * down), fabsf(v[3] * down))};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         if (lane + 32 * i < valid) {
-            out[lane + 32 * i] = static_cast<u8>(e4m3_rne_satfinite(fabsf(v[i] * down)) | (v[i] < 0.0f ? 0x80u : 0u));
+            out[lane + 32 * i] = static_cast<u8>(((pairs[i / 2] >> (8 * (i % 2))) & 0xFFu) | sign_bit(v[i]));
         }
     }
     if (lane == 0) *scale = finite ? pow2_bits(k) : __uint_as_float(0x7fc00000u);
@@ -174,13 +191,10 @@ __global__ void __launch_bounds__(kThreads) rows_1x128_vec_kernel(i64 x, i64 row
     u32 word[4];
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
-        word[w] = 0;
-#pragma unroll
-        for (int b = 0; b < 4; ++b) {
-            const float e = v[4 * w + b];
-            const u32 code = e4m3_rne_satfinite(fabsf(e * down)) | (e < 0.0f ? 0x80u : 0u);
-            word[w] |= code << (8 * b);
-        }
+        const float* e = v + 4 * w;
+        word[w] = e4m3_pair(fabsf(e[0] * down), fabsf(e[1] * down)) |
+                  (e4m3_pair(fabsf(e[2] * down), fabsf(e[3] * down)) << 16);
+        word[w] |= sign_bit(e[0]) | (sign_bit(e[1]) << 8) | (sign_bit(e[2]) << 16) | (sign_bit(e[3]) << 24);
     }
     *reinterpret_cast<uint4*>(reinterpret_cast<u8*>(bits) + r * cols + c) = make_uint4(word[0], word[1], word[2],
                                                                                      word[3]);
@@ -227,18 +241,32 @@ __global__ void __launch_bounds__(kThreads) cols_1x128_kernel(i64 y, i64 tokens,
 // x^T (bits [cols, rows], scales outer-dim-major [cols, ceil(rows / 128)]): an activation's forward and weight-
 // gradient operands, or an output gradient's dgrad and weight-gradient ones. A block stages a 128 x 128 tile in
 // shared memory (its 2-byte values as they are: 33 KB), then each warp quantizes 16 of its rows and 16 of its
-// columns, each one group.
+// columns, each one group. A whole tile of a 16-byte aligned x is read in 16-byte loads, all eight of a thread's in
+// flight at once; a ragged or unaligned one element by element.
 template <class L>
 __global__ void __launch_bounds__(kThreads) both_1x128_kernel(i64 x, i64 rows, i64 cols, i64 stride_r, i64 bits,
                                                               i64 scales, i64 bits_t, i64 scales_t) {
-    __shared__ u16 tile[128][128 + 2];
+    __shared__ __align__(16) u16 tile[128][128 + 2];
     const i64 tiles_c = (cols + 127) / 128;
     const i64 r0 = (blockIdx.x / tiles_c) * 128, c0 = (blockIdx.x % tiles_c) * 128;
-    const int cl = threadIdx.x % 128;
+    if (r0 + 128 <= rows && c0 + 128 <= cols && (x & 15) == 0 && (stride_r & 7) == 0) {
+        const int chunk = threadIdx.x % 16, rl = threadIdx.x / 16;  // 8 elements of one row, rows rl + 16 j
+        const u16* src = reinterpret_cast<const u16*>(x) + (r0 + rl) * stride_r + c0 + 8 * chunk;
+        uint4 q[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) q[j] = *reinterpret_cast<const uint4*>(src + 16 * j * stride_r);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {  // a row is 260 bytes: 4-byte aligned, so four word stores
+            u32* dst = reinterpret_cast<u32*>(&tile[rl + 16 * j][8 * chunk]);
+            dst[0] = q[j].x, dst[1] = q[j].y, dst[2] = q[j].z, dst[3] = q[j].w;
+        }
+    } else {
+        const int cl = threadIdx.x % 128;
 #pragma unroll 8
-    for (int rl = threadIdx.x / 128; rl < 128; rl += kThreads / 128) {
-        const i64 r = r0 + rl, c = c0 + cl;
-        tile[rl][cl] = r < rows && c < cols ? reinterpret_cast<const u16*>(x)[r * stride_r + c] : u16(0);
+        for (int rl = threadIdx.x / 128; rl < 128; rl += kThreads / 128) {
+            const i64 r = r0 + rl, c = c0 + cl;
+            tile[rl][cl] = r < rows && c < cols ? reinterpret_cast<const u16*>(x)[r * stride_r + c] : u16(0);
+        }
     }
     __syncthreads();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

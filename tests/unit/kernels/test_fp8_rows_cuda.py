@@ -75,3 +75,25 @@ def test_both_ways_in_one_read_give_the_references_bits(seed):
             assert torch.equal(got_bits.cpu(), want_bits), (seed, list(view.shape), xg.stride())
             assert torch.equal(got_scales.cpu().view(torch.int32), want_scales.view(torch.int32)), seed
     assert fp8_rows.quantize_both(x.float().cuda())[1][0].shape == (x.shape[1], x.shape[0])  # fp32: two launches
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_both_ways_over_whole_tiles_give_the_references_bits(seed):
+    # whole 128 x 128 tiles of an aligned x are read in 16-byte loads, the ragged edge and unaligned x element by
+    # element: both, side by side in one launch
+    rng = random.Random(seed)
+    rows, cols = rng.choice([128, 256, 300, 2048]), rng.choice([128, 384, 400, 1024])
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g) * torch.ldexp(torch.ones(rows, 1), torch.randint(-30, 30, (rows, 1),
+                                                                                            generator=g))  # fmt: skip
+    x[rng.randrange(rows), rng.randrange(cols)] = rng.choice([float("nan"), float("inf"), 0.0])
+    x = x.to(rng.choice([torch.bfloat16, torch.float16]))
+    wide = torch.cat([x, x], dim=1).cuda()
+    for xg in (x.cuda(), wide[:, :cols], wide[:, 8:8 + cols], wide[:, 1:1 + cols]):  # aligned; rows apart; 16 B off;
+        (bits, scales), (bits_t, scales_t) = _poisoned(rows, cols), _poisoned(cols, rows)  # 2 B off: unaligned
+        _launch.launch_both_1x128(xg, bits, scales, bits_t, scales_t)
+        values = xg.cpu()  # what each view holds (the shifted ones: other columns of x)
+        for got_bits, got_scales, view in ((bits, scales, values), (bits_t, scales_t, values.t())):
+            want_bits, want_scales = quantize_rows_1x128(view)
+            assert torch.equal(got_bits.cpu(), want_bits), (seed, list(view.shape), xg.stride(), xg.data_ptr() % 16)
+            assert torch.equal(got_scales.cpu().view(torch.int32), want_scales.view(torch.int32)), seed
