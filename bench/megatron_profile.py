@@ -1,7 +1,8 @@
 """Where a Megatron step's host time goes: cProfile of the same steps with and without --fp4-param-gather.
 
     torchrun --nproc-per-node 2 bench/megatron_profile.py [--model gpt256] [--steps 30]
-        [--gpu | --syncs | --phases] [-- extra Megatron args, e.g. --overlap-param-gather --overlap-grad-reduce]
+        [--gpu | --syncs | --phases] [--compute fp8]
+        [-- extra Megatron args, e.g. --overlap-param-gather --overlap-grad-reduce]
 
 Host-bound steps (small models) show every extra Python call of the NVFP4 path; rank 0 prints, for each mode,
 the median step time and the functions with the largest own time, then the fp4_dist functions by cumulative
@@ -13,6 +14,7 @@ collective's device and exposed time (run under the NCCL environment of timing.S
 without -- --grad-reduce-in-bf16, for what a slow link leaves exposed). It tells extra device work of the NVFP4 path
 apart from host time and from the machine's run-to-run noise.
 --syncs counts the calls that make the host wait for the GPU (torch's sync debug mode), per step, by caller.
+--compute fp8 runs the NVFP4 side in the FP8 compute mode (Hopper) instead of the default lean mode.
 --phases times the host (wall clock around the calls, nothing traced, no synchronisation added) per step and
 phase: Megatron's forward-backward and optimizer step, and inside the step the NVFP4 path's cast, its
 non-finite check, the post-all-gather refresh and the ops that still reach NVFP4Tensor's Python dispatch (by op),
@@ -211,11 +213,15 @@ def main() -> None:
     p.add_argument("--gpu", action="store_true", help="profile the device's kernels instead of the host")
     p.add_argument("--syncs", action="store_true", help="count the synchronising CUDA calls per step, by caller")
     p.add_argument("--phases", action="store_true", help="host time per step by phase (Megatron's and fp4_dist's)")
+    p.add_argument("--compute", choices=("lean", "fp8"), default="lean",
+                   help="the NVFP4 run's compute mode: lean (the default mode) or fp8 (the FP8 compute mode, Hopper)")
     args, extra_args = p.parse_known_args()
     base = MODELS[args.model].split() + COMMON.replace("--fp4-master-digest", "").split()
     base += [a for a in extra_args if a != "--"]  # Megatron's own flags, e.g. -- --overlap-param-gather
     base += ["--train-iters", str(args.steps), "--log-interval", str(10 * args.steps), "--lr-warmup-iters", "1"]
-    modes = (("bf16", []), ("fp4", ["--fp4-param-gather"]), ("bf16 #2", []), ("fp4 #2", ["--fp4-param-gather"]))
+    nvfp4 = ["--fp4-param-gather"] + (["--fp4-compute", "fp8"] if args.compute == "fp8" else [])
+    name = "fp8" if args.compute == "fp8" else "fp4"
+    modes = (("bf16", []), (name, nvfp4), ("bf16 #2", []), (f"{name} #2", nvfp4))
     if args.syncs and not torch.cuda.is_available():
         raise SystemExit("megatron_profile: --syncs counts waits for a GPU and needs a CUDA device")
     if args.syncs:

@@ -102,3 +102,18 @@ def test_the_gradient_reduce_dtype_reaches_megatron_ddp(extra, in_fp32):
     args = pretrain_gpt.parse_args(TINY + ["--use-distributed-optimizer", "--fp4-param-gather", *extra])
     training = pretrain_gpt._megatron_training()[3]  # after the Python 3.11 shim
     assert training.get_megatron_ddp_config(args).grad_reduce_in_fp32 is in_fp32
+
+
+def test_a_run_is_validated_under_its_own_options_not_an_earlier_runs_still_installed():
+    # a bench runs bf16 after the FP8 mode in one process, the FP8 run's adapter still installed: the bf16 run's
+    # flags (no --fp4-param-gather) are valid for it, and the installed options stay as they were
+    from fp4_dist.megatron import adapter
+    from fp4_dist.megatron.options import AdapterOptions, current_options
+
+    fp8 = AdapterOptions(compute="fp8")
+    adapter.install(options=fp8)
+    try:
+        pretrain_gpt.parse_args(TINY + ["--use-distributed-optimizer"])
+        assert current_options() == fp8
+    finally:
+        adapter.uninstall()
