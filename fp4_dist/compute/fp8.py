@@ -24,7 +24,7 @@ import torch
 from .fp8_gemm import Fp8Operand, fp8_mm
 from .lean import raise_changed, stamp
 
-__all__ = ["Fp8Operand", "Fp8BlockLinear", "fp8_linear", "weight_gradient"]
+__all__ = ["Fp8Operand", "Fp8BlockLinear", "fp8_linear", "output", "weight_gradient"]
 
 
 class Fp8BlockLinear(torch.autograd.Function):
@@ -46,7 +46,7 @@ class Fp8BlockLinear(torch.autograd.Function):
             y = y + bias
         ctx.save_for_backward(xtq.bits, xtq.scales, w.bits, w.scales, w.cublas_scales, w.cublas_scales_t)
         ctx.has_bias, ctx.weight, ctx.stamp = bias is not None, weight, _stamp(weight)
-        return y.view(*x.shape[:-1], -1)
+        return output(y, x.shape)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
@@ -65,7 +65,16 @@ class Fp8BlockLinear(torch.autograd.Function):
         dx = fp8_mm(dyq, w.t(), dy.dtype) if want_dx else None
         dw = weight_gradient(dytq, Fp8Operand(xt_bits, xt_scales, False), weight.dtype) if want_dw else None
         db = dy2.sum(dim=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return (dx.view(*dy.shape[:-1], -1) if dx is not None else None), dw, db, None
+        return (dx.view(*dy.shape[:-1], dx.shape[-1]) if dx is not None else None), dw, db, None
+
+
+def output(y: torch.Tensor, input_shape) -> torch.Tensor:
+    """The GEMM's result y [tokens, N] as a linear's output for an input of `input_shape` ([..., K]), a tensor that
+    autograd does not take for a view of y (``aten._unsafe_view``, as ``torch.matmul`` returns its products): a view
+    of a tensor made inside an autograd Function may not be modified in place, and callers do so (Megatron's MoE
+    experts add their bias to their linear's output). y is a slice of cuBLAS's padded result where tokens were
+    padded."""
+    return torch.ops.aten._unsafe_view(y, (*input_shape[:-1], y.shape[-1]))
 
 
 def weight_gradient(dyt: Fp8Operand, xt: Fp8Operand, dtype: torch.dtype) -> torch.Tensor:

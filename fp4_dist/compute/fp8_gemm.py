@@ -190,6 +190,9 @@ def cublas_mm(a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype) -> torch.Ten
 def fp8_mm(a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype) -> torch.Tensor:
     """a @ b^T in `out_dtype`: cuBLAS on a CUDA device (checked once there, `require_fp8_gemm`), emulated on CPU."""
     device = a.bits.device
+    m, n, k = a.bits.shape[0], b.bits.shape[0], _common_k(a, b)
+    if not (m and n and k):  # an MoE expert that got no tokens: an empty product, or a sum of nothing
+        return torch.zeros(m, n, dtype=out_dtype, device=device)
     if device.type == "cpu":
         return emulated_mm(a, b).to(out_dtype)
     require_fp8_gemm(device)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..compute import fp8_copy
-from ..compute.fp8 import weight_gradient
+from ..compute.fp8 import output, weight_gradient
 from ..compute.fp8_gemm import Fp8Operand, fp8_mm
 from ..compute.lean import raise_changed, stamp, weight_name
 from .startup import FP8_FLAGS
@@ -50,7 +50,7 @@ class Fp8ParallelLinear(torch.autograd.Function):
         ctx.save_for_backward(*kept, operand.bits, operand.scales, operand.cublas_scales, operand.cublas_scales_t)
         ctx.weight, ctx.stamp, ctx.has_bias = weight, stamp(weight), bias is not None
         ctx.allreduce_dgrad, ctx.sequence_parallel, ctx.tp_group = allreduce_dgrad, sequence_parallel, tp_group
-        return y.view(*total.shape[:-1], -1)
+        return output(y, total.shape)
 
     @staticmethod
     def backward(ctx, dy):
@@ -66,7 +66,8 @@ class Fp8ParallelLinear(torch.autograd.Function):
         else:
             dyq, dytq = Fp8Operand.rows(dy2), None
         rows = dy2.shape[0]
-        dx = fp8_mm(dyq, w.t(), dy.dtype).view(*dy.shape[:-1], -1)
+        dx = fp8_mm(dyq, w.t(), dy.dtype)
+        dx = dx.view(*dy.shape[:-1], dx.shape[-1])  # sizes spelled out: an expert may get no tokens
         if ctx.sequence_parallel:
             dx = _reduce_scatter_sequence(dx, ctx.tp_group)
         elif ctx.allreduce_dgrad:
@@ -74,7 +75,7 @@ class Fp8ParallelLinear(torch.autograd.Function):
         dw = None
         if want_dw:
             if ctx.sequence_parallel:  # the local input, gathered again
-                xt = Fp8Operand.rows(_gather_sequence(kept, ctx.tp_group).reshape(rows, -1).t())
+                xt = Fp8Operand.rows(_gather_sequence(kept, ctx.tp_group).reshape(rows, kept.shape[-1]).t())
             else:  # x^T in FP8, kept by the forward
                 xt = Fp8Operand(kept, kept_scales, False)
             dw = weight_gradient(dytq, xt, weight.dtype)

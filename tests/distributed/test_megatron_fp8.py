@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from .test_megatron_parallel import TP, _bf16_ranks  # noqa: E402
+from .test_megatron_parallel import MOE, TP, _bf16_ranks  # noqa: E402
 from . import forked_ranks  # noqa: E402
 from .test_launch import _env  # noqa: E402
 from .test_megatron_run import assert_fp4_run, data, launch, train  # noqa: E402,F401 (data: fixture)
@@ -26,15 +26,18 @@ FP8 = ("--compute", "fp8")
 
 # Sequence parallelism needs TransformerEngine's or Apex's norms in Megatron (torch's LayerNorm refuses it), which
 # CPU ranks lack: its path is checked below on the linear function itself.
-LAYOUTS = {"dp2": (), "tp2": TP}
+# MoE experts (expert parallel, all-to-all dispatch): their MLP adds its bias to the linear's output in place, and
+# an expert may get no tokens. {layout: (its flags, the NVFP4 weights rank 0 holds)}
+LAYOUTS = {"dp2": ((), 8), "tp2": (TP, 8), "moe-ep2": ((*MOE, "--moe-token-dispatcher-type", "alltoall"), 12)}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_the_fp8_mode_trains_like_bf16_with_bytes_checked_every_step(tmp_path, data, layout):
-    args = ("--data-path", data, *COMMON, *LAYOUTS[layout])
+    flags, weights = LAYOUTS[layout]
+    args = ("--data-path", data, *COMMON, *flags)
     fp8 = train(tmp_path, "fp8", 2, *args, runner=FP8)
     bf16 = train(tmp_path, "bf16", _bf16_ranks(args), *args, fp4=False)
-    assert_fp4_run(fp8, bf16)
+    assert_fp4_run(fp8, bf16, weights)
     assert "GEMMs in fp8" in fp8["stdout"]
     if layout == "dp2":  # and it is not the bf16 compute mode: the same bytes, other GEMMs
         default = train(tmp_path, "fp4", 2, *args)

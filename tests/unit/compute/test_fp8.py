@@ -111,6 +111,28 @@ def test_the_fp8_linear_computes_forward_dgrad_and_wgrad_from_the_fp8_operands()
         assert ((got.float() - ref.float()).norm() / ref.float().norm()).item() < 0.06
 
 
+def test_the_fp8_linears_output_takes_in_place_ops_and_an_empty_input_gives_zero_gradients():
+    # Megatron's MoE experts add their bias to their linear's output in place (a view made inside an autograd
+    # Function refuses that), and an expert may get no tokens
+    torch.manual_seed(3)
+    lin = nn.Linear(272, 144, bias=False).to(torch.bfloat16)
+    fp4_dist.convert_linear_weights(lin)
+    x = torch.randn(2, 65, 272, dtype=torch.bfloat16, requires_grad=True)
+    y = fp8_linear(x, lin.weight)
+    y += 1.0
+    y.backward(torch.ones_like(y))
+    want = fp8_linear(x.detach().requires_grad_(), lin.weight)
+    assert torch.equal(y.detach(), want.detach() + 1.0)
+    assert x.grad.shape == x.shape and lin.weight.grad.shape == (144, 272)
+
+    lin.weight.grad = None
+    empty = torch.zeros(0, 272, dtype=torch.bfloat16, requires_grad=True)
+    out = fp8_linear(empty, lin.weight)
+    out.sum().backward()
+    assert out.shape == (0, 144) and empty.grad.shape == (0, 272)
+    assert torch.equal(lin.weight.grad, torch.zeros(144, 272, dtype=torch.bfloat16))
+
+
 @pytest.mark.parametrize("shape", [(200, 304), (131, 48), (1024, 640), (16, 1408)])
 def test_a_weight_copys_prepared_cublas_scales_are_what_each_gemm_would_make_of_its_scales(shape):
     # a weight copy carries its block scales as cuBLAS reads them, for itself and its transpose (the dgrad's); a

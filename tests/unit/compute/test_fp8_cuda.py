@@ -74,3 +74,24 @@ def test_other_gpus_refuse_the_mode_before_converting_anything():
     with pytest.raises(RuntimeError, match="compute capability 9.0"):
         fp4_dist.convert_linear_weights(lin, compute="fp8")
     assert type(lin.weight.data) is torch.Tensor
+
+
+@needs_hopper
+def test_on_hopper_the_output_takes_in_place_ops_and_an_expert_without_tokens_gets_zero_gradients():
+    # Megatron's MoE experts add their bias to the linear's output in place; an expert may get no tokens (cuBLAS
+    # is not asked for an empty product)
+    torch.manual_seed(4)
+    lin = nn.Linear(272, 144, bias=False).cuda().to(torch.bfloat16)
+    fp4_dist.convert_linear_weights(lin, compute="fp8")
+    x = torch.randn(2, 65, 272, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    y = lin(x)
+    want = y.detach().clone()
+    y += 1.0
+    y.backward(torch.ones_like(y))
+    assert torch.equal(y.detach(), want + 1.0) and x.grad.shape == x.shape
+    lin.weight.grad = None
+    empty = torch.zeros(0, 272, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    out = lin(empty)
+    out.sum().backward()
+    assert out.shape == (0, 144) and empty.grad.shape == (0, 272)
+    assert torch.equal(lin.weight.grad, torch.zeros_like(lin.weight.grad)) and lin.weight.grad.shape == (144, 272)
