@@ -88,7 +88,14 @@ def summary(out: Path, names: list[str], check_every: int) -> int:
             continue
         runs = {mode: json.loads(p.read_text()) for mode, p in paths.items()}
         loss = {m: {it["iteration"]: it["loss"] for it in r["iterations"]} for m, r in runs.items()}
-        tail = [i for i in loss["bf16"] if i > max(loss["bf16"]) - 10]
+        tail = [i for i in loss["bf16"] if i > max(loss["bf16"], default=0) - 10]
+        stopped = [m for m in runs if not tail or not set(tail) <= set(loss[m])]
+        if stopped:  # a run that ended early (its log says why): a row of its own, not a crash of the table
+            said = "; ".join(f"{m} stopped after iteration {max(loss[m], default=0)}, see {name}-{m}.log"
+                             for m in stopped)  # fmt: skip
+            print(f"| {name} | - | - | - | - | - | - | - | - | - | FAIL ({said}) |")
+            failed += 1
+            continue
         b, f = (statistics.fmean(loss[m][i] for i in tail) for m in ("bf16", "fp4"))
         med = {m: statistics.median(step_times(out / f"{name}-{m}.log", check_every).values()) for m in runs}
         checks = [runs["fp4"].get("check_after_setup", "")] + [it["check"] for it in runs["fp4"]["iterations"]
