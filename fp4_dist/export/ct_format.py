@@ -115,7 +115,7 @@ def write_checkpoint(out_dir, tensors: Mapping[str, torch.Tensor], amaxes: Mappi
         for fname, shard in zip(names, shards):
             mine = {w: a for w, a in amaxes.items() if f"{module_of(w)}.weight_packed" in shard}
             meta = {"format": "pt", AMAX_METADATA: json.dumps({w: float(a).hex() for w, a in mine.items()})}
-            st.save_file(shard, str(out.file(fname)), metadata=meta)
+            save_safetensors(st, shard, out.file(fname), meta)
             weight_map.update({n: fname for n in shard})
         if len(names) > 1:
             total = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -123,8 +123,26 @@ def write_checkpoint(out_dir, tensors: Mapping[str, torch.Tensor], amaxes: Mappi
                                                        indent=2, sort_keys=True))  # fmt: skip
         out.file(CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
         if side_fields:
-            st.save_file(dict(side_fields), str(out.file(SIDE_FILE)), metadata={"format": "pt"})
+            save_safetensors(st, dict(side_fields), out.file(SIDE_FILE), {"format": "pt"})
     return names + ([INDEX_FILE] if len(names) > 1 else []) + [CONFIG_FILE] + ([SIDE_FILE] if side_fields else [])
+
+
+def save_safetensors(st, tensors: Mapping[str, torch.Tensor], path: Path, metadata: Mapping[str, str]) -> None:
+    """`tensors` with `metadata` as the safetensors file `path`, the same bytes for the same inputs: safetensors
+    writes the metadata in its hash map's order, which changes from call to call (two exports of one checkpoint
+    would differ), so the header is rewritten in place with the metadata's keys sorted (the same length: the tensors'
+    offsets follow it; nothing of the tensors is read or held)."""
+    st.save_file(dict(tensors), str(path), metadata=dict(metadata))
+    with open(path, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        if "__metadata__" not in header:
+            return
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) <= n:  # else escaped otherwise than safetensors does: its own order stays
+            f.seek(8)
+            f.write(text + b" " * (n - len(text)))
 
 
 def foreign_files(folder: Path) -> list[str]:

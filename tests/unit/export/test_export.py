@@ -140,6 +140,21 @@ def test_round_trip_gives_the_same_bytes(tmp_path):
     assert torch.equal(before, model.model.layers[1].mlp.up_proj.weight.rowwise_data)
 
 
+def test_exporting_one_model_twice_writes_the_same_bytes(tmp_path):
+    # safetensors writes its metadata (the format and fp4_dist's amaxes) in a hash map's order, which changes from
+    # call to call; an export puts it in sorted order, so one checkpoint gives one set of file hashes
+    model = llama(seed=4)
+    files = []
+    for i in range(6):
+        export_compressed_tensors(model, tmp_path / str(i))
+        files.append({f.name: f.read_bytes() for f in sorted((tmp_path / str(i)).rglob("*")) if f.is_file()})
+    assert all(f == files[0] for f in files[1:])
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "0" / ct_format.SINGLE_FILE), "pt") as f:  # the rewritten header reads
+        assert f.metadata()["format"] == "pt" and len(json.loads(f.metadata()[ct_format.AMAX_METADATA])) == 14
+
+
 def test_another_writers_checkpoint_gets_an_amax_that_decodes_alike(tmp_path):
     from safetensors.torch import load_file, save_file
 
