@@ -6,12 +6,16 @@
                   (`save`, `step_folder`), and the newest complete one found on restart (`latest_complete_checkpoint`)
     safe_load.py  the one reader of ``.pt`` files: weights-only, with an allow-list per kind of file
                   (`load_checkpoint_file`, `UnsafeCheckpointError`)
+    safe_dcp.py   DCP checkpoints loaded without unpickling code: their metadata and non-tensor entries
+                  (`load_distributed_checkpoint`, `SafeReader`, `SafeLoadPlanner`)
 """
 
 from __future__ import annotations
 
+from .safe_dcp import SafeLoadPlanner, SafeReader, load_distributed_checkpoint
 from .safe_load import NVFP4_GLOBALS, UnsafeCheckpointError, load_checkpoint_file
 from .steps import StepCheckpoint, latest_complete_checkpoint, save, step_folder
 
 __all__ = ["save", "step_folder", "latest_complete_checkpoint", "StepCheckpoint", "load_checkpoint_file",
-           "UnsafeCheckpointError", "NVFP4_GLOBALS"]  # fmt: skip
+           "UnsafeCheckpointError", "NVFP4_GLOBALS", "load_distributed_checkpoint", "SafeReader",
+           "SafeLoadPlanner"]  # fmt: skip

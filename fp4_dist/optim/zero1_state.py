@@ -36,7 +36,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import atomic, steps as checkpoint
+from ..checkpoint import atomic, safe_dcp, steps as checkpoint
 from ..cast.collectives import in_distributed_job
 
 try:
@@ -256,15 +256,17 @@ def save_checkpoint(opt, path) -> None:
     checkpoint.save({"optimizer": sharded_state_dict(opt)}, path)
 
 
-def load_checkpoint(opt, path) -> None:
+def load_checkpoint(opt, path, *, trusted: bool = False) -> None:
     """Load a `save_checkpoint` (or DCP) checkpoint saved at any world size into ``opt`` (collective): builds
     the per-element optimizer state the checkpoint holds (an optimizer that has not stepped has none yet) from
-    the checkpoint's metadata, loads, and restores as `load_sharded_state_dict`."""
+    the checkpoint's metadata, loads, and restores as `load_sharded_state_dict`. Nothing stored in the checkpoint
+    runs (`fp4_dist.checkpoint.safe_dcp`; `trusted=True` unpickles in full, as dcp.load does)."""
     import torch.distributed.checkpoint as dcp
 
     path = atomic.resolve(path)
     materialize_fresh_state(opt)
-    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    reader = dcp.FileSystemReader(path) if trusted else safe_dcp.SafeReader(path)
+    meta = reader.read_metadata().state_dict_metadata
     prefix = "optimizer.state."
     local = _local_pieces(opt)
     for fqn, md in meta.items():
@@ -281,5 +283,5 @@ def load_checkpoint(opt, path) -> None:
             st[key] = torch.zeros(piece.shape if shape == (opt.params[int(index)].numel(),) else shape,
                                   dtype=dtype, device=piece.device)  # fmt: skip
     sd = {"optimizer": sharded_state_dict(opt)}
-    dcp.load(sd, checkpoint_id=path)
+    safe_dcp.load_distributed_checkpoint(sd, path, trusted=trusted)
     load_sharded_state_dict(opt, sd["optimizer"])

@@ -373,7 +373,7 @@ def suite_checkpoint(ctx, world, rank, mode, ckpt) -> dict:
     opt.zero_grad()
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=ckpt)
+    fp4_dist.checkpoint.load_distributed_checkpoint(state, ckpt)  # dcp.load, nothing in the files run
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     digests = digest(full_state(model, opt))
     gathered = Gathered(model)

@@ -103,12 +103,13 @@ class FSDP2Run:
         fp4_dist.checkpoint.save({"model": msd, "optim": osd}, path)
 
     def load(self, path) -> None:
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        import fp4_dist.checkpoint
 
         msd, osd = get_state_dict(self.model, self.opt)
         state = {"model": msd, "optim": osd}
-        dcp.load(state, checkpoint_id=path)
+        fp4_dist.checkpoint.load_distributed_checkpoint(state, path)
         set_state_dict(self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
     def digests(self) -> dict:
