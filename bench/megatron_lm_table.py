@@ -88,16 +88,20 @@ def summary(out: Path, names: list[str], check_every: int) -> int:
             continue
         runs = {mode: json.loads(p.read_text()) for mode, p in paths.items()}
         loss = {m: {it["iteration"]: it["loss"] for it in r["iterations"]} for m, r in runs.items()}
-        tail = [i for i in loss["bf16"] if i > max(loss["bf16"], default=0) - 10]
-        stopped = [m for m in runs if not tail or not set(tail) <= set(loss[m])]
+        # a run that reached its last iteration recorded its final digest there (fp4_dist.megatron.monitor)
+        stopped = [m for m in runs if "master_digest_final" not in runs[m] or not loss[m]]
+        if not stopped and max(loss["bf16"]) != max(loss["fp4"]):
+            stopped = [min(runs, key=lambda m: max(loss[m]))]
         if stopped:  # a run that ended early (its log says why): a row of its own, not a crash of the table
             said = "; ".join(f"{m} stopped after iteration {max(loss[m], default=0)}, see {name}-{m}.log"
                              for m in stopped)  # fmt: skip
             print(f"| {name} | - | - | - | - | - | - | - | - | - | FAIL ({said}) |")
             failed += 1
             continue
+        tail = [i for i in loss["bf16"] if i > max(loss["bf16"]) - 10]
         b, f = (statistics.fmean(loss[m][i] for i in tail) for m in ("bf16", "fp4"))
-        med = {m: statistics.median(step_times(out / f"{name}-{m}.log", check_every).values()) for m in runs}
+        times = {m: list(step_times(out / f"{name}-{m}.log", check_every).values()) for m in runs}
+        med = {m: statistics.median(t) if t else float("nan") for m, t in times.items()}  # none past the warm-up
         checks = [runs["fp4"].get("check_after_setup", "")] + [it["check"] for it in runs["fp4"]["iterations"]
                                                               if "check" in it]  # fmt: skip
         passed = sum(c.startswith("ok") for c in checks)

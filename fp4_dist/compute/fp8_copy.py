@@ -53,11 +53,13 @@ def forget(module: torch.nn.Module) -> None:
 
 
 def fp8_copy_bytes(model: torch.nn.Module) -> int:
-    """Bytes the FP8 copies of `model`'s layers hold now (values and block scales)."""
-    total = 0
+    """Bytes the FP8 copies of `model`'s layers hold now (values, block scales, and those laid out for cuBLAS)."""
+    storages = {}  # the cuBLAS layout of the scales is the scales themselves where it needs no padding
     for m in model.modules():
         kept = m.__dict__.get(_ATTR)
         if kept is not None:
-            total += kept.operand.bits.numel() * kept.operand.bits.element_size()
-            total += kept.operand.scales.numel() * kept.operand.scales.element_size()
-    return total
+            op = kept.operand
+            for t in (op.bits, op.scales, op.cublas_scales, op.cublas_scales_t):
+                if t is not None:
+                    storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())

@@ -115,17 +115,24 @@ def test_the_fp8_linears_output_takes_in_place_ops_and_an_empty_input_gives_zero
     # Megatron's MoE experts add their bias to their linear's output in place (a view made inside an autograd
     # Function refuses that), and an expert may get no tokens
     torch.manual_seed(3)
-    lin = nn.Linear(272, 144, bias=False).to(torch.bfloat16)
+    lin = nn.Linear(272, 144, bias=True).to(torch.bfloat16)
     fp4_dist.convert_linear_weights(lin)
-    x = torch.randn(2, 65, 272, dtype=torch.bfloat16, requires_grad=True)
-    y = fp8_linear(x, lin.weight)
-    y += 1.0
-    y.backward(torch.ones_like(y))
-    want = fp8_linear(x.detach().requires_grad_(), lin.weight)
-    assert torch.equal(y.detach(), want.detach() + 1.0)
-    assert x.grad.shape == x.shape and lin.weight.grad.shape == (144, 272)
+    x = torch.randn(2, 65, 272, dtype=torch.bfloat16)
+    dy = torch.randn(2, 65, 144, dtype=torch.bfloat16)
+    grads = []
+    for in_place in (False, True):
+        xi = x.clone().requires_grad_()
+        y = fp8_linear(xi, lin.weight, lin.bias)
+        before = y.detach().clone()
+        if in_place:
+            y += 1.0
+            assert torch.equal(y.detach(), before + 1.0)
+        y.backward(dy)
+        grads.append((before, xi.grad, lin.weight.grad, lin.bias.grad))
+        lin.weight.grad = lin.bias.grad = None
+    for plain, added in zip(*grads):  # the same output (less the 1.0) and the same gradients, bit for bit
+        assert torch.equal(plain, added)
 
-    lin.weight.grad = None
     empty = torch.zeros(0, 272, dtype=torch.bfloat16, requires_grad=True)
     out = fp8_linear(empty, lin.weight)
     out.sum().backward()
