@@ -340,7 +340,7 @@ def _argument_block(index: int, key: tuple[str, str], args: tuple) -> _ArgumentB
 def launch_now(index: int, key: tuple[str, str], units: int, args: tuple) -> None:
     """One launch through the driver directly, its arguments packed into this thread's block for the kernel (a
     few microseconds of host time against CuPy's tens): what the FP8 compute mode's launches use, whose pointers
-    change every call. Where the direct call cannot be made, a `BoundLaunch` (which falls back to `_launch`)."""
+    change every call. Where the direct call cannot be made (as for `BoundLaunch`), `_launch` itself."""
     global _cu_launch
     if _cu_launch is None:
         _cu_launch = _driver_launch() or False
@@ -354,7 +354,7 @@ def launch_now(index: int, key: tuple[str, str], units: int, args: tuple) -> Non
                 return
             if err != 201:  # CUDA_ERROR_INVALID_CONTEXT: this thread has none current; CuPy's path sets it
                 raise RuntimeError(f"cuLaunchKernel of {key} failed with CUresult {err}")
-    BoundLaunch(index, key, units, args)()
+    _launch(index, key, units, args)
 
 
 def bind(launch: Callable) -> BoundLaunch:
