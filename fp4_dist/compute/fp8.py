@@ -24,7 +24,8 @@ import torch
 from .fp8_gemm import Fp8Operand, fp8_mm
 from .lean import raise_changed, stamp
 
-__all__ = ["Fp8Operand", "Fp8BlockLinear", "fp8_linear", "output", "weight_gradient"]
+__all__ = ["Fp8Operand", "Fp8BlockLinear", "fp8_linear", "output", "saved_weight", "weight_from_saved",
+           "weight_gradient"]
 
 
 class Fp8BlockLinear(torch.autograd.Function):
@@ -44,18 +45,18 @@ class Fp8BlockLinear(torch.autograd.Function):
         y = fp8_mm(xq, w, x.dtype)
         if bias is not None:
             y = y + bias
-        ctx.save_for_backward(xtq.bits, xtq.scales, w.bits, w.scales, w.cublas_scales, w.cublas_scales_t)
+        ctx.save_for_backward(xtq.bits, xtq.scales, *saved_weight(w))
         ctx.has_bias, ctx.weight, ctx.stamp = bias is not None, weight, _stamp(weight)
         return output(y, x.shape)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        xt_bits, xt_scales, *w_fields = ctx.saved_tensors
+        xt_bits, xt_scales, *kept_weight = ctx.saved_tensors
         weight = ctx.weight
         if _stamp(weight) != ctx.stamp:
             raise_changed(weight)
         dy2 = dy.reshape(-1, dy.shape[-1])
-        w = Fp8Operand(*w_fields[:2], True, *w_fields[2:])
+        w = weight_from_saved(kept_weight)
         want_dx, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if want_dx and want_dw:
             dyq, dytq = Fp8Operand.both(dy2)
@@ -66,6 +67,18 @@ class Fp8BlockLinear(torch.autograd.Function):
         dw = weight_gradient(dytq, Fp8Operand(xt_bits, xt_scales, False), weight.dtype) if want_dw else None
         db = dy2.sum(dim=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return (dx.view(*dy.shape[:-1], dx.shape[-1]) if dx is not None else None), dw, db, None
+
+
+def saved_weight(w: Fp8Operand) -> tuple:
+    """What a linear's forward saves of its weight's FP8 block copy for the backward (`save_for_backward` takes
+    tensors or None): the copy and its scales, in both layouts."""
+    return w.bits, w.scales, w.cublas_scales, w.cublas_scales_t
+
+
+def weight_from_saved(saved) -> Fp8Operand:
+    """The block operand `saved_weight` saved."""
+    bits, scales, cublas_scales, cublas_scales_t = saved
+    return Fp8Operand(bits, scales, True, cublas_scales, cublas_scales_t)
 
 
 def output(y: torch.Tensor, input_shape) -> torch.Tensor:

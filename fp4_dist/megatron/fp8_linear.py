@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..compute import fp8_copy
-from ..compute.fp8 import output, weight_gradient
+from ..compute.fp8 import output, saved_weight, weight_from_saved, weight_gradient
 from ..compute.fp8_gemm import Fp8Operand, fp8_mm
 from ..compute.lean import raise_changed, stamp, weight_name
 from .startup import FP8_FLAGS
@@ -47,20 +47,20 @@ class Fp8ParallelLinear(torch.autograd.Function):
         y = fp8_mm(xq, operand, input.dtype)
         if bias is not None:
             y = y + bias
-        ctx.save_for_backward(*kept, operand.bits, operand.scales, operand.cublas_scales, operand.cublas_scales_t)
+        ctx.save_for_backward(*kept, *saved_weight(operand))
         ctx.weight, ctx.stamp, ctx.has_bias = weight, stamp(weight), bias is not None
         ctx.allreduce_dgrad, ctx.sequence_parallel, ctx.tp_group = allreduce_dgrad, sequence_parallel, tp_group
         return output(y, total.shape)
 
     @staticmethod
     def backward(ctx, dy):
-        kept, kept_scales, *w_fields = ctx.saved_tensors
+        kept, kept_scales, *kept_weight = ctx.saved_tensors
         weight = ctx.weight
         if stamp(weight) != ctx.stamp:
             raise_changed(weight)
         want_dw = ctx.needs_input_grad[1]
         dy2 = dy.reshape(-1, dy.shape[-1])
-        w = Fp8Operand(*w_fields[:2], True, *w_fields[2:])
+        w = weight_from_saved(kept_weight)
         if want_dw:
             dyq, dytq = Fp8Operand.both(dy2)
         else:
