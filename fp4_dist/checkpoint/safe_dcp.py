@@ -92,16 +92,20 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 def load_distributed_checkpoint(state_dict: dict, path, *, trusted: bool = False,
-                                planner: Optional[DefaultLoadPlanner] = None) -> None:  # fmt: skip
+                                planner: Optional[DefaultLoadPlanner] = None,
+                                checked: Optional[SafeReader] = None) -> None:  # fmt: skip
     """``dcp.load(state_dict, checkpoint_id=path)`` without running code stored in the checkpoint (module
-    docstring; collective, as dcp.load is). `trusted`: load as DCP does, unpickling in full. Raises
+    docstring; collective, as dcp.load is). `trusted`: load as DCP does, unpickling in full. `checked`: a
+    `SafeReader` of `path` whose metadata the caller has read already (that read was the check). Raises
     UnsafeCheckpointError, naming the file or the entry and what it asked for: for a crafted metadata file before
     anything is loaded, for an entry when its turn comes (entries loaded before it stay loaded)."""
     if trusted:
         dcp.load(state_dict, checkpoint_id=path, planner=planner)
         return
-    reader = SafeReader(Path(path))
-    reader.read_metadata()  # refused here, in the caller's words (dcp.load would wrap it in its own exception)
+    reader = checked
+    if reader is None:
+        reader = SafeReader(Path(path))
+        reader.read_metadata()  # refused here, in the caller's words (dcp.load would wrap it in its own exception)
     try:
         dcp.load(state_dict, storage_reader=reader, planner=planner or SafeLoadPlanner())
     except CheckpointException as e:  # a refused entry, wrapped per rank: raised as itself

@@ -283,5 +283,5 @@ def load_checkpoint(opt, path, *, trusted: bool = False) -> None:
             st[key] = torch.zeros(piece.shape if shape == (opt.params[int(index)].numel(),) else shape,
                                   dtype=dtype, device=piece.device)  # fmt: skip
     sd = {"optimizer": sharded_state_dict(opt)}
-    safe_dcp.load_distributed_checkpoint(sd, path, trusted=trusted)
+    safe_dcp.load_distributed_checkpoint(sd, path, trusted=trusted, checked=None if trusted else reader)
     load_sharded_state_dict(opt, sd["optimizer"])
