@@ -14,6 +14,15 @@ Folder layout (names follow Megatron's ``--ckpt-format torch`` so the files are 
     <save>/iter_0000010/rng.pt              every rank's Python, NumPy, torch and tensor-parallel RNG states (rank 0
                                             writes them; a resume at another world size keeps its fresh seeds)
 
+Under tensor parallelism each tensor-parallel rank holds its own slices of the weights and of the optimizer state:
+``model.pt`` and ``distrib_optim.pt`` then go into ``iter_*/mp_rank_<tp rank, 2 digits>/``, each written by its
+data-parallel rank 0, and a resume needs the same tensor-parallel size (the data-parallel size may change).
+
+An iteration's folder is written whole into a temporary folder beside it and then renamed into place
+(`fp4_dist.checkpoint.atomic`), and ``latest_checkpointed_iteration.txt`` moves on only after that: a process killed
+at any instant of a save leaves every complete checkpoint as it was, also one of the same iteration being written
+again.
+
 The fp32 masters are the source of truth. Loading restores them and then re-casts every NVFP4 weight from
 them and all-gathers (the same path as an optimizer step), so the bytes equal those of the run that saved;
 `load_checkpoint` checks that against ``model.pt`` and raises if not. It reads every file weights-only, so a
@@ -23,6 +32,7 @@ refused (``--trust-checkpoint`` / ``trusted=True`` unpickles it in full).
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 from typing import Any, Optional
@@ -37,6 +47,8 @@ from fp4_dist.compare import bytes_mismatch
 from fp4_dist.checkpoint.safe_load import load_checkpoint_file
 
 LATEST = "latest_checkpointed_iteration.txt"
+SAVED_BEFORE = {"tensor_model_parallel_size": 1}
+"""Run settings that checkpoints written before they were recorded hold implicitly (only size 1 saved correctly)."""
 
 
 def iteration_dir(root: str, iteration: int) -> Path:
@@ -115,25 +127,54 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, run_
     ``model`` is the DDP-wrapped model; with ``--overlap-param-gather`` the caller finishes the in-flight
     all-gather first (``model.disable_forward_pre_hook(param_sync=True)``) so the saved weights are current.
     """
+    from megatron.core import parallel_state
+
     rank = dist.get_rank()
     folder = iteration_dir(root, iteration)
-    if rank == 0:
-        folder.mkdir(parents=True, exist_ok=True)
+    # Every writer writes into rank 0's temporary folder; rank 0 renames it into place once all have.
+    tmp = [str(atomic.temporary_folder(folder)) if rank == 0 else None]
+    dist.broadcast_object_list(tmp, src=0)
+    tmp = Path(tmp[0])
+    slices = slice_dir(tmp, parallel_state.get_tensor_model_parallel_rank(),
+                       parallel_state.get_tensor_model_parallel_world_size())
+    writes_slices = parallel_state.get_data_parallel_rank() == 0
+    if writes_slices:
+        slices.mkdir(exist_ok=True)
     dist.barrier()
-    optimizer.save_parameter_state(str(folder / "distrib_optim.pt"))
+    optimizer.save_parameter_state(str(slices / "distrib_optim.pt"))
     rng = [None] * dist.get_world_size()
     dist.all_gather_object(rng, _rng_state())
+    if writes_slices:
+        _save(model_state(model.module), slices / "model.pt")
+        _fsync(slices / "distrib_optim.pt")
     if rank == 0:
         common = {"iteration": iteration, "config": run_config, "optimizer": optimizer.state_dict(),
                   "scheduler": scheduler.state_dict()}
-        torch.save(common, folder / "common.pt")
-        torch.save(model_state(model.module), folder / "model.pt")
-        torch.save({"world_size": len(rng), "states": rng}, folder / "rng.pt")
+        _save(common, tmp / "common.pt")
+        _save({"world_size": len(rng), "states": rng}, tmp / "rng.pt")
     dist.barrier()
-    if rank == 0:  # after every rank wrote: a process killed mid-save leaves the previous checkpoint current
+    if rank == 0:  # after every rank wrote: a process killed mid-save leaves the previous checkpoints as they were
+        atomic.swap_in(tmp, folder)
         atomic.write_file_atomically(Path(root) / LATEST, str(iteration))
     dist.barrier()
     return folder
+
+
+def slice_dir(folder: Path, tp_rank: int, tp_size: int) -> Path:
+    """Where an iteration folder holds the weights and optimizer state of one tensor-parallel rank: the folder
+    itself at tensor-parallel size 1, else its ``mp_rank_<tp_rank>`` subfolder."""
+    return folder if tp_size == 1 else folder / f"mp_rank_{tp_rank:02d}"
+
+
+def _save(obj, path: Path) -> None:
+    torch.save(obj, path)
+    _fsync(path)
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file this process wrote (the commit's rename then publishes complete files, on any host)."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
 
 
 def load_checkpoint(root: str, model, optimizer, scheduler, run_config: dict, *, trusted: bool = False) -> int:
@@ -153,16 +194,24 @@ def load_checkpoint(root: str, model, optimizer, scheduler, run_config: dict, *,
     iteration = latest_iteration(root)
     if iteration is None:
         raise FileNotFoundError(f"--load {root}: no {LATEST} there; nothing to resume")
-    folder = iteration_dir(root, iteration)
+    folder = atomic.resolve(iteration_dir(root, iteration))
     common = load_checkpoint_file(folder / "common.pt", trusted=trusted)
-    rng = load_checkpoint_file(folder / "rng.pt", NUMPY_RNG_GLOBALS, trusted=trusted)
-    saved_model = load_checkpoint_file(folder / "model.pt", trusted=trusted)
-    changed = {k: (common["config"].get(k), v) for k, v in run_config.items() if common["config"].get(k) != v}
+    saved_config = {**SAVED_BEFORE, **common["config"]}
+    changed = {k: (saved_config.get(k), v) for k, v in run_config.items() if saved_config.get(k) != v}
     if changed:
         raise ValueError(f"--load {folder}: checkpoint was written with a different configuration "
                          f"(saved, now): {changed}")
+    rng = load_checkpoint_file(folder / "rng.pt", NUMPY_RNG_GLOBALS, trusted=trusted)
+    tp_size = saved_config["tensor_model_parallel_size"]  # this run's too (checked above)
+    if tp_size == 1:
+        slices = folder
+    else:
+        from megatron.core import parallel_state
+
+        slices = slice_dir(folder, parallel_state.get_tensor_model_parallel_rank(), tp_size)
+    saved_model = load_checkpoint_file(slices / "model.pt", trusted=trusted)
     optimizer.load_state_dict(common["optimizer"])
-    optimizer.load_parameter_state(str(folder / "distrib_optim.pt"))
+    optimizer.load_parameter_state(str(slices / "distrib_optim.pt"))
     scheduler.load_state_dict(common["scheduler"])
     if rng["world_size"] == dist.get_world_size():
         _set_rng_state(rng["states"][dist.get_rank()])

@@ -453,7 +453,8 @@ def _run_config(args) -> dict:
     """The settings a checkpoint must agree with to resume bit for bit."""
     keys = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
             "kv_channels", "seq_length", "global_batch_size", "micro_batch_size", "seed", "fp4_param_gather",
-            "fp4_fake_quant", "fp4_numerics", "first_last_layers_bf16", "use_distributed_optimizer")
+            "fp4_fake_quant", "fp4_numerics", "first_last_layers_bf16", "use_distributed_optimizer",
+            "tensor_model_parallel_size")  # each tensor-parallel rank saves its own slices
     return {k: getattr(args, k) for k in keys}
 
 

@@ -89,6 +89,39 @@ def test_under_tensor_parallelism_the_run_equals_its_fake_quantization_reference
     assert fp4["master_digest"] == fake["master_digest"], "fp32 masters differ"
 
 
+def test_a_tensor_parallel_checkpoint_holds_each_ranks_slices_and_resumes_bit_for_bit(tmp_path):
+    # Each tensor-parallel rank's data-parallel rank 0 writes its own slices (mp_rank_<tp>/): with one shared file
+    # name, the second rank's optimizer state replaced the first's and the resume failed its re-cast check.
+    wider = {"48": "64", "64": "128", "12": "16"}
+    base = [*[wider.get(a, a) for a in TINY], "--global-batch-size", "4", "--train-iters", "4", "--log-interval", "4",
+            "--fp4-master-digest"]  # fmt: skip
+    args = [*base, "--tensor-model-parallel-size", "2"]
+    ckpt, logs = tmp_path / "ckpt", {}
+    for name, extra in (("whole", ()), ("half", ("--exit-interval", "2", "--save", str(ckpt), "--save-interval",
+                                                 "1000")), ("resumed", ("--load", str(ckpt)))):  # fmt: skip
+        logs[name] = tmp_path / f"{name}.json"
+        proc = run(2, *args, *extra, "--fp4-log-json", str(logs[name]))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    whole, resumed = (json.loads(logs[n].read_text()) for n in ("whole", "resumed"))
+    assert sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*")) == [
+        "iter_0000002", "iter_0000002/common.pt", "iter_0000002/mp_rank_00", "iter_0000002/mp_rank_00/distrib_optim.pt",
+        "iter_0000002/mp_rank_00/model.pt", "iter_0000002/mp_rank_01", "iter_0000002/mp_rank_01/distrib_optim.pt",
+        "iter_0000002/mp_rank_01/model.pt", "iter_0000002/rng.pt", "latest_checkpointed_iteration.txt"]
+    assert resumed["start_iteration"] == 2
+    assert [r["loss"] for r in resumed["records"]] == [r["loss"] for r in whole["records"]][2:]
+    assert resumed["master_digest"] == whole["master_digest"], "the resumed run's fp32 masters differ"
+    # another tensor-parallel size cannot take these slices: refused by name, on every rank
+    proc = run(2, *base, "--load", str(ckpt))
+    assert proc.returncode != 0
+    for rank in (0, 1):
+        assert f"[rank {rank}] pretrain_gpt: error: --load" in proc.stderr, proc.stderr[-3000:]
+    assert "'tensor_model_parallel_size': (2, 1)" in proc.stderr
+    from fp4_dist.export import export_megatron_checkpoint  # and the export says it does not join slices
+
+    with pytest.raises(ValueError, match="holds slices of the weights"):
+        export_megatron_checkpoint(ckpt, tmp_path / "export")
+
+
 def _suite(nproc: int, suites: str, ckpt: Path, out: Path) -> dict:
     proc = run(nproc, str(SUITE), "--out", str(out), "--suites", suites, "--ckpt", str(ckpt), module=False,
                timeout=400)  # fmt: skip
