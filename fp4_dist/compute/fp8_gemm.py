@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..format import FP8_BLOCK, ceil_div
-from ..kernels import fp8_block, fp8_rows
+from ..kernels import fp8_block, fp8_rows, outputs
 from ..kernels import reference as nvfp4_reference
 from ..kernels.fp8_block_reference import fp8_block_copy, pow2
 from ..kernels.fp8_rows_reference import quantize_rows_1x128
@@ -183,7 +183,8 @@ def cublas_mm(a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype) -> torch.Ten
     rows_b = ceil_div(n, _ROWS_ALIGN) * _ROWS_ALIGN
     a_bits, a_scales, a_recipe = _cublas_operand(a, rows_a, k_groups)
     b_bits, b_scales, b_recipe = _cublas_operand(b, rows_b, k_groups)
-    out = F.scaled_mm(a_bits, b_bits.t(), a_scales, a_recipe, b_scales, b_recipe, output_dtype=out_dtype)
+    with outputs.unfilled():  # the GEMM writes its whole result
+        out = F.scaled_mm(a_bits, b_bits.t(), a_scales, a_recipe, b_scales, b_recipe, output_dtype=out_dtype)
     return out if (rows_a, rows_b) == (m, n) else out[:m, :n]
 
 
@@ -285,7 +286,7 @@ def _rows_kernel_agrees(device: torch.device) -> bool:
         fp8_rows.LAUNCHERS[name](on_device, bits, scales)
         return bits, scales
 
-    def outputs():  # (the reference's input, what a kernel gives for it)
+    def cases():  # (the reference's input, what a kernel gives for it)
         for dtype in fp8_rows.DTYPES:
             rows = x[:, :272].to(dtype)
             yield rows, launched("rows", rows.contiguous().to(device))
@@ -299,7 +300,7 @@ def _rows_kernel_agrees(device: torch.device) -> bool:
             yield sample.t(), along_columns
 
     try:
-        for want_input, (bits, scales) in outputs():
+        for want_input, (bits, scales) in cases():
             if not _same_bits((bits, scales), quantize_rows_1x128(want_input)):
                 warnings.warn(f"fp4_dist: the CUDA 1 x 128 FP8 quantization disagrees with its reference on "
                               f"{device}; the PyTorch reference quantizes instead (the same bits, slower)",

@@ -8,9 +8,11 @@ Modules, and the one way a call travels through them::
     cuda_plans.py   CUDA only: the work table a launch reads (`Plan`), laid out from checked arguments
     _launch.py      CUDA only: compiles cuda/*.cu once per device (NVRTC) and launches on torch's stream
     reference.py    the numeric contract in plain PyTorch: the CPU path and the oracle of every kernel
-    fp8_block_reference.py   the FP8 block copy of an NVFP4 weight (Hopper's FP8 GEMMs), in plain PyTorch; no
-                    kernel yet (docs/fp8.md)
-    fp8_rows_reference.py    activations and gradients in FP8 with one scale per 1 x 128 group, likewise
+    fp8_block.py    the FP8 block copy of an NVFP4 weight (Hopper's FP8 GEMMs, docs/fp8.md) and the byte
+                    transpose the dgrad reads; fp8_block_reference.py is its plain-PyTorch oracle
+    fp8_rows.py     activations and gradients in FP8 with one scale per 1 x 128 group; fp8_rows_reference.py
+                    likewise
+    outputs.py      kernel outputs allocated without the fill of torch's deterministic mode (written whole)
 """
 
 from . import reference

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..format import FP8_BLOCK, TILE, ceil_div, is_tile_grid, tile_grid
-from . import _launch
+from . import _launch, outputs
 
 __all__ = ["can_copy", "fp8_block_copy", "transposed_bytes"]
 
@@ -47,8 +47,8 @@ def fp8_block_copy(rowwise_data: torch.Tensor, rowwise_scale_inv: torch.Tensor,
     if not grid:  # row-expanded: each tile's first row stands for its 16 (they are equal in an NVFP4 weight)
         scales = scales[::TILE]
     amax = amax.reshape(1).to(device=rowwise_data.device, dtype=torch.float32)
-    bits = torch.empty(m, k, dtype=torch.uint8, device=rowwise_data.device)
-    out_scales = torch.empty(ceil_div(m, FP8_BLOCK), ceil_div(k, FP8_BLOCK), dtype=torch.float32,
+    bits = outputs.empty(m, k, dtype=torch.uint8, device=rowwise_data.device)
+    out_scales = outputs.empty(ceil_div(m, FP8_BLOCK), ceil_div(k, FP8_BLOCK), dtype=torch.float32,
                              device=rowwise_data.device)  # fmt: skip
     if m and k:
         _launch.launch_fp8_block_copy(rowwise_data, scales, TILE, m, k, amax, bits, out_scales)
@@ -60,7 +60,7 @@ def transposed_bytes(x: torch.Tensor) -> torch.Tensor:
     reads): by the tiled kernel where x is contiguous with R and C multiples of 16, else by torch."""
     if x.is_cuda and x.dtype == torch.uint8 and x.dim() == 2 and x.is_contiguous() and x.data_ptr() % 16 == 0 \
             and x.shape[0] % 16 == 0 and x.shape[1] % 16 == 0 and x.numel():  # fmt: skip
-        out = torch.empty(x.shape[1], x.shape[0], dtype=torch.uint8, device=x.device)
+        out = outputs.empty(x.shape[1], x.shape[0], dtype=torch.uint8, device=x.device)
         _launch.launch_transpose_bytes(x, out)
         return out
     return x.t().contiguous()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..format import FP8_BLOCK, ceil_div
-from . import _launch
+from . import _launch, outputs
 
 __all__ = ["quantize_rows_1x128", "quantize_both"]
 
@@ -22,7 +22,7 @@ def quantize_rows_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"fp8_rows.quantize_rows_1x128: x must be a 2D CUDA tensor of {DTYPES}, got "
                          f"{x.dtype} {list(x.shape)} on {x.device}")  # fmt: skip
     rows, cols = x.shape
-    bits = torch.empty(rows, cols, dtype=torch.uint8, device=x.device)
+    bits = outputs.empty(rows, cols, dtype=torch.uint8, device=x.device)
     scales = scales_buffer(rows, cols, x.device)
     if x.numel():
         LAUNCHERS[path(x)](x, bits, scales)
@@ -35,8 +35,8 @@ def quantize_both(x: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], t
     if not (x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1):
         return quantize_rows_1x128(x), quantize_rows_1x128(x.t())
     rows, cols = x.shape
-    bits = torch.empty(rows, cols, dtype=torch.uint8, device=x.device)
-    bits_t = torch.empty(cols, rows, dtype=torch.uint8, device=x.device)
+    bits = outputs.empty(rows, cols, dtype=torch.uint8, device=x.device)
+    bits_t = outputs.empty(cols, rows, dtype=torch.uint8, device=x.device)
     scales, scales_t = scales_buffer(rows, cols, x.device), scales_buffer(cols, rows, x.device)
     if x.numel():
         _launch.launch_both_1x128(x, bits, scales, bits_t, scales_t)
@@ -46,7 +46,7 @@ def quantize_both(x: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], t
 def scales_buffer(rows: int, cols: int, device) -> torch.Tensor:
     """fp32 [rows, ceil(cols/128)] for the kernels' scales, outer-dim-major (strides (1, rows)): the layout
     cuBLAS's 1 x 128 recipe reads, so the GEMM takes them as they are."""
-    return torch.empty(ceil_div(cols, FP8_BLOCK), rows, dtype=torch.float32, device=device).t()
+    return outputs.empty(ceil_div(cols, FP8_BLOCK), rows, dtype=torch.float32, device=device).t()
 
 
 def _launch_transposed(x: torch.Tensor, bits: torch.Tensor, scales: torch.Tensor) -> None:

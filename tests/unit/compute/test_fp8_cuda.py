@@ -95,3 +95,36 @@ def test_on_hopper_the_output_takes_in_place_ops_and_an_expert_without_tokens_ge
     out.sum().backward()
     assert out.shape == (0, 144) and empty.grad.shape == (0, 272)
     assert torch.equal(lin.weight.grad, torch.zeros_like(lin.weight.grad)) and lin.weight.grad.shape == (144, 272)
+
+
+@needs_hopper
+def test_under_deterministic_mode_a_layer_launches_no_fills_and_computes_the_same_bits():
+    # Megatron's --deterministic-mode makes torch.empty fill new memory; the mode's quantization, transposes and
+    # GEMMs write their outputs whole, so they skip that fill (9 ms of a GPT 4096 step) and give the same bits.
+    # Every contraction here is a multiple of 128: a ragged one is zero-padded for cuBLAS, a fill that is data.
+    torch.manual_seed(5)
+    lin = nn.Linear(384, 256, bias=False).cuda().to(torch.bfloat16)
+    fp4_dist.convert_linear_weights(lin, compute="fp8")
+    x = torch.randn(2, 64, 384, dtype=torch.bfloat16, device="cuda")
+    dy = torch.randn(2, 64, 256, dtype=torch.bfloat16, device="cuda")
+
+    def step():
+        xi = x.detach().requires_grad_()
+        lin.weight.grad = None
+        y = lin(xi)
+        y.backward(dy)
+        return y.detach(), xi.grad, lin.weight.grad
+
+    want = step()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        step()  # the weight's copy is made at its first use; the next call is the steady state
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            got = step()
+            torch.cuda.synchronize()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    fills = [e.name for e in prof.events() if "Fill" in e.name and e.device_type == torch.autograd.DeviceType.CUDA]
+    assert fills == [], fills[:3]
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
