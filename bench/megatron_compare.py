@@ -451,8 +451,9 @@ def paired_only(base: list[str], args) -> int:
                      f"{calls[name] / steps:.0f} calls", ""))  # fmt: skip
     lean = pool_stats()
     if lean["uses"]:
-        rows.append(("(info) lean: dequantize launches / uses, pool", f"{lean['launches']} / {lean['uses']}, "
-                     f"{lean['bytes'] / 2**20:.0f} MiB, replaced {lean['replaced']}", ""))  # fmt: skip
+        rows.append(("(info) lean: launches / copies / uses, pool", f"{lean['launches']} / {lean['copies']} / "
+                     f"{lean['uses']}, {lean['bytes'] / 2**20:.0f} MiB ({lean['depth']} layers deep), replaced "
+                     f"{lean['replaced']}", ""))  # fmt: skip
     if dist.get_rank() == 0:
         width, label = max(len(r[0]) for r in rows), "model " + ("tiny" if args.tiny else args.model)
         print(f"\n{label:<{width}} | result | verdict\n{'-' * (width + 30)}")

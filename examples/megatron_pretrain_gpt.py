@@ -636,9 +636,9 @@ def _summary(args, result: RunResult) -> str:
     from fp4_dist.compute import pool_stats
 
     lean = pool_stats()
-    if lean["bytes"]:  # the lean copies' buffers (one per weight shape), and launches per use
-        mib["lean pool"] = (f"{lean['bytes'] / 2**20:.3f} MiB, {lean['launches']} dequantize launches for "
-                            f"{lean['uses']} uses")
+    if lean["bytes"]:  # the lean copies' buffers (per weight shape, `depth` layers' worth), and copies per use
+        mib["lean pool"] = (f"{lean['bytes'] / 2**20:.3f} MiB ({lean['depth']} layers deep), {lean['launches']} "
+                            f"dequantize launches writing {lean['copies']} copies for {lean['uses']} uses")
     times = sorted(r.step_ms for r in result.records[1:]) or [r.step_ms for r in result.records]
     median = times[len(times) // 2] if times else float("nan")
     return (f"done: {result.mode} weights ({result.nvfp4_weights} NVFP4), {result.world_size} ranks, "

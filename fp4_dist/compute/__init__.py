@@ -4,9 +4,10 @@
     view.py        a layer's cached alias of its weight's copy (`compute_view`)
     linear.py      NVFP4Linear (what `convert_linear_weights` makes of nn.Linear)
     lean.py        weights that keep no copy (the default, ``compute_copy=False``): a copy around each use only
-    pool.py        the lean pool: one buffer per weight shape; `pool_stats`, `pool_bytes`, `release_pool`
+    pool.py        the lean pool: buffers per weight shape for one layer or `set_pool_depth` layers;
+                   `pool_stats`, `pool_bytes`, `release_pool`
     lean_order.py  the learned order of lean uses and the batched fills it allows
-    fp8.py         the FP8 compute mode's linear (FP8 block-scaled GEMMs), emulated; not an option yet (docs/fp8.md)
+    fp8.py         the FP8 compute mode's linear (FP8 block-scaled GEMMs: cuBLAS on Hopper, emulated on the CPU)
 
 The copies themselves (`ComputeCopy`, `refresh_compute_copies`, `compute_copy_bytes`) belong to the weight:
 `fp4_dist.tensor.copy`. Megatron's linear function claims its lean uses through `fp4_dist.megatron.lean_claim`.
@@ -16,8 +17,8 @@ from __future__ import annotations
 
 from ..tensor.copy import compute_copy_bytes, refresh_compute_copies
 from .linear import NVFP4Linear
-from .pool import pool_bytes, pool_stats, release_pool
+from .pool import pool_bytes, pool_depth, pool_stats, release_pool, set_pool_depth
 from .view import compute_view
 
 __all__ = ["NVFP4Linear", "compute_view", "compute_copy_bytes", "refresh_compute_copies", "pool_stats", "pool_bytes",
-           "release_pool"]  # fmt: skip
+           "release_pool", "pool_depth", "set_pool_depth"]  # fmt: skip

@@ -56,9 +56,10 @@ class LeanView:
     learned order of uses (one per direction) with the batched fills that start there."""
 
     __slots__ = ("weight", "cc", "fields", "key", "buffer", "fill", "alias", "use", "ref", "here", "next", "tails",
-                 "batches", "__weakref__")  # fmt: skip
+                 "batches", "ordinal", "__weakref__")  # fmt: skip
 
     def __init__(self):
+        self.ordinal = None  # (key, this layer's place among the layers of its weight shape: `POOL.ordinal`)
         self.ref = weakref.ref(self)
         self.here = ((self.ref, FWD), (self.ref, BWD))  # this layer's places, as links to it
         self.next = [None, None]
@@ -117,13 +118,16 @@ class LeanView:
             if batch.run(token):
                 return
         POOL.launches += 1
+        POOL.copies += 1
         self.fill()
         self.buffer.mark(self.fields, token)
 
     def _bind(self, w: NVFP4Tensor) -> Buffer:
         self.clear()
         key = (tuple(w.shape), w.dtype, w.rowwise_data.device)
-        buf = POOL.take(key)
+        if self.ordinal is None or self.ordinal[0] != key:
+            self.ordinal = (key, POOL.ordinal(key))
+        buf = POOL.take(key, self.ordinal[1])
         fields = (w.rowwise_data, w.rowwise_scale_inv, w.amax)
         self.fill = kernels.bind_dequantize([fields[0]], [fields[1]], [fields[2]], [buf.tensor])
         self.weight, self.cc, self.fields, self.key, self.buffer = w, w.copy_state, fields, key, buf

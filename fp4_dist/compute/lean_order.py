@@ -35,7 +35,7 @@ ORDER = Order()
 
 class Batch:
     """The fills that one launch makes when a use finds its buffer not holding its weight: its own, then those of
-    the uses the learned order says come next, as far as each has a buffer of its own (a shape not seen before in
+    the uses the learned order says come next, as far as each has a buffer of its own (one not written before in
     the batch): the next uses then find their copies made. A use the order got wrong (or whose weight changes
     before it) finds its buffer not holding its values and fills it itself, so the order is never trusted for
     values, only for saving launches."""
@@ -44,14 +44,14 @@ class Batch:
 
     def __init__(self, head, d: int):
         self.epoch = ORDER.epoch
-        members, keys, link = [head], {head.key}, head.next[d]
+        members, written, link = [head], {id(head.buffer)}, head.next[d]
         while link is not None and len(members) < _BATCH:
             v = link[0]()
-            if (v is None or v.fill is None or v.key in keys or v.key[1:] != head.key[1:]
+            if (v is None or v.fill is None or id(v.buffer) in written or v.key[1:] != head.key[1:]
                     or v.buffer.retired or not bound(v.fields, v.weight)):  # fmt: skip
                 break
             members.append(v)
-            keys.add(v.key)
+            written.add(id(v.buffer))
             link = v.next[link[1]]
         self.members = tuple(v.ref for v in members)
         self.fills = tuple(v.fill for v in members)
@@ -84,6 +84,7 @@ class Batch:
             views.append(v)
             tokens.append(token)
         POOL.launches += 1
+        POOL.copies += len(self.members)
         self.launch()
         for v, token in zip(views, tokens):
             v.buffer.mark(v.fields, token)

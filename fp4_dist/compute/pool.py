@@ -1,6 +1,11 @@
-"""The lean pool: one model-dtype buffer per (shape, dtype, device) of the lean weights, shared by all of them.
+"""The lean pool: model-dtype buffers per (shape, dtype, device) of the lean weights, shared by all of them.
 
-Every weight of a transformer's layer stack takes its turn in the buffers of one layer (`fp4_dist.compute.lean`).
+Every weight of a transformer's layer stack takes its turn in the buffers of one layer (`fp4_dist.compute.lean`),
+or of `depth` layers (`set_pool_depth`): the weights of one shape take the buffers in turn, in the order of their
+first use (the n-th weight of a shape the buffer n mod depth). A stack runs its layers forward and then backward,
+microbatch after microbatch, so the last `depth` layers of a forward find their copies still made in the backward
+that follows it, and the first `depth` layers of a backward in the next microbatch's forward: each microbatch then
+makes 2 (layers - depth) copies of each weight shape instead of 2 (layers - 1), for `depth` layers' buffers.
 Sharing is safe because a copy is consumed by the op it was made for before the next one is written, in the order
 of the one stream both run on; a buffer that something still references at the next write (a copy kept past its
 use, which the layers never do) is left to its holder and replaced by a new one, counted in `pool_stats()` and
@@ -71,23 +76,33 @@ def _release(ref, held: int) -> None:
 
 
 class _Pool:
-    __slots__ = ("buffers", "replaced", "warned", "uses", "launches")
+    __slots__ = ("buffers", "depth", "ordinals", "replaced", "warned", "uses", "launches", "copies")
 
     def __init__(self):
-        self.buffers: dict = {}
+        self.buffers: dict = {}  # (key, slot) -> Buffer
+        self.depth = 1  # buffers per key: the layers whose copies the pool holds at once
+        self.ordinals: dict = {}  # key -> weights of that key given an ordinal so far (`ordinal`)
         self.replaced = 0
         self.warned = False
-        self.uses = self.launches = 0  # lean uses seen, dequantize launches they made
+        self.uses = self.launches = self.copies = 0  # lean uses seen, dequantize launches, weights' copies made
 
-    def take(self, key) -> Buffer:
-        """The buffer for `key` = (shape, dtype, device), new when there is none or the current one is held."""
-        buf = self.buffers.get(key)
+    def ordinal(self, key) -> int:
+        """The next weight of `key`'s place among the weights of its key, in the order of their first use."""
+        n = self.ordinals.get(key, 0)
+        self.ordinals[key] = n + 1
+        return n
+
+    def take(self, key, ordinal: int = 0) -> Buffer:
+        """The buffer for `key` = (shape, dtype, device) of the weight with that ordinal (buffer ordinal mod
+        depth), new when there is none or the current one is held."""
+        slot = (key, ordinal % self.depth)
+        buf = self.buffers.get(slot)
         if buf is not None and buf.free():
             return buf
         if buf is not None:
             buf.retired = True
             self._replaced(key)
-        buf = self.buffers[key] = Buffer(*key)
+        buf = self.buffers[slot] = Buffer(*key)
         return buf
 
     def _replaced(self, key) -> None:
@@ -116,11 +131,12 @@ def held_copies() -> int:
 
 
 def pool_stats() -> dict:
-    """{"buffers", "bytes", "replaced", "uses", "launches"}: the pool's size, how often a held buffer had to be
-    replaced, and how many lean uses (forward and backward) made how many dequantize launches (fewer launches
-    than uses: copies found made already, by the use before or by a batched fill)."""
-    return {"buffers": len(POOL.buffers), "bytes": pool_bytes(), "replaced": POOL.replaced, "uses": POOL.uses,
-            "launches": POOL.launches}  # fmt: skip
+    """{"buffers", "bytes", "depth", "replaced", "uses", "launches", "copies"}: the pool's size and depth, how often a
+    held buffer had to be replaced, and how many lean uses (forward and backward) made how many dequantize launches
+    writing how many weights' copies (fewer copies than uses: copies found made already; fewer launches than
+    copies: a launch fills the buffers of the uses expected next too)."""
+    return {"buffers": len(POOL.buffers), "bytes": pool_bytes(), "depth": POOL.depth, "replaced": POOL.replaced,
+            "uses": POOL.uses, "launches": POOL.launches, "copies": POOL.copies}  # fmt: skip
 
 
 def release_pool() -> None:
@@ -129,6 +145,24 @@ def release_pool() -> None:
     for buf in POOL.buffers.values():
         buf.retired = True
     POOL.buffers.clear()
+
+
+def pool_depth() -> int:
+    """How many layers' copies the lean pool holds at once (`set_pool_depth`)."""
+    return POOL.depth
+
+
+def set_pool_depth(layers: int) -> None:
+    """Hold the lean copies of `layers` layers at once (default 1): `layers` buffers per weight shape, which the
+    weights of that shape take in turn. Fewer copies are made with several microbatches per step (the module
+    docstring) for `layers` times the memory of one layer's copies; the values, and so the training, are the same
+    at every depth. The layers take the new buffers at their next use."""
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+        raise ValueError(f"set_pool_depth: the number of layers whose lean copies the pool holds is a positive "
+                         f"integer, got {layers!r}")
+    if layers != POOL.depth:
+        release_pool()
+        POOL.depth = layers
 
 
 def copy_token(cc, fields: tuple, w) -> Optional[tuple]:

@@ -64,6 +64,7 @@ class Use:
         else:
             POOL.uses += 1
             POOL.launches += 1
+            POOL.copies += 1
             self.fill()
             self.buffer.mark(None, None)
 

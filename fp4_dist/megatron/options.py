@@ -13,6 +13,7 @@ import argparse
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
+from ..compute.pool import set_pool_depth
 from ..format import DEFAULT_NUMERICS, NUMERICS
 
 
@@ -36,6 +37,11 @@ class AdapterOptions:
                                  "(default: lean, 0.5 bytes per weight and one layer's copies, made around each use; "
                                  "the same values)",
                                  off_flag="no-compute-copy")
+    lean_depth: int = _option(1, "lean compute: hold the bf16 copies of N layers at once (N buffers per weight shape, "
+                              "in turn): with several micro-batches per step each weight's copy is made 2 (layers - N) "
+                              "times per micro-batch instead of 2 (layers - 1), for N layers' copies of memory; the "
+                              "same values at every N (process-wide: fp4_dist.compute.set_pool_depth)",
+                              metavar="N", type=int)
     compute: str = _option("bf16", "what the NVFP4 linears' GEMMs read: bf16 values of the weights, or (fp8) each "
                            "weight's FP8 block copy, 1 byte per weight made once per update, with FP8 activations "
                            "and gradients: cuBLAS's block-scaled GEMMs on Hopper (sm_90), emulated on CPU ranks, "
@@ -59,6 +65,13 @@ class AdapterOptions:
             raise ValueError("the FP8 compute mode reads each weight's FP8 copy, never a bf16 compute copy: drop "
                              "--compute-copy (--fp4-compute-copy in the example trainer) or --compute fp8 "
                              "(--fp4-compute fp8)")  # fmt: skip
+        if isinstance(self.lean_depth, bool) or not isinstance(self.lean_depth, int) or self.lean_depth < 1:
+            raise ValueError(f"lean_depth must be an int >= 1 (layers whose copies are held at once), got "
+                             f"{self.lean_depth!r}")
+        if self.lean_depth != 1 and (self.compute_copy or self.compute == "fp8"):
+            raise ValueError("--lean-depth (--fp4-lean-depth in the example trainer) sets how many layers' copies the "
+                             "lean compute mode holds; with --compute-copy every copy is kept and with --compute fp8 "
+                             "the GEMMs read FP8 copies: drop one of them")  # fmt: skip
         if isinstance(self.check_every, bool) or not isinstance(self.check_every, int) or self.check_every < 0:
             raise ValueError(f"check_every must be an int >= 0 (iterations; 0: off), got {self.check_every!r}")
 
@@ -110,5 +123,7 @@ def current_options() -> AdapterOptions:
 
 
 def set_options(options: AdapterOptions) -> None:
+    """Put `options` in force; the lean pool takes their depth (process-wide)."""
     global _options
     _options = options
+    set_pool_depth(options.lean_depth)

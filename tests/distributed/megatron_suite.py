@@ -175,14 +175,24 @@ def suite_fake(t: Suite) -> None:
 
 def suite_lean(t: Suite) -> None:
     """The default, lean compute (a copy only around each use, fp4_dist.compute.lean), trains bitwise like kept copies
-    (--fp4-compute-copy), with the param-gather and grad-reduce overlap on and two microbatches per step."""
-    common = t.argv("--fp4-param-gather", "--train-iters", "4", "--fp4-master-digest", *OVERLAP,
+    (--fp4-compute-copy), with the param-gather and grad-reduce overlap on and two microbatches per step; so does a
+    pool two layers deep (--fp4-lean-depth 2), which makes fewer copies."""
+    from fp4_dist.compute import pool_stats
+
+    common = t.argv("--fp4-param-gather", "--train-iters", "4", "--fp4-master-digest", *OVERLAP, "--num-layers", "2",
                     gbs=4 * dist.get_world_size())  # fmt: skip
     kept = pretrain_gpt.main(common + ["--fp4-compute-copy"])
-    lean = pretrain_gpt.main(common)
-    t.check(kept.losses == lean.losses, f"losses: kept copies {kept.losses} vs lean {lean.losses}")
-    t.check(kept.master_digest == lean.master_digest, "fp32 masters differ between kept copies and lean")
-    t.results = {"losses": lean.losses, "compute_copy_bytes": lean.compute_copy_bytes}
+    copies = {}
+    for name, extra in (("lean", []), ("deep", ["--fp4-lean-depth", "2"])):
+        before = pool_stats()["copies"]
+        run = pretrain_gpt.main(common + extra)
+        copies[name] = pool_stats()["copies"] - before
+        t.check(kept.losses == run.losses, f"losses: kept copies {kept.losses} vs {name} {run.losses}")
+        t.check(kept.master_digest == run.master_digest, f"fp32 masters differ between kept copies and {name}")
+        if name == "lean":
+            lean = run
+    t.check(copies["deep"] < copies["lean"], f"copies made: {copies}")
+    t.results = {"losses": lean.losses, "compute_copy_bytes": lean.compute_copy_bytes, "copies": copies}
 
 
 def main() -> int:

@@ -78,6 +78,7 @@ def test_lean_compute_trains_bitwise_like_kept_compute_copies():
     assert not bad, "\n".join(bad)
     rep = report(2)["suites"]["lean"]
     assert rep["compute_copy_bytes"] == 0 and len(rep["losses"]) == 4
+    assert rep["copies"]["deep"] < rep["copies"]["lean"], rep["copies"]
 
 
 @pytest.mark.parametrize("dp", [2, 3, 4], ids=lambda n: f"dp{n}")

@@ -298,6 +298,41 @@ def test_uses_whose_copy_is_made_already_make_no_launch(recompute):
     assert uses >= 157 and launches * 3 <= uses, (uses, launches)
 
 
+@pytest.fixture
+def depth():
+    """Set the pool's depth for a test; back to one layer after."""
+    yield pool.set_pool_depth
+    pool.set_pool_depth(1)
+
+
+def test_a_deeper_pool_makes_fewer_copies_for_the_same_bits(depth):
+    # 3 blocks of 4 weights and a head: at depth 3 every block keeps its copies between the optimizer steps, so each
+    # weight's copy is made once per step (and once for the evaluation); at depth 1 a block's copies are made again
+    # in each backward and forward the microbatches take it in.
+    kept_losses, kept_masters = train(lean=False, steps=3, micro=2)
+    copies, sizes = {}, {}
+    for layers in (1, 2, 3):
+        depth(layers)
+        before = pool.pool_stats()["copies"]
+        losses, masters = train(lean=True, steps=3, micro=2)
+        copies[layers] = pool.pool_stats()["copies"] - before
+        sizes[layers] = (pool.pool_stats()["buffers"], pool.pool_bytes())
+        assert losses == kept_losses
+        assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(masters, kept_masters))
+    assert copies[1] > copies[2] > copies[3] == 13 * 4, copies
+    weights, shapes = _weight_bytes(build(lean=True))
+    assert sizes[1][0] == len(shapes) and sizes[3] == (4 * 3 + 1, weights)  # the head's shape has one weight
+    assert sizes[2][0] == 4 * 2 + 1
+
+
+def test_the_pool_depth_is_a_positive_number_of_layers(depth):
+    for bad in (0, -2, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="positive integer"):
+            depth(bad)
+    depth(2)
+    assert pool.pool_depth() == 2 and pool.pool_stats()["depth"] == 2
+
+
 def _ref(lin, x):
     return F.linear(x, lin.weight.dequantize(torch.bfloat16), lin.bias)
 

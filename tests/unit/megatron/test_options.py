@@ -14,32 +14,41 @@ from fp4_dist.megatron import AdapterOptions, enable
 from fp4_dist.megatron.run import _parser
 
 REPO = Path(__file__).parents[3]
-# Every field away from its default, in two sets: the FP8 compute mode excludes kept bf16 copies.
-CHOSEN = dict(numerics="te-2.14", compute_copy=True, compute="bf16", columnwise=True, check_every=7,
+# Every field away from its default, in three sets: kept bf16 copies, the FP8 compute mode and the lean pool's depth
+# exclude one another.
+CHOSEN = dict(numerics="te-2.14", compute_copy=True, lean_depth=1, compute="bf16", columnwise=True, check_every=7,
               log_json="run.json", allow_untested_version=True)  # fmt: skip
 CHOSEN_FP8 = dict(CHOSEN, compute_copy=False, compute="fp8")
+CHOSEN_LEAN = dict(CHOSEN, compute_copy=False, lean_depth=3)
+MODES = {"kept": CHOSEN, "fp8": CHOSEN_FP8, "lean": CHOSEN_LEAN}
 
 
-def _argv(prefix: str, fp8: bool = False) -> list[str]:
+def _argv(prefix: str, mode: str = "kept") -> list[str]:
     flags = AdapterOptions.flags(prefix)
-    return [flags["numerics"], "te-2.14", *([flags["compute"], "fp8"] if fp8 else [flags["compute_copy"]]),
-            flags["columnwise"], flags["check_every"], "7", flags["log_json"], "run.json",
-            flags["allow_untested_version"]]  # fmt: skip
+    middle = {"kept": [flags["compute_copy"]], "fp8": [flags["compute"], "fp8"], "lean": [flags["lean_depth"], "3"]}
+    return [flags["numerics"], "te-2.14", *middle[mode], flags["columnwise"], flags["check_every"], "7",
+            flags["log_json"], "run.json", flags["allow_untested_version"]]  # fmt: skip
 
 
 def test_every_field_is_chosen_away_from_its_default_here():
-    assert set(CHOSEN) == set(CHOSEN_FP8) == {f.name for f in fields(AdapterOptions)}
+    assert set(CHOSEN) == set(CHOSEN_FP8) == set(CHOSEN_LEAN) == {f.name for f in fields(AdapterOptions)}
     default = AdapterOptions()
-    assert all(getattr(default, k) != v or getattr(default, k) != CHOSEN_FP8[k] for k, v in CHOSEN.items())
+    assert all(any(getattr(default, k) != chosen[k] for chosen in MODES.values()) for k in CHOSEN)
     with pytest.raises(ValueError, match="never a bf16 compute copy"):
         AdapterOptions(compute="fp8", compute_copy=True)
     with pytest.raises(ValueError, match="compute must be 'bf16' or 'fp8'"):
         AdapterOptions(compute="fp4")
+    for other in (dict(compute_copy=True), dict(compute="fp8")):
+        with pytest.raises(ValueError, match="--lean-depth"):
+            AdapterOptions(lean_depth=2, **other)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="lean_depth must be an int >= 1"):
+            AdapterOptions(lean_depth=bad)
 
 
 def test_the_launcher_reads_every_option_from_its_flags():
-    for fp8, chosen in ((False, CHOSEN), (True, CHOSEN_FP8)):
-        opts = _parser().parse_args(_argv("", fp8) + ["pretrain_gpt.py", "--bf16"])
+    for mode, chosen in MODES.items():
+        opts = _parser().parse_args(_argv("", mode) + ["pretrain_gpt.py", "--bf16"])
         assert AdapterOptions.from_args(opts) == AdapterOptions(**chosen)
         assert opts.script_args == ["--bf16"]
 
@@ -48,8 +57,8 @@ def test_the_example_trainer_reads_the_same_options_behind_its_prefix():
     from examples.megatron_pretrain_gpt import FLAG_PREFIX, add_fp4_dist_args
 
     parser = add_fp4_dist_args(argparse.ArgumentParser())
-    for fp8, chosen in ((False, CHOSEN), (True, CHOSEN_FP8)):
-        assert AdapterOptions.from_args(parser.parse_args(_argv(FLAG_PREFIX, fp8)), prefix=FLAG_PREFIX) == \
+    for mode, chosen in MODES.items():
+        assert AdapterOptions.from_args(parser.parse_args(_argv(FLAG_PREFIX, mode)), prefix=FLAG_PREFIX) == \
             AdapterOptions(**chosen)
     assert AdapterOptions.from_args(parser.parse_args([]), prefix=FLAG_PREFIX) == AdapterOptions()
 
