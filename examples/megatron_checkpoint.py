@@ -9,8 +9,9 @@ Folder layout (names follow Megatron's ``--ckpt-format torch`` so the files are 
                                             and Adam moments, DP-rank-0 "dp_zero" format, written through
                                             ``optimizer.save_parameter_state``; element space, so independent
                                             of the packed NVFP4 layout)
-    <save>/iter_0000010/model.pt            rank 0: the gathered model weights; NVFP4 weights as their packed
-                                            fields (rowwise_data, rowwise_scale_inv, amax), others as tensors
+    <save>/iter_0000010/model.pt            rank 0: the model weights, whole over data parallelism (the slices of
+                                            its tensor-parallel rank, below); NVFP4 weights as their packed fields
+                                            (rowwise_data, rowwise_scale_inv, amax), others as tensors
     <save>/iter_0000010/rng.pt              every rank's Python, NumPy, torch and tensor-parallel RNG states (rank 0
                                             writes them; a resume at another world size keeps its fresh seeds)
 
@@ -21,7 +22,9 @@ data-parallel rank 0, and a resume needs the same tensor-parallel size (the data
 An iteration's folder is written whole into a temporary folder beside it and then renamed into place
 (`fp4_dist.checkpoint.atomic`), and ``latest_checkpointed_iteration.txt`` moves on only after that: a process killed
 at any instant of a save leaves every complete checkpoint as it was, also one of the same iteration being written
-again.
+again (a load reads the earlier version while a rename is under way). A save refuses an iteration folder holding
+files of anything else, since it replaces the folder whole, and names the temporary folders of killed saves that
+it could not delete.
 
 The fp32 masters are the source of truth. Loading restores them and then re-casts every NVFP4 weight from
 them and all-gathers (the same path as an optimizer step), so the bytes equal those of the run that saved;
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -131,13 +135,21 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, run_
 
     rank = dist.get_rank()
     folder = iteration_dir(root, iteration)
-    # Every writer writes into rank 0's temporary folder; rank 0 renames it into place once all have.
-    tmp = [str(atomic.temporary_folder(folder)) if rank == 0 else None]
-    dist.broadcast_object_list(tmp, src=0)
-    tmp = Path(tmp[0])
+    # Every writer writes into rank 0's temporary folder; rank 0 renames it into place once all have. The folder
+    # replaces iter_N whole: one that holds anything a checkpoint of ours does not is refused on every rank.
+    made = [None, None]
+    if rank == 0:
+        try:
+            made[0] = str(atomic.temporary_folder(folder, foreign=_foreign))
+        except (OSError, ValueError) as e:
+            made[1] = f"--save {root}: {e}"
+    dist.broadcast_object_list(made, src=0)
+    if made[1] is not None:
+        raise ValueError(made[1])
+    tmp = Path(made[0])
     slices = slice_dir(tmp, parallel_state.get_tensor_model_parallel_rank(),
                        parallel_state.get_tensor_model_parallel_world_size())
-    writes_slices = parallel_state.get_data_parallel_rank() == 0
+    writes_slices = _writes_parameter_state(optimizer)
     if writes_slices:
         slices.mkdir(exist_ok=True)
     dist.barrier()
@@ -156,8 +168,46 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, run_
     if rank == 0:  # after every rank wrote: a process killed mid-save leaves the previous checkpoints as they were
         atomic.swap_in(tmp, folder)
         atomic.write_file_atomically(Path(root) / LATEST, str(iteration))
+        _warn_leftovers(Path(root))
     dist.barrier()
     return folder
+
+
+_FILES = {"common.pt", "rng.pt", "model.pt", "distrib_optim.pt"}
+
+
+def _foreign(folder: Path) -> list[str]:
+    """What an iteration folder holds that no checkpoint of this trainer writes (a save replaces the folder whole)."""
+    strange = []
+    for entry in folder.iterdir():
+        if entry.is_dir() and re.fullmatch(r"mp_rank_\d{2}", entry.name):
+            strange += [f"{entry.name}/{e.name}" for e in entry.iterdir() if e.name not in {"model.pt",
+                                                                                           "distrib_optim.pt"}]
+        elif entry.name not in _FILES:
+            strange.append(entry.name)
+    return strange
+
+
+def _writes_parameter_state(optimizer) -> bool:
+    """Whether this rank writes its tensor-parallel rank's files: where Megatron's ``save_parameter_state`` writes
+    (data-parallel rank 0 of the optimizer's own group; every chained optimizer agrees under this trainer's
+    layouts, checked)."""
+    groups = [o.data_parallel_group for o in getattr(optimizer, "chained_optimizers", [optimizer])
+              if hasattr(o, "data_parallel_group")]
+    firsts = {g.rank() == 0 for g in groups}
+    if len(firsts) != 1:
+        raise RuntimeError("save_checkpoint: the optimizers' data-parallel groups disagree on which rank writes "
+                           "the parameter state; this trainer's checkpoint layout does not cover that setup")
+    return firsts.pop()
+
+
+def _warn_leftovers(root: Path) -> None:
+    """Name what killed saves left under `root` that the commits could not delete (their writer may still run, or
+    ran on another host): each is the size of a checkpoint."""
+    left = sorted(p.name for p in root.glob(".iter_*") if re.search(r"\.(tmp|del)-", p.name))
+    if left:
+        print(f"save_checkpoint: {root} holds {len(left)} folder(s) that interrupted saves left ({', '.join(left[:3])}"
+              f"{', ...' if len(left) > 3 else ''}); delete them when no save into {root} is running", flush=True)
 
 
 def slice_dir(folder: Path, tp_rank: int, tp_size: int) -> Path:
@@ -197,6 +247,10 @@ def load_checkpoint(root: str, model, optimizer, scheduler, run_config: dict, *,
     folder = atomic.resolve(iteration_dir(root, iteration))
     common = load_checkpoint_file(folder / "common.pt", trusted=trusted)
     saved_config = {**SAVED_BEFORE, **common["config"]}
+    if "tensor_model_parallel_size" not in common["config"] and run_config.get("tensor_model_parallel_size", 1) != 1:
+        raise ValueError(f"--load {folder}: this checkpoint was written before its tensor-parallel size was recorded, "
+                         "when only tensor-parallel size 1 saved correctly: resume it with "
+                         "--tensor-model-parallel-size 1 (a tensor-parallel checkpoint of that time cannot be resumed)")
     changed = {k: (saved_config.get(k), v) for k, v in run_config.items() if saved_config.get(k) != v}
     if changed:
         raise ValueError(f"--load {folder}: checkpoint was written with a different configuration "
@@ -210,6 +264,10 @@ def load_checkpoint(root: str, model, optimizer, scheduler, run_config: dict, *,
 
         slices = slice_dir(folder, parallel_state.get_tensor_model_parallel_rank(), tp_size)
     saved_model = load_checkpoint_file(slices / "model.pt", trusted=trusted)
+    wrong = _shape_mismatches(model, saved_model)
+    if wrong:
+        raise ValueError(f"--load {slices}: the saved weights' shapes differ from this model's ({'; '.join(wrong[:3])})"
+                         ": a checkpoint of another model or tensor-parallel size")
     optimizer.load_state_dict(common["optimizer"])
     optimizer.load_parameter_state(str(slices / "distrib_optim.pt"))
     scheduler.load_state_dict(common["scheduler"])
@@ -225,6 +283,19 @@ def load_checkpoint(root: str, model, optimizer, scheduler, run_config: dict, *,
         raise ValueError(f"--load {folder}: weights re-cast from the loaded masters differ from the saved model: "
                          + "; ".join(problems[:5]))
     return iteration
+
+
+def _shape_mismatches(model, saved: dict) -> list[str]:
+    """'name: saved [..], model [..]' for every weight whose saved shape is not the model's (None model: none)."""
+    if model is None:
+        return []
+    wrong = []
+    for name, p in model.module.named_parameters():
+        v = saved.get(name)
+        shape = tuple(v["shape"]) if isinstance(v, dict) else tuple(v.shape) if v is not None else None
+        if shape is not None and shape != tuple(p.shape):
+            wrong.append(f"{name}: saved {list(shape)}, model {list(p.shape)}")
+    return wrong
 
 
 def recast_model_params(model, optimizer) -> None:

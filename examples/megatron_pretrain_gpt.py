@@ -56,8 +56,8 @@ from .megatron_data import VOCAB_SIZE, BatchPlan, load_indexed, load_tokens, mic
 UNSUPPORTED_BACKEND_FLAGS = ("--fp4-format", "--fp4-recipe")
 
 # Megatron arguments (by dest) this entry point implements; any other Megatron flag given on the command line is
-# refused at start-up, naming it, instead of being parsed and silently ignored (MoE, tensor/pipeline parallel,
-# other tokenizers, W&B, ...). Value rules (bf16 only, local transformer, TP = PP = 1) are in check_fp4_args.
+# refused at start-up, naming it, instead of being parsed and silently ignored (MoE, pipeline parallel, other
+# tokenizers, W&B, ...). Value rules (bf16 only, local transformer, PP = 1) are in check_fp4_args.
 SUPPORTED = frozenset("""
     num_layers hidden_size ffn_hidden_size num_attention_heads group_query_attention num_query_groups kv_channels
     seq_length max_position_embeddings position_embedding_type rotary_base rotary_percent normalization norm_epsilon

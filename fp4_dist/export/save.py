@@ -11,6 +11,7 @@ Sources:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -22,6 +23,7 @@ from torch import nn
 from ..convert import weight_owners
 from ..kernels import reference
 from ..megatron.safe_globals import megatron_checkpoint_globals
+from ..checkpoint import atomic
 from ..checkpoint.safe_load import load_checkpoint_file
 from ..cast.collectives import in_distributed_job, rank_and_size
 from ..quantize import quantize
@@ -176,6 +178,12 @@ def export_megatron_checkpoint(save_dir, out_dir, *, iteration: Optional[int] = 
 
 # ------------------------------------------------------------------------------------------------ internals
 def _megatron_iteration_dir(root: Path, iteration: Optional[int]) -> Path:
+    if re.fullmatch(r"mp_rank_\d+(_\d+)?", root.name):  # one rank's part: its iteration folder, if it is whole
+        if len(list(root.parent.glob("mp_rank_*"))) > 1:
+            raise ValueError(f"{root}: one tensor- or pipeline-parallel rank's part of a checkpoint holds slices of "
+                             "the weights, which this export does not join; export a checkpoint of tensor and "
+                             "pipeline parallel size 1")
+        return root.parent
     if iteration is None and ((root / "model.pt").is_file() or any(root.glob("mp_rank_*"))):
         return root
     if iteration is None:
@@ -184,7 +192,7 @@ def _megatron_iteration_dir(root: Path, iteration: Optional[int]) -> Path:
             raise FileNotFoundError(f"{root}: neither a model.pt nor a latest_checkpointed_iteration.txt (pass the "
                                     "--save folder of fp4_dist's Megatron entry point)")
         iteration = int(latest.read_text().strip())
-    folder = root / f"iter_{iteration:07d}"
+    folder = atomic.resolve(root / f"iter_{iteration:07d}")  # the earlier version while a re-save renames
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder} does not exist")
     return folder

@@ -90,17 +90,17 @@ def test_under_tensor_parallelism_the_run_equals_its_fake_quantization_reference
 
 
 def test_a_tensor_parallel_checkpoint_holds_each_ranks_slices_and_resumes_bit_for_bit(tmp_path):
-    # Each tensor-parallel rank's data-parallel rank 0 writes its own slices (mp_rank_<tp>/): with one shared file
-    # name, the second rank's optimizer state replaced the first's and the resume failed its re-cast check.
+    # TP 2 x DP 2: each tensor-parallel rank's data-parallel rank 0 writes its own slices (mp_rank_<tp>/); with one
+    # shared file name, the second rank's optimizer state replaced the first's and the resume failed its re-cast check.
     wider = {"48": "64", "64": "128", "12": "16"}
-    base = [*[wider.get(a, a) for a in TINY], "--global-batch-size", "4", "--train-iters", "4", "--log-interval", "4",
+    base = [*[wider.get(a, a) for a in TINY], "--global-batch-size", "8", "--train-iters", "4", "--log-interval", "4",
             "--fp4-master-digest"]  # fmt: skip
     args = [*base, "--tensor-model-parallel-size", "2"]
     ckpt, logs = tmp_path / "ckpt", {}
-    for name, extra in (("whole", ()), ("half", ("--exit-interval", "2", "--save", str(ckpt), "--save-interval",
-                                                 "1000")), ("resumed", ("--load", str(ckpt)))):  # fmt: skip
+    half = ("--exit-interval", "2", "--save", str(ckpt), "--save-interval", "1000")
+    for name, extra in (("whole", ()), ("half", half), ("resumed", ("--load", str(ckpt)))):
         logs[name] = tmp_path / f"{name}.json"
-        proc = run(2, *args, *extra, "--fp4-log-json", str(logs[name]))
+        proc = run(4, *args, *extra, "--fp4-log-json", str(logs[name]))
         assert proc.returncode == 0, proc.stderr[-3000:]
     whole, resumed = (json.loads(logs[n].read_text()) for n in ("whole", "resumed"))
     assert sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*")) == [
@@ -116,10 +116,16 @@ def test_a_tensor_parallel_checkpoint_holds_each_ranks_slices_and_resumes_bit_fo
     for rank in (0, 1):
         assert f"[rank {rank}] pretrain_gpt: error: --load" in proc.stderr, proc.stderr[-3000:]
     assert "'tensor_model_parallel_size': (2, 1)" in proc.stderr
-    from fp4_dist.export import export_megatron_checkpoint  # and the export says it does not join slices
+    # a save replaces the iteration folder whole, so one holding a file of something else is refused on every rank
+    (ckpt / "iter_0000002" / "NOTES.txt").write_text("mine")
+    proc = run(2, *base, *half)
+    assert proc.returncode != 0 and "NOTES.txt" in proc.stderr, proc.stderr[-3000:]
+    assert (ckpt / "iter_0000002" / "NOTES.txt").is_file() and (ckpt / "iter_0000002" / "mp_rank_01").is_dir()
+    from fp4_dist.export import export_megatron_checkpoint  # the export says it does not join slices
 
-    with pytest.raises(ValueError, match="holds slices of the weights"):
-        export_megatron_checkpoint(ckpt, tmp_path / "export")
+    for folder in (ckpt, ckpt / "iter_0000002" / "mp_rank_01"):
+        with pytest.raises(ValueError, match="holds slices of"):
+            export_megatron_checkpoint(folder, tmp_path / "export")
 
 
 def _suite(nproc: int, suites: str, ckpt: Path, out: Path) -> dict:

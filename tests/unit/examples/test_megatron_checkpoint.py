@@ -41,3 +41,9 @@ def test_a_file_carrying_code_is_refused_before_it_runs_and_before_anything_is_r
     with pytest.raises(UnsafeCheckpointError) as refused:
         load_checkpoint(str(tmp_path), None, None, None, {"seed": 7})
     assert_refused(refused.value, iteration_dir(str(tmp_path), 10) / name, marker)
+
+
+def test_a_checkpoint_from_before_the_tensor_parallel_size_was_recorded_resumes_at_size_1_only(tmp_path):
+    write_checkpoint(tmp_path, "common.pt", 0)  # its config holds no tensor_model_parallel_size
+    with pytest.raises(ValueError, match="before its tensor-parallel size was recorded"):
+        load_checkpoint(str(tmp_path), None, None, None, {"seed": 7, "tensor_model_parallel_size": 2})
