@@ -24,7 +24,7 @@ import torch
 
 import fp4_dist
 from examples.model import TinyLMConfig, build_model
-from fp4_dist.launch import init_distributed, shutdown
+from fp4_dist.launch import init_distributed, launch_rank, shutdown
 from fp4_dist.optim import Zero1Config, Zero1Optimizer
 from fp4_dist.cast import CommStats
 from fp4_dist.cast.collectives import all_reduce_sum_
@@ -33,9 +33,18 @@ from fp4_dist.compute.fp8_copy import fp8_copy_bytes
 DATA = Path(__file__).resolve().parent / "data" / "tiny_corpus.txt"
 
 
+class _Parser(argparse.ArgumentParser):
+    """Every rank parses the same command line: a mistake is printed by the first rank only, and every rank exits."""
+
+    def error(self, message):
+        if launch_rank() == 0:
+            self.print_usage(sys.stderr)
+            print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = _Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=16, help="sequences per rank per step")
     ap.add_argument("--seq", type=int, default=64)

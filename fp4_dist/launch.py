@@ -36,7 +36,7 @@ if dist.is_available():
 _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "MPI_LOCALRANKID", "PMIX_RANK")
 
 
-__all__ = ["init_distributed", "shutdown", "DistInfo", "launched_by", "export_mpi_env"]
+__all__ = ["init_distributed", "shutdown", "DistInfo", "launched_by", "launch_rank", "export_mpi_env"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,16 @@ def launched_by() -> str:
     if any(k in os.environ for k in _MPI_ENV):
         return "mpi"
     return "single"
+
+
+def launch_rank() -> int:
+    """This process's rank as its launcher gave it, before any process group exists (0 in a single process): for
+    what one rank should say for all, such as a mistyped command line every rank parses alike."""
+    for k in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        v = os.environ.get(k, "")
+        if v.isdigit():
+            return int(v)
+    return 0
 
 
 def init_distributed(backend: Optional[str] = None, *, timeout_s: float = 300.0) -> DistInfo:
