@@ -4,7 +4,8 @@
   ``env://`` initialisation.
 * mpirun / mpiexec (MPICH, Open MPI, Intel MPI, Slurm PMI): rank and world size come from
   ``MPI.COMM_WORLD`` (mpi4py), the local rank from a shared-memory split of it, and rank 0
-  broadcasts its address and a free TCP port (``MASTER_ADDR``/``MASTER_PORT`` win when set).
+  opens the rendezvous store on a port the system picks and broadcasts it with its address
+  (``MASTER_ADDR``/``MASTER_PORT`` win when set).
 * neither: a single process; nothing is initialised and fp4_dist's collectives are local copies.
 
 Backend: NCCL when CUDA is available, else gloo (override with ``backend=``).
@@ -129,10 +130,18 @@ def export_mpi_env() -> bool:
 
     Returns whether it did (False when not launched by MPI or the variables are set already). Raises RuntimeError
     with the remedy when MPI launched this process but mpi4py is missing (each process would otherwise run as a
-    separate one-rank job).
+    separate one-rank job). The port is one the system had free when rank 0 asked; whoever starts the process group
+    binds it later (`init_distributed` instead opens its store on a port of the system's choosing and keeps it).
     """
     if launched_by() != "mpi":
         return False
+    _mpi_rendezvous(lambda addr: _free_port())
+    return True
+
+
+def _mpi_rendezvous(open_port) -> bool:
+    """Rank 0's address and `open_port(address)` (unless ``MASTER_PORT`` is set) broadcast over ``MPI.COMM_WORLD``,
+    and torchrun's variables exported from it; returns, on every rank, whether rank 0 opened the port."""
     try:
         from mpi4py import MPI
     except ImportError as e:  # pragma: no cover - depends on the environment
@@ -142,22 +151,37 @@ def export_mpi_env() -> bool:
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-    addr = port = None
+    addr = port = opened = None
     if rank == 0:
         addr = os.environ.get("MASTER_ADDR") or _this_host_address()
-        port = int(os.environ.get("MASTER_PORT") or _free_port())
-    addr, port = comm.bcast((addr, port), root=0)
+        opened = not os.environ.get("MASTER_PORT")
+        port = open_port(addr) if opened else int(os.environ["MASTER_PORT"])
+    addr, port, opened = comm.bcast((addr, port, opened), root=0)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(node.Get_rank()),
                       LOCAL_WORLD_SIZE=str(node.Get_size()), MASTER_ADDR=str(addr), MASTER_PORT=str(port))
-    return True
+    return opened
 
 
 def _init_from_mpi(backend: str, timeout: timedelta) -> DistInfo:
-    export_mpi_env()
+    # Rank 0 opens the rendezvous store itself, on a port the system picks, and keeps it: a port found free and
+    # bound later could be taken in between by another process of the host.
+    stores = []
+
+    def open_store(addr: str) -> int:
+        stores.append(dist.TCPStore(addr, 0, None, True, timeout=timeout, wait_for_workers=False))
+        return stores[0].port
+
+    opened = _mpi_rendezvous(open_store)
     rank, size, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     device = _device_for(backend, local)
-    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size, timeout=timeout,
-                            device_id=device if backend == "nccl" else None)
+    if opened:
+        store = stores[0] if stores else dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                                       None, False, timeout=timeout)  # fmt: skip
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout,
+                                device_id=device if backend == "nccl" else None)
+    else:  # MASTER_PORT given by the user: env:// binds it, as torchrun's ranks would
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size, timeout=timeout,
+                                device_id=device if backend == "nccl" else None)
     return DistInfo(rank, size, local, backend, device, "mpi")
 
 

@@ -135,6 +135,38 @@ def test_mpirun_bootstrap_runs_the_cast_suites_with_the_same_bytes():
     assert report["suites"]["cast"]["digests"] == torchrun_report(2)["suites"]["cast"]["digests"]
 
 
+_RENDEZVOUS = """
+import os, torch, torch.distributed as dist
+from fp4_dist.launch import init_distributed, shutdown
+info = init_distributed("gloo")
+total = torch.tensor([info.rank + 1.0])
+dist.all_reduce(total)
+store = dist.distributed_c10d._get_default_store()
+while hasattr(store, "underlying_store"):  # under its PrefixStores
+    store = store.underlying_store
+print(f"rank {info.rank}: {info.launcher} {total.item()} port {os.environ['MASTER_PORT']} store {store.port}", flush=True)
+shutdown()
+"""
+
+
+@pytest.mark.skipif(_mpirun() is None, reason="mpirun not installed")
+@pytest.mark.parametrize("port", [None, "29617"], ids=["port-of-the-systems-choice", "master-port-given"])
+def test_under_mpirun_rank_0_opens_the_store_it_names_or_the_given_port(port):
+    # With no MASTER_PORT, rank 0 opens the rendezvous store on a port the system picks and keeps it (a port found
+    # free and bound later can be taken in between); a given MASTER_PORT is used as torchrun's ranks would.
+    pytest.importorskip("mpi4py")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    if port:
+        env["MASTER_PORT"] = port
+    proc = subprocess.run([_mpirun(), "-n", "2", sys.executable, "-c", _RENDEZVOUS], env=env, capture_output=True,
+                          text=True, timeout=120, cwd=REPO)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = sorted(x for x in proc.stdout.splitlines() if x.startswith("rank "))
+    assert len(lines) == 2 and all(" mpi 3.0 " in x for x in lines), proc.stdout
+    ports = {x.split(" port ")[1].split()[0] for x in lines} | {x.split(" store ")[1] for x in lines}
+    assert len(ports) == 1 and (port is None or ports == {port}), lines
+
+
 # The FP8 compute mode changes what the GEMMs read, never the NVFP4 bytes: its run passes the same parity check.
 @pytest.mark.parametrize("compute", ["bf16", "fp8"])
 def test_train_lm_example_runs_on_two_ranks_and_passes_its_parity_check(tmp_path, compute):
