@@ -173,7 +173,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, run_
     return folder
 
 
-_FILES = {"common.pt", "rng.pt", "model.pt", "distrib_optim.pt"}
+_SLICE_FILES = {"model.pt", "distrib_optim.pt"}  # per tensor-parallel rank
+_FILES = _SLICE_FILES | {"common.pt", "rng.pt"}
 
 
 def _foreign(folder: Path) -> list[str]:
@@ -181,8 +182,7 @@ def _foreign(folder: Path) -> list[str]:
     strange = []
     for entry in folder.iterdir():
         if entry.is_dir() and re.fullmatch(r"mp_rank_\d{2}", entry.name):
-            strange += [f"{entry.name}/{e.name}" for e in entry.iterdir() if e.name not in {"model.pt",
-                                                                                           "distrib_optim.pt"}]
+            strange += [f"{entry.name}/{e.name}" for e in entry.iterdir() if e.name not in _SLICE_FILES]
         elif entry.name not in _FILES:
             strange.append(entry.name)
     return strange

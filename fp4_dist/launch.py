@@ -175,13 +175,12 @@ def _init_from_mpi(backend: str, timeout: timedelta) -> DistInfo:
     rank, size, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     device = _device_for(backend, local)
     if opened:
-        store = stores[0] if stores else dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                                       None, False, timeout=timeout)  # fmt: skip
-        dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout,
-                                device_id=device if backend == "nccl" else None)
+        rendezvous = {"store": stores[0] if stores else dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False, timeout=timeout)}
     else:  # MASTER_PORT given by the user: env:// binds it, as torchrun's ranks would
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size, timeout=timeout,
-                                device_id=device if backend == "nccl" else None)
+        rendezvous = {"init_method": "env://"}
+    dist.init_process_group(backend, rank=rank, world_size=size, timeout=timeout,
+                            device_id=device if backend == "nccl" else None, **rendezvous)
     return DistInfo(rank, size, local, backend, device, "mpi")
 
 

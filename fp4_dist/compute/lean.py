@@ -117,8 +117,7 @@ class LeanView:
                 batch = self.batches[d] = Batch(self, d)
             if batch.run(token):
                 return
-        POOL.launches += 1
-        POOL.copies += 1
+        POOL.launched()
         self.fill()
         self.buffer.mark(self.fields, token)
 

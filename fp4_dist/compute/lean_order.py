@@ -83,8 +83,7 @@ class Batch:
                 return False
             views.append(v)
             tokens.append(token)
-        POOL.launches += 1
-        POOL.copies += len(self.members)
+        POOL.launched(len(self.members))
         self.launch()
         for v, token in zip(views, tokens):
             v.buffer.mark(v.fields, token)

@@ -86,6 +86,11 @@ class _Pool:
         self.warned = False
         self.uses = self.launches = self.copies = 0  # lean uses seen, dequantize launches, weights' copies made
 
+    def launched(self, copies: int = 1) -> None:
+        """Count one dequantize launch writing `copies` weights' copies."""
+        self.launches += 1
+        self.copies += copies
+
     def ordinal(self, key) -> int:
         """The next weight of `key`'s place among the weights of its key, in the order of their first use."""
         n = self.ordinals.get(key, 0)

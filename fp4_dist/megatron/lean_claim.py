@@ -63,8 +63,7 @@ class Use:
                 view.fill_now(BWD, token)
         else:
             POOL.uses += 1
-            POOL.launches += 1
-            POOL.copies += 1
+            POOL.launched()
             self.fill()
             self.buffer.mark(None, None)
 
