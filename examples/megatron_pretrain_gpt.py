@@ -622,7 +622,8 @@ def _train_iteration(args, iteration, tokens, plan, model, optimizer, scheduler,
         if overlap:
             model.enable_forward_pre_hook()
     result.records.append(rec)
-    if iteration % args.log_interval == 0 or iteration == args.train_iters or exiting or (rec.parity or "").startswith("F"):
+    failed_check = (rec.parity or "").startswith("F")
+    if iteration % args.log_interval == 0 or iteration == args.train_iters or exiting or failed_check:
         _log(args, result, rec)
     if rec.parity and not rec.parity.startswith("ok"):
         raise RuntimeError(f"iteration {iteration}: gathered NVFP4 weights differ from quantize(master): " + rec.parity)

@@ -263,7 +263,11 @@ def _driver_launch():
 
 
 _cu_launch = None
-_CTYPES = {int: ctypes.c_uint64, np.int32: ctypes.c_int32, np.int64: ctypes.c_int64}
+# The kernel argument types a launch passes (pointers as int, 64- and 32-bit integers): each one's ctypes type (a
+# bound launch's argument objects) and struct format (an argument block's layout).
+_ARGUMENTS = {int: (ctypes.c_uint64, "Q"), np.int64: (ctypes.c_int64, "q"), np.int32: (ctypes.c_int32, "i")}
+_CTYPES = {t: c for t, (c, _) in _ARGUMENTS.items()}
+_FORMAT = {t: f for t, (_, f) in _ARGUMENTS.items()}
 
 
 class BoundLaunch:
@@ -318,7 +322,6 @@ class _ArgumentBlock:
         self.params = (ctypes.c_void_p * len(types))(*[base + o for o in offsets])
 
 
-_FORMAT = {int: "Q", np.int64: "q", np.int32: "i"}  # pointers, 64-bit and 32-bit integers (as _CTYPES)
 _blocks = threading.local()
 
 
