@@ -73,7 +73,7 @@ def build(variant: str, args, device):
     if variant == "nvfp4":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            fully_shard_nvfp4(model, mp_policy=mp, shard_modules=list(model.blocks))
+            fully_shard_nvfp4(model, mp_policy=mp, shard_modules=list(model.blocks), compute=args.compute)
     else:
         for b in model.blocks:
             fully_shard(b, mp_policy=mp)
@@ -306,6 +306,9 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--steps", type=int, default=10, help="steps per round")
     p.add_argument("--rounds", type=int, default=5, help="timing rounds, each bf16, nvfp4, nvfp4, bf16 (--steps each)")
+    p.add_argument("--compute", choices=("bf16", "fp8"), default="bf16",
+                   help="what the nvfp4 variant's GEMMs read: bf16 (the default) or fp8 (FP8 copies of the gathered "
+                        "weights, FP8 block-scaled GEMMs: Hopper; docs/fp8.md)")
     p.add_argument("--out", default=os.environ.get("OUT"))
     p.add_argument("--profile", action="store_true",
                    help="also say where each variant's step time goes: host, waits, device gaps, cProfile (rank 0)")

@@ -8,6 +8,7 @@
                    `pool_stats`, `pool_bytes`, `release_pool`
     lean_order.py  the learned order of lean uses and the batched fills it allows
     fp8.py         the FP8 compute mode's linear (FP8 block-scaled GEMMs: cuBLAS on Hopper, emulated on the CPU)
+    fp8_param.py   FSDP2's unsharded weight in the FP8 mode: a parameter holding the FP8 block copy
 
 The copies themselves (`ComputeCopy`, `refresh_compute_copies`, `compute_copy_bytes`) belong to the weight:
 `fp4_dist.tensor.copy`. Megatron's linear function claims its lean uses through `fp4_dist.megatron.lean_claim`.

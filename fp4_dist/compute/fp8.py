@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from ..tensor import NVFP4Tensor
 from .fp8_gemm import Fp8Operand, fp8_mm
 from .lean import raise_changed, stamp
 
@@ -99,9 +100,14 @@ def weight_gradient(dyt: Fp8Operand, xt: Fp8Operand, dtype: torch.dtype) -> torc
 
 
 def _stamp(w) -> Optional[tuple]:
+    """What must not change between the forward and the backward of an NVFP4 weight (`lean.stamp`); None for an
+    inference tensor (no version counter, and no backward either) and for a weight that is not NVFP4 (FSDP2's
+    unsharded `Fp8Param`, which FSDP2 writes again, with the same values, when it gathers for the backward)."""
+    if type(w) is not NVFP4Tensor:
+        return None
     try:
         return stamp(w)
-    except RuntimeError:  # an inference tensor: it has no version counter, and no backward either
+    except RuntimeError:
         return None
 
 

@@ -64,12 +64,19 @@ class Fp8Operand(NamedTuple):
 
     @classmethod
     def weight(cls, w) -> Fp8Operand:
-        """NVFP4 weight `w` [N, K] as its FP8 block copy: by the CUDA kernel on a GPU where it gave the reference's
-        bits (`require_fp8_gemm`), else by the PyTorch reference (the same bits)."""
-        fields = (w.rowwise_data, w.rowwise_scale_inv, w.amax)
-        if w.rowwise_data.is_cuda:
-            require_fp8_gemm(w.rowwise_data.device)  # checks the kernels once per device (a lookup after that)
-            if _BLOCK_KERNEL.get(_device_key(w.rowwise_data.device)) and fp8_block.can_copy(*fields[:2]):
+        """NVFP4 weight `w` [N, K] as its FP8 block copy (`block_copy` of its rowwise fields)."""
+        return cls.block_copy(w.rowwise_data, w.rowwise_scale_inv, w.amax)
+
+    @classmethod
+    def block_copy(cls, rowwise_data: torch.Tensor, scale_inv: torch.Tensor, amax: torch.Tensor) -> Fp8Operand:
+        """The FP8 block copy of the NVFP4 weight [N, K] these fields hold (packed codes, E4M3 tile scales
+        row-expanded or as the tile grid, fp32 amax): by the CUDA kernel on a GPU where it gave the reference's bits
+        (`require_fp8_gemm`), else by the PyTorch reference (the same bits); on a GPU with its scales laid out for
+        cuBLAS too."""
+        fields = (rowwise_data, scale_inv, amax)
+        if rowwise_data.is_cuda:
+            require_fp8_gemm(rowwise_data.device)  # checks the kernels once per device (a lookup after that)
+            if _BLOCK_KERNEL.get(_device_key(rowwise_data.device)) and fp8_block.can_copy(*fields[:2]):
                 return cls(*fp8_block.fp8_block_copy(*fields), blocks=True).with_cublas_scales()
             return cls(*fp8_block_copy(*fields), blocks=True).with_cublas_scales()
         return cls(*fp8_block_copy(*fields), blocks=True)

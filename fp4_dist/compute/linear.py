@@ -11,6 +11,7 @@ from torch import nn
 from ..tensor import NVFP4Tensor
 from . import fp8_copy
 from .fp8 import fp8_linear
+from .fp8_param import Fp8Param
 from .lean import is_lean, lean_call
 from .view import compute_view, forget
 
@@ -34,12 +35,13 @@ def _linear_eagerly(module: nn.Module, input: torch.Tensor) -> torch.Tensor:
 
 def _fp8_forward(module: nn.Module, input: torch.Tensor) -> torch.Tensor:
     w = module.weight
+    if type(w) is Fp8Param:  # FSDP2's unsharded weight in the FP8 mode (fully_shard_nvfp4): the copy itself
+        return fp8_linear(input, w, module.bias, w.operand)
     if type(w) is not NVFP4Tensor:  # never bf16 in its place without a word
         raise RuntimeError(
             f"NVFP4Linear computes in FP8 (convert_linear_weights(compute='fp8')) but its weight is now a "
-            f"{type(w).__name__}, not an NVFP4Tensor: the FP8 mode reads the FP8 copy of an NVFP4 weight (FSDP2's "
-            "fully_shard_nvfp4 does not take it yet); convert with compute='bf16', or set the layer's fp4_compute "
-            "to 'bf16'")
+            f"{type(w).__name__}, not an NVFP4Tensor: the FP8 mode reads the FP8 copy of an NVFP4 weight; convert "
+            "with compute='bf16', or set the layer's fp4_compute to 'bf16'")
     return fp8_linear(input, w, module.bias, fp8_copy.weight_operand(module, w))
 
 

@@ -11,7 +11,9 @@ so the shard FSDP2 keeps is still an NVFP4Master. Its all-gather goes through FS
     (FSDP2 all-gathers those bytes: 0.504 B per element instead of 2)
     fsdp_post_all_gather  a dequantize of the gathered bytes and tile scales into the bf16 compute copy, which is
                           the unsharded parameter the forward and backward read (a plain tensor: no per-op overhead);
-                          one launch for each FSDP2 parameter group's weights (`dequant_batch`)
+                          one launch for each FSDP2 parameter group's weights (`dequant_batch`). In the FP8 compute
+                          mode (``compute="fp8"``) the unsharded parameter is the FP8 block copy of the gathered
+                          bytes instead (`fp4_dist.compute.fp8_param.Fp8Param`), written per weight
 
 Weights whose rows do not split into whole 16-row tile bands per rank ("bf16" mode) gather their bf16 values
 instead and are quantized after the gather (every rank quantizes the same full weight, so the bytes are those
@@ -28,6 +30,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import kernels
+from ..compute import fp8_param
+from ..compute.fp8_gemm import Fp8Operand
 from ..format import DEFAULT_NUMERICS, is_tile_grid, rowwise_data_shape, rowwise_scale_shape, tile_grid
 from ..tensor import NVFP4Tensor
 from . import wire
@@ -76,6 +80,11 @@ class WeightState:
     """(mesh, its size) of the last gather: FSDP2 passes the same mesh every time, and asking it costs."""
     batch: DequantBatch = field(default_factory=DequantBatch)
     """The dequantize launch this weight's gathers join (`dequant_batch`: one per FSDP2 parameter group)."""
+    compute: str = "bf16"
+    """What the GEMMs read of the unsharded weight: "bf16", its dequantized values (`value`); "fp8", its FP8 block
+    copy (`fp8`)."""
+    fp8: Any = None
+    """The weight's tensors for its FP8 block copy ("fp8" compute), valid while unsharded (`fp8_param.own`)."""
 
     def __post_init__(self):
         self.grid = tile_grid(*self.shape)
@@ -181,10 +190,12 @@ class NVFP4Master(torch.Tensor):
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out: Optional[torch.Tensor] = None):
         state = self._state
         m, k = state.shape
-        first = state.value is None or out is None
+        fp8 = state.compute == "fp8"
+        first = (state.fp8 if fp8 else state.value) is None or out is None
         if first:
             state.buffers = _gather_buffers(state, self.device)
-            state.value = torch.empty((m, k), dtype=state.model_dtype, device=self.device)
+            if not fp8:
+                state.value = torch.empty((m, k), dtype=state.model_dtype, device=self.device)
         b = state.buffers
         if state.mode == "nvfp4":
             # the dequantize reads the tile grid as gathered (no expand)
@@ -196,6 +207,14 @@ class NVFP4Master(torch.Tensor):
                                      numerics=state.numerics, rowwise_data=data, scale_inv=scale_inv,
                                      amax=amax, name=state.fqn)  # fmt: skip
         state.gathered_fields = (data, scale_inv, amax)
+        if fp8:
+            fresh = Fp8Operand.block_copy(data, scale_inv, amax)
+            if first:
+                state.fp8 = fp8_param.own(fresh)
+                inner = tuple(t for t in state.fp8 if isinstance(t, torch.Tensor))
+                return fp8_param.Fp8Param(state.fp8, state.model_dtype), (*inner, *b.values())
+            fp8_param.write(state.fp8, fresh)
+            return None
         state.batch.add(state, data, scale_inv, amax, state.value)  # launches when its parameter group is complete
         if first:
             return state.value, (state.value, *b.values())

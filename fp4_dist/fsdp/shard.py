@@ -28,6 +28,7 @@ from ..cast.collectives import reduce_scatter_ordered
 from ..shared_amax import check_patterns, group_of, sibling_groups
 from ..tensor import NVFP4Tensor
 from ..cast.core import DeferredCheck
+from ..compute.fp8_gemm import require_fp8_gemm
 from . import dequant_batch, wire
 from .master import NVFP4Master, WeightState, local_master
 from .precompute import ShardCast
@@ -44,6 +45,8 @@ class FSDPReport:
     (same bytes, 2 B per element on the wire), with the reason."""
     kept: dict[str, str] = field(default_factory=dict)
     """Linear weights left in high precision, with the reason."""
+    fp8: list[str] = field(default_factory=list)
+    """NVFP4 weights whose GEMMs read their FP8 block copy (the FP8 compute mode); the others read bf16."""
     world_size: int = 1
 
     def gathered_bytes_per_element(self, model: nn.Module) -> dict[str, float]:
@@ -62,6 +65,8 @@ class FSDPReport:
     def __str__(self) -> str:
         lines = [f"fp4_dist.fsdp: {len(self.nvfp4)} weights gathered as NVFP4, {len(self.bf16_gather)} NVFP4 weights "
                  f"gathered in bf16, {len(self.kept)} kept in high precision (FSDP world size {self.world_size})"]
+        if self.fp8:
+            lines.append(f"  FP8 compute: {len(self.fp8)} of the NVFP4 weights' GEMMs read their FP8 block copy")
         lines += [f"  bf16 gather {n}: {why}" for n, why in self.bf16_gather.items()]
         lines += [f"  kept {n}: {why}" for n, why in self.kept.items()]
         return "\n".join(lines)
@@ -78,6 +83,7 @@ def fully_shard_nvfp4(
     skip: Sequence[str] = (),
     ordered_grad_reduction: bool = False,
     shared_amax: Sequence[Sequence[str]] = (),
+    compute: str = "bf16",
     verbose: bool = False,
 ) -> FSDPReport:
     """Shard `model` with FSDP2, its linear weights all-gathered as NVFP4 (see the module docstring).
@@ -97,19 +103,24 @@ def fully_shard_nvfp4(
         shared_amax: sibling linears whose weights share one amax (`fp4_dist.shared_amax`), e.g.
             ``fp4_dist.export.VLLM_FUSED``; groups already on NVFP4 weights (`convert_linear_weights`) are kept.
             Every member must be gathered as NVFP4 (a bf16-gathered weight is quantized alone after its gather).
+        compute: what the NVFP4 weights' GEMMs read: "bf16" (their dequantized values, the unsharded parameter a
+            bf16 tensor) or "fp8" (the FP8 compute mode: the unsharded parameter is the FP8 block copy of the
+            gathered bytes, `fp4_dist.compute.fp8_param.Fp8Param`, 1 byte per weight; cuBLAS's block-scaled GEMMs
+            on Hopper, emulated on the CPU; docs/fp8.md). Layers converted with
+            ``convert_linear_weights(compute="fp8")`` compute in FP8 whatever this says.
         verbose: print the report.
     Returns:
         `FSDPReport`; weights gathered in bf16 or kept in high precision are also named in one warning.
     Raises:
-        ValueError if `model` is already sharded (call this instead of ``fully_shard``, not after it), or if
-        layers of it compute in FP8 (``convert_linear_weights(compute="fp8")``: not with FSDP2 yet).
+        ValueError if `model` is already sharded (call this instead of ``fully_shard``, not after it), or for an
+        unknown `compute`; RuntimeError, before sharding anything, if a weight is to compute in FP8 on a GPU
+        whose FP8 block-scaled GEMMs torch does not reach (the FP8 mode needs a Hopper GPU, sm_90), saying so.
     """
     check_numerics(numerics)
-    fp8 = [name for name, m in model.named_modules() if getattr(m, "fp4_compute", "bf16") == "fp8"]
-    if fp8:
-        raise ValueError(f"fully_shard_nvfp4: {len(fp8)} layers compute in FP8 (e.g. {fp8[0]}, converted with "
-                         "compute='fp8'), which FSDP2's NVFP4 gather does not serve yet; convert with "
-                         "compute='bf16' (the default)")  # fmt: skip
+    if compute not in ("bf16", "fp8"):
+        raise ValueError(f"fully_shard_nvfp4: compute is 'bf16' or 'fp8', got {compute!r}")
+    if compute == "fp8" or any(getattr(m, "fp4_compute", "bf16") == "fp8" for m in model.modules()):
+        _require_fp8(model)
     if isinstance(model, FSDPModule) or any(isinstance(p, DTensor) for p in model.parameters()):
         raise ValueError("fully_shard_nvfp4: this model is already sharded (DTensor parameters); call "
                          "fp4_dist.fsdp.fully_shard_nvfp4 on the unsharded model instead of torch's fully_shard")
@@ -124,7 +135,7 @@ def fully_shard_nvfp4(
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
             carried = group_of(module.weight)
-            st = _convert(name, module, world, mp_policy, numerics, skip, report)
+            st = _convert(name, module, world, mp_policy, numerics, skip, report, compute)
             if st is not None:
                 states[st.fqn] = st
                 if carried is not None:
@@ -160,7 +171,22 @@ def _set_amax_groups(states: dict, groups: dict) -> None:
         states[fqn].amax_group = g
 
 
-def _convert(name, module, world, mp_policy, numerics, skip, report) -> Optional[WeightState]:
+def _require_fp8(model: nn.Module) -> None:
+    """Raise RuntimeError, saying what is missing, unless the FP8 GEMMs run where `model`'s weights compute: the
+    device of its parameters, or the current CUDA device for a model on "meta" where CUDA is present."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if device.type == "meta":
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    if device is None or device.type == "cpu":
+        return  # emulated on the CPU
+    try:
+        require_fp8_gemm(device)
+    except RuntimeError as e:
+        raise RuntimeError(f"fully_shard_nvfp4: {e}; use compute='bf16' (and layers converted with "
+                           "compute='bf16')") from None
+
+
+def _convert(name, module, world, mp_policy, numerics, skip, report, compute) -> Optional[WeightState]:
     w = module.weight
     fqn = f"{name}.weight" if name else "weight"
     m, k = w.shape
@@ -183,7 +209,12 @@ def _convert(name, module, world, mp_policy, numerics, skip, report) -> Optional
         mode = "bf16"
         report.bf16_gather[fqn] = (f"M = {m} rows over {world} ranks is not a multiple of {TILE} rows per rank, "
                                    "so a 16x16 tile would span two ranks")
-    state = WeightState(fqn, (m, k), mode, model_dtype, numerics)
+    fp8 = compute == "fp8" or getattr(module, "fp4_compute", "bf16") == "fp8"
+    state = WeightState(fqn, (m, k), mode, model_dtype, numerics, compute="fp8" if fp8 else "bf16")
+    if fp8:
+        report.fp8.append(fqn)
+        if hasattr(module, "fp4_compute"):  # an NVFP4Linear says what its GEMMs read
+            module.fp4_compute = "fp8"
     module.weight = nn.Parameter(NVFP4Master(master, state), requires_grad=w.requires_grad)
     return state
 
@@ -204,7 +235,7 @@ class _Registry:
         self.check: Optional[DeferredCheck] = None
         """The last cast's non-finite verdict while nobody has read it (`precompute(defer_check=True)`)."""
         self.batches = dequant_batch.bind([m for m in model.modules() if isinstance(m, FSDPModule)],
-                                          lambda p: getattr(local_master(p), "state", None))
+                                          _dequantized_state)
 
     def masters(self) -> list[tuple[str, torch.Tensor]]:
         out = [(fqn, module.weight) for fqn, module in self.owners]
@@ -235,6 +266,13 @@ class _Registry:
         """The root's post-forward, on every rank, before the output goes back to the caller."""
         self.resolve()
         dequant_batch.check_flushed(self.batches)
+
+
+def _dequantized_state(p) -> Optional[WeightState]:
+    """The state of NVFP4 weight `p` if its gathers are dequantized into a bf16 value (`dequant_batch`), else None
+    (another parameter, or a weight whose GEMMs read its FP8 copy)."""
+    state = getattr(local_master(p), "state", None)
+    return state if state is not None and state.compute != "fp8" else None
 
 
 def _weight_owners(model: nn.Module):

@@ -4,6 +4,9 @@
     torchrun --nproc_per_node N fsdp_suite.py --mode save --dir CKPT --out save.json
     torchrun --nproc_per_node M fsdp_suite.py --mode load --dir CKPT --out load.json
 
+train-fp8: the same net with ``compute="fp8"``: the unsharded weights are FP8 block copies of quantize(full master)
+and the run equals a single process computing the same FP8 GEMMs (emulated on the CPU), and layers converted with
+``compute="fp8"`` first compute in FP8.
 train: a small net (weights gathered as NVFP4, weights whose shards are not whole 16-row tile bands gathered in
 bf16 and quantized after, a weight kept in bf16) trains STEPS steps; at every step, inside the forward, every
 gathered NVFP4 weight equals ``fp4_dist.quantize(full fp32 master)`` bit for bit, and the loss and every full
@@ -34,6 +37,8 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 import fp4_dist  # noqa: E402
 from fp4_dist.fsdp import fully_shard_nvfp4, nvfp4_weights  # noqa: E402
+from fp4_dist.compute.fp8_gemm import Fp8Operand  # noqa: E402
+from fp4_dist.compute.fp8_param import Fp8Param  # noqa: E402
 from fp4_dist.fsdp.master import local_master  # noqa: E402
 from fp4_dist.launch import init_distributed, shutdown  # noqa: E402
 from fp4_dist.testing import bytes_mismatch  # noqa: E402
@@ -75,14 +80,14 @@ def loss_of(out: torch.Tensor) -> torch.Tensor:
     return out.float().square().mean()
 
 
-def build(seed: int = 0, *, ordered: bool = True, mesh=None):
+def build(seed: int = 0, *, ordered: bool = True, mesh=None, compute: str = "bf16"):
     torch.manual_seed(seed)
     model = Net().to(DEVICE)
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         report = fully_shard_nvfp4(model, mp_policy=BF16, shard_modules=[model.inp, model.hid], mesh=mesh,
-                                   ordered_grad_reduction=ordered)  # fmt: skip
+                                   ordered_grad_reduction=ordered, compute=compute)  # fmt: skip
     messages = [str(w.message) for w in caught if "fp4_dist.fsdp" in str(w.message)]
     opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
     return model, opt, init, report, messages
@@ -116,20 +121,26 @@ class Reference:
     dequantized; every other param master.to(bf16); each rank's micro-batch backward alone, the bf16 grads
     summed in rank order and averaged (as OrderedReduceScatter and FSDP2's AVG do), then cast to fp32."""
 
-    def __init__(self, init: dict, nvfp4: set):
+    def __init__(self, init: dict, nvfp4: set, compute: str = "bf16"):
         self.net = Net().to(DEVICE)
         self.masters = {n: t.clone() for n, t in init.items()}
-        self.nvfp4 = nvfp4
+        self.nvfp4, self.compute = nvfp4, compute
         self.opt = torch.optim.AdamW(list(self.masters.values()), lr=LR, foreach=False)
+
+    def weight(self, master: torch.Tensor) -> torch.Tensor:
+        """What the layer computes with: quantize(master in bf16) dequantized, or in the FP8 mode its FP8 block
+        copy as a parameter (F.linear on it runs the FP8 GEMMs; the gradient comes back plain)."""
+        q = fp4_dist.quantize(master.to(torch.bfloat16))
+        if self.compute == "fp8":
+            return Fp8Param(Fp8Operand.weight(q), torch.bfloat16)
+        return q.dequantize(torch.bfloat16)
 
     def step(self, step: int, world: int) -> list[float]:
         grads, losses = None, []
         for r in range(world):
             params = {}
             for n, m in self.masters.items():
-                v = m.to(torch.bfloat16)
-                if n in self.nvfp4:
-                    v = fp4_dist.quantize(v).dequantize(torch.bfloat16)
+                v = self.weight(m) if n in self.nvfp4 else m.to(torch.bfloat16)
                 params[n] = v.requires_grad_()
             out = torch.func.functional_call(self.net, params, (batch(step, r).to(torch.bfloat16),))
             loss = loss_of(out)
@@ -194,6 +205,65 @@ def suite_train(ctx, world, rank) -> dict:
     differ = [n for n in final if not torch.equal(final[n], ref.masters[n])]
     ctx.check(not differ, f"after {STEPS} steps these fp32 masters differ from the reference: {differ}")
     return {"losses": losses, "bytes": gathered_bytes(ctx, model, report, rank), "report": str(report)}
+
+
+FP8_STEPS = 8
+
+
+def suite_train_fp8(ctx, world, rank) -> dict:
+    """compute="fp8": inside every forward each NVFP4 linear's unsharded weight is the FP8 block copy of
+    quantize(full master) (its bits and block scales bit for bit), the gathered bytes are quantize(full master),
+    and losses and masters equal one process computing the same FP8 GEMMs on each rank's micro-batch."""
+    model, opt, init, report, _ = build(compute="fp8")
+    states = model._fp4_dist_nvfp4.states
+    ctx.check(sorted(report.fp8) == sorted(states), f"FP8 weights {report.fp8}, NVFP4 weights {sorted(states)}")
+    ctx.check(model._fp4_dist_nvfp4.batches == [], "a dequantize batch for weights that compute in FP8")
+    gathered, copies = Gathered(model), {}
+
+    def take(module, args, fqn):  # a clone: FSDP2 frees the unsharded weight's memory when it reshards
+        w = module.weight
+        copies[fqn] = (type(w), *((w.operand.bits.clone(), w.operand.scales.clone()) if type(w) is Fp8Param else ()))
+
+    for fqn in states:
+        model.get_submodule(fqn[: -len(".weight")]).register_forward_pre_hook(lambda m, a, fqn=fqn: take(m, a, fqn))
+    ref = Reference(init, set(states), compute="fp8")
+    losses, ref_losses = [], []
+    for step in range(FP8_STEPS):
+        masters = full_masters(model)
+        gathered.seen.clear()
+        copies.clear()
+        loss = loss_of(model(batch(step, rank).to(torch.bfloat16)))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        check_gathered(ctx, step, masters, gathered, states)
+        ctx.check(sorted(copies) == sorted(states), f"step {step}: forwards of {sorted(copies)}")
+        for fqn, (kind, *seen) in copies.items():
+            if not ctx.check(kind is Fp8Param, f"step {step}: {fqn} computed with a {kind.__name__}"):
+                continue
+            want = Fp8Operand.weight(fp4_dist.quantize(masters[fqn].to(torch.bfloat16)))
+            for name, got, exp in (("bits", seen[0], want.bits), ("scales", seen[1], want.scales)):
+                ctx.check(torch.equal(got.cpu().view(torch.uint8), exp.cpu().view(torch.uint8)),
+                          f"step {step}: {fqn}'s FP8 copy {name} differ from that of quantize(full master)")
+        losses.append(loss.item())
+        ref_losses.append(ref.step(step, world)[rank])
+    ctx.check(losses == ref_losses, f"losses differ from the single-process reference: {losses} vs {ref_losses}")
+    final = full_masters(model)
+    differ = [n for n in final if not torch.equal(final[n], ref.masters[n])]
+    ctx.check(not differ, f"after {FP8_STEPS} steps these fp32 masters differ from the reference: {differ}")
+    # Layers converted with compute="fp8" first compute in FP8 under the default compute="bf16" too
+    torch.manual_seed(1)
+    converted = Net().to(DEVICE)
+    fp4_dist.convert_linear_weights(converted, dtype=torch.bfloat16, compute="fp8")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        second = fully_shard_nvfp4(converted, mp_policy=BF16)
+    seen = []
+    converted.mix.register_forward_pre_hook(lambda m, a: seen.append(type(m.weight)))
+    loss_of(converted(batch(0, rank).to(torch.bfloat16))).backward()
+    ctx.check(sorted(second.fp8) == ["hid.weight", "inp.weight", "mix.weight", "odd.weight"] and seen == [Fp8Param],
+              f"converted in FP8 first: FP8 weights {second.fp8}, mix computed with {seen}")
+    return {"losses": losses, "fp8": report.fp8}
 
 
 def suite_non_finite(ctx, world, rank) -> dict:
@@ -386,7 +456,7 @@ def suite_checkpoint(ctx, world, rank, mode, ckpt) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=("train", "save", "load"), default="train")
+    ap.add_argument("--mode", choices=("train", "train-fp8", "save", "load"), default="train")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -406,6 +476,7 @@ def main() -> int:
     suites = {"train": [("train", suite_train), ("non_finite", suite_non_finite), ("meta_init", suite_meta_init),
                         ("orderings", suite_orderings)] + ([("hsdp", suite_hsdp)] if world == 4 else [])
               if DEVICE.type == "cpu" else [("train", suite_train), ("non_finite", suite_non_finite)],
+              "train-fp8": [("train_fp8", suite_train_fp8)],
               "save": [("checkpoint", lambda c, w, r: suite_checkpoint(c, w, r, "save", args.dir))],
               "load": [("checkpoint", lambda c, w, r: suite_checkpoint(c, w, r, "load", args.dir))]}[args.mode]
     for name, fn in suites:

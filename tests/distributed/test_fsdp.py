@@ -3,7 +3,8 @@
 World sizes 1-4 (HSDP 2x2 at 4): gathered NVFP4 bytes == quantize(full master) at every step, 20 steps bitwise
 equal to a single process, all-gather bytes, meta init, orderings, the one fallback warning. Checkpoints: saved
 at 2 ranks, loaded at 2 and 3, masters and Adam states bit for bit; at the same world size the resumed step
-equals the uninterrupted one. On a GPU (marked gpu): the train suite at one rank with NCCL.
+equals the uninterrupted one. The FP8 compute mode at 1, 2 and 4 ranks: FP8 copies of quantize(full master), bitwise
+like one process. On a GPU (marked gpu): the train suites at one rank with NCCL.
 """
 
 from __future__ import annotations
@@ -57,6 +58,23 @@ def test_fsdp2_on_one_gpu_gathers_quantize_of_full_master_and_trains_bitwise_lik
     assert report["failures"] == [], "\n".join(report["failures"][:10])
     assert report["returncode"] == 0, report["log"]
     assert len(report["train"]["losses"]) == 20
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4], ids=lambda n: f"ws{n}")
+def test_fsdp2_in_the_fp8_compute_mode_computes_with_fp8_copies_of_the_gathered_weights_bitwise_like_one_process(
+        world_size):  # fmt: skip
+    report = _launch(world_size, "--mode", "train-fp8")
+    assert report["failures"] == [], "\n".join(report["failures"][:10])
+    assert report["returncode"] == 0, report["log"]
+    assert len(report["train_fp8"]["losses"]) == 8 and len(report["train_fp8"]["fp8"]) == 4
+
+
+@pytest.mark.gpu
+def test_fsdp2_in_the_fp8_compute_mode_on_one_gpu():
+    """cuBLAS's block-scaled GEMMs and the CUDA copy kernel under FSDP2 and NCCL, against a reference on the GPU."""
+    report = _launch(1, "--mode", "train-fp8", "--device", "cuda")
+    assert report["failures"] == [], "\n".join(report["failures"][:10])
+    assert report["returncode"] == 0, report["log"]
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4], ids=lambda n: f"ws{n}")

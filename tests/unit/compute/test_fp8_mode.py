@@ -131,8 +131,8 @@ def test_the_mode_names_what_it_leaves_in_bf16_and_refuses_what_it_cannot_do():
         earlier[0](torch.randn(2, 272, dtype=torch.bfloat16))
     from fp4_dist.fsdp import fully_shard_nvfp4
 
-    with pytest.raises(ValueError, match="compute in FP8.*does not serve yet"):
-        fully_shard_nvfp4(earlier)
+    with pytest.raises(ValueError, match="compute is 'bf16' or 'fp8'"):  # before any process group or sharding
+        fully_shard_nvfp4(earlier, compute="fp4")
 
     with pytest.raises(ValueError, match="compute must be one of"):
         fp4_dist.convert_linear_weights(_model(), compute="fp4")

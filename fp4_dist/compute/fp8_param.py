@@ -1,0 +1,104 @@
+"""The FP8 compute mode's unsharded weight under FSDP2: a parameter that holds an NVFP4 weight's FP8 block copy.
+
+With ``fully_shard_nvfp4(..., compute="fp8")`` the weight FSDP2 unshards for a linear's forward and backward is an
+`Fp8Param` instead of a bf16 value: the FP8 block copy of the gathered NVFP4 bytes (E4M3 bits [M, K] and one fp32
+scale per 128 x 128 block, 1 byte per weight against bf16's 2), written at every gather into tensors that FSDP2
+frees when it reshards and allocates again before the next gather, as it does with its own unsharded parameters
+(`own`, `write`). ``F.linear`` on it runs the FP8 block-scaled GEMMs (`fp8.fp8_linear`: cuBLAS on Hopper, emulated
+on the CPU) and its weight gradient comes back as a plain [M, K] tensor in the model dtype, which FSDP2
+reduce-scatters as usual. Any other op computes on the copy's values (E4M3 times its block scale, in the model
+dtype): what the GEMMs read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..format import FP8_BLOCK
+from .fp8 import fp8_linear
+from .fp8_gemm import Fp8Operand
+
+__all__ = ["Fp8Param", "own", "write"]
+
+aten = torch.ops.aten
+
+# Ops that give the parameter itself, as FSDP2 and nn.Parameter apply them (same shape): the result holds the same
+# copy. A view of another shape would not be a weight any more: it computes on the values like any other op.
+_SAME = frozenset([aten.detach.default, aten.alias.default, aten.as_strided.default, aten.view.default,
+                   aten._unsafe_view.default])  # fmt: skip
+
+
+class Fp8Param(torch.Tensor):
+    """An [M, K] weight in the model dtype whose values are the FP8 block copy `operand` (module docstring)."""
+
+    operand: Fp8Operand
+
+    @staticmethod
+    def __new__(cls, operand: Fp8Operand, dtype: torch.dtype, requires_grad: bool = False):
+        bits = operand.bits
+        self = torch.Tensor._make_wrapper_subclass(cls, bits.shape, dtype=dtype, device=bits.device,
+                                                   requires_grad=requires_grad)  # fmt: skip
+        self.operand = operand
+        return self
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return f"Fp8Param(shape={list(self.shape)}, dtype={self.dtype}, FP8 block copy)"
+
+    def values(self) -> torch.Tensor:
+        """The copy's values in this parameter's dtype: each E4M3 value times its 128 x 128 block's scale."""
+        bits, scales = self.operand.bits, self.operand.scales
+        m, k = bits.shape
+        expanded = scales.repeat_interleave(FP8_BLOCK, 0)[:m].repeat_interleave(FP8_BLOCK, 1)[:, :k]
+        return (bits.view(torch.float8_e4m3fn).to(torch.float32) * expanded).to(self.dtype)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear and len(args) >= 2 and type(args[1]) is cls \
+                and not isinstance(args[0], cls):  # fmt: skip
+            x, w = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            return fp8_linear(x, w, bias, w.operand)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        first = args[0]
+        if func in _SAME and type(first) is cls and _same_geometry(func, first, args, kwargs):
+            return cls(first.operand, first.dtype)
+        plain = [a.values() if type(a) is cls else a for a in args]
+        plain_kwargs = {k: (v.values() if type(v) is cls else v) for k, v in kwargs.items()}
+        return func(*plain, **plain_kwargs)
+
+
+def _same_geometry(func, first: Fp8Param, args, kwargs) -> bool:
+    """Whether `func` gives a tensor of `first`'s own shape and contiguous strides (what FSDP2's as_strided and
+    nn.Parameter's detach do)."""
+    if func in (aten.detach.default, aten.alias.default):
+        return True
+    size = list(args[1]) if len(args) > 1 else list(kwargs.get("size", ()))
+    if size != list(first.shape):
+        return False
+    if func is aten.as_strided.default:
+        stride = list(args[2]) if len(args) > 2 else list(kwargs.get("stride", ()))
+        offset = args[3] if len(args) > 3 else kwargs.get("storage_offset", 0)
+        return stride == list(first.stride()) and not offset
+    return True
+
+
+def own(fresh: Fp8Operand) -> Fp8Operand:
+    """Tensors of the weight's own for the FP8 copy `fresh` (each with its own storage of its exact size: FSDP2
+    frees and allocates them by storage), holding its values."""
+    return Fp8Operand(*(t.clone() if isinstance(t, torch.Tensor) else t for t in fresh))
+
+
+def write(dst: Fp8Operand, fresh: Fp8Operand) -> None:
+    """Copy the FP8 copy `fresh` into the weight's tensors `dst` (`own`) in place. The forward saved them for the
+    backward, whose gather writes the same values again: autograd must not take that for an in-place change
+    (FSDP2 writes its own unsharded parameters so too)."""
+    pairs = [(d, f) for d, f in zip(dst, fresh) if isinstance(d, torch.Tensor)]
+    with torch.autograd._unsafe_preserve_version_counter(tuple(d for d, _ in pairs)):
+        for d, f in pairs:
+            d.copy_(f)

@@ -1,0 +1,90 @@
+"""Fp8Param (fp4_dist.compute.fp8_param): FSDP2's unsharded weight in the FP8 compute mode. F.linear on it is the
+FP8 linear on the NVFP4 weight it was copied from, bit for bit; the ops FSDP2 and nn.Parameter apply keep it; any
+other op reads the copy's values; its tensors can be freed and written again the way FSDP2 does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fp4_dist
+from fp4_dist.compute.fp8 import fp8_linear
+from fp4_dist.compute.fp8_gemm import Fp8Operand
+from fp4_dist.compute.fp8_param import Fp8Param, own, write
+
+
+def _weight(m=200, k=304, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return fp4_dist.quantize(torch.randn(m, k, generator=g), dtype=torch.bfloat16)
+
+
+def _param(w) -> nn.Parameter:
+    return nn.Parameter(Fp8Param(own(Fp8Operand.weight(w)), torch.bfloat16))
+
+
+def test_f_linear_on_it_is_the_fp8_linear_of_the_nvfp4_weight_bit_for_bit():
+    w = _weight()
+    nv = nn.Parameter(w)
+    p = _param(w)
+    bias = torch.randn(200, dtype=torch.bfloat16)
+    x = torch.randn(3, 5, 304, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    want = fp8_linear(xa, nv, bias, Fp8Operand.weight(w))
+    got = F.linear(xb, p, bias)
+    assert type(got) is torch.Tensor and torch.equal(got, want)
+    dy = torch.randn(want.shape, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    want.backward(dy)
+    got.backward(dy)
+    assert torch.equal(xb.grad, xa.grad)
+    assert type(p.grad) is torch.Tensor and p.grad.dtype == torch.bfloat16 and torch.equal(p.grad, nv.grad)
+    layer = nn.Linear(304, 200, dtype=torch.bfloat16)
+    layer.weight, layer.bias = p, nn.Parameter(bias)
+    assert torch.equal(layer(x), want.detach())
+
+
+def test_the_ops_fsdp2_and_parameters_apply_keep_the_copy_and_others_read_its_values():
+    w = _weight(130, 48)
+    p = _param(w)
+    assert type(p) is Fp8Param and p.requires_grad and p.shape == (130, 48) and p.dtype == torch.bfloat16
+    for same in (p.detach(), torch.as_strided(p, (130, 48), (48, 1), storage_offset=0), p.view(130, 48)):
+        assert type(same) is Fp8Param and same.operand is p.operand
+    values = p.values()
+    e4m3 = p.operand.bits.view(torch.float8_e4m3fn).float()
+    block = p.operand.scales[torch.arange(130)[:, None] // 128, torch.arange(48)[None, :] // 128]
+    assert torch.equal(values, (e4m3 * block).to(torch.bfloat16))
+    assert (values.float() - w.dequantize(torch.float32)).abs().max() < 0.5  # the copy of these values, not others
+    flat = p.view(-1)  # another shape: a plain tensor of the values
+    assert type(flat) is torch.Tensor and torch.equal(flat, values.reshape(-1))
+    assert type(p.float()) is torch.Tensor and torch.equal(p.float(), values.float())
+    x = torch.randn(4, 48, dtype=torch.bfloat16)
+    y = x @ p.t()  # not F.linear: computed on the values, and the gradient still reaches the parameter
+    assert torch.equal(y, x @ values.t())
+    y.float().sum().backward()
+    assert torch.equal(p.grad, (torch.ones(4, 130, dtype=torch.bfloat16).t() @ x))
+
+
+def test_its_tensors_are_its_own_and_are_written_again_in_place_after_fsdp2_frees_them():
+    w, w2 = _weight(seed=3), _weight(seed=4)
+    fresh = Fp8Operand.weight(w)
+    kept = own(fresh)
+    tensors = [t for t in kept if isinstance(t, torch.Tensor)]
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == len(tensors)
+    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in tensors)
+    assert all(torch.equal(a, b) for a, b in zip(tensors, [t for t in fresh if isinstance(t, torch.Tensor)]))
+    p = Fp8Param(kept, torch.bfloat16)
+    versions = [t._version for t in tensors]
+    for t in tensors:  # what FSDP2 does when it reshards, then before the next gather
+        t.untyped_storage().resize_(0)
+        t.untyped_storage().resize_(t.numel() * t.element_size())
+    write(kept, Fp8Operand.weight(w2))
+    assert [t._version for t in tensors] == versions  # a saved copy written again is no in-place change
+    assert torch.equal(p.operand.bits, Fp8Operand.weight(w2).bits) and torch.equal(p.values(), _param(w2).values())
+
+
+def test_fully_shard_nvfp4_takes_the_compute_mode_by_name():
+    from fp4_dist.fsdp import fully_shard_nvfp4
+
+    with pytest.raises(ValueError, match="compute is 'bf16' or 'fp8', got 'fp4'"):
+        fully_shard_nvfp4(nn.Linear(32, 32), compute="fp4")
