@@ -176,6 +176,14 @@ class Ctx:
         return bool(ok)
 
 
+def agree_with_reference(ctx, losses: list, ref_losses: list, model, ref: Reference) -> None:
+    """The run's losses and, after its last step, every full fp32 master equal the single-process reference's."""
+    ctx.check(losses == ref_losses, f"losses differ from the single-process reference: {losses} vs {ref_losses}")
+    final = full_masters(model)
+    differ = [n for n in final if not torch.equal(final[n], ref.masters[n])]
+    ctx.check(not differ, f"after {len(losses)} steps these fp32 masters differ from the reference: {differ}")
+
+
 def suite_train(ctx, world, rank) -> dict:
     model, opt, init, report, messages = build()
     states = model._fp4_dist_nvfp4.states
@@ -200,10 +208,7 @@ def suite_train(ctx, world, rank) -> dict:
         check_gathered(ctx, step, masters, gathered, states)
         losses.append(loss.item())
         ref_losses.append(ref.step(step, world)[rank])
-    ctx.check(losses == ref_losses, f"losses differ from the single-process reference: {losses} vs {ref_losses}")
-    final = full_masters(model)
-    differ = [n for n in final if not torch.equal(final[n], ref.masters[n])]
-    ctx.check(not differ, f"after {STEPS} steps these fp32 masters differ from the reference: {differ}")
+    agree_with_reference(ctx, losses, ref_losses, model, ref)
     return {"losses": losses, "bytes": gathered_bytes(ctx, model, report, rank), "report": str(report)}
 
 
@@ -247,10 +252,7 @@ def suite_train_fp8(ctx, world, rank) -> dict:
                           f"step {step}: {fqn}'s FP8 copy {name} differ from that of quantize(full master)")
         losses.append(loss.item())
         ref_losses.append(ref.step(step, world)[rank])
-    ctx.check(losses == ref_losses, f"losses differ from the single-process reference: {losses} vs {ref_losses}")
-    final = full_masters(model)
-    differ = [n for n in final if not torch.equal(final[n], ref.masters[n])]
-    ctx.check(not differ, f"after {FP8_STEPS} steps these fp32 masters differ from the reference: {differ}")
+    agree_with_reference(ctx, losses, ref_losses, model, ref)
     # Layers converted with compute="fp8" first compute in FP8 under the default compute="bf16" too
     torch.manual_seed(1)
     converted = Net().to(DEVICE)
