@@ -6,13 +6,15 @@ scale per 128 x 128 block, 1 byte per weight against bf16's 2), written at every
 frees when it reshards and allocates again before the next gather, as it does with its own unsharded parameters
 (`own`, `write`). ``F.linear`` on it runs the FP8 block-scaled GEMMs (`fp8.fp8_linear`: cuBLAS on Hopper, emulated
 on the CPU) and its weight gradient comes back as a plain [M, K] tensor in the model dtype, which FSDP2
-reduce-scatters as usual. Any other op computes on the copy's values (E4M3 times its block scale, in the model
-dtype): what the GEMMs read.
+reduce-scatters as usual. Any other op that reads it computes on the copy's values (E4M3 times its block scale,
+in the model dtype): what the GEMMs read. An op that writes it raises (the next gather would undo the write), as
+does any use once FSDP2 has freed the copy's memory (a weight kept past its layer's reshard).
 """
 
 from __future__ import annotations
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 from ..format import FP8_BLOCK
 from .fp8 import fp8_linear
@@ -46,31 +48,62 @@ class Fp8Param(torch.Tensor):
 
     def values(self) -> torch.Tensor:
         """The copy's values in this parameter's dtype: each E4M3 value times its 128 x 128 block's scale."""
+        self.check_allocated()
         bits, scales = self.operand.bits, self.operand.scales
         m, k = bits.shape
         expanded = scales.repeat_interleave(FP8_BLOCK, 0)[:m].repeat_interleave(FP8_BLOCK, 1)[:, :k]
         return (bits.view(torch.float8_e4m3fn).to(torch.float32) * expanded).to(self.dtype)
 
+    def check_allocated(self) -> None:
+        """Raise unless the copy's memory is there: FSDP2 frees it when it reshards the layer, and a kernel would
+        read freed memory (the bytes are viewed as E4M3, which skips torch's own size check)."""
+        for t in self.operand:
+            if isinstance(t, torch.Tensor) and \
+                    t.untyped_storage().nbytes() < (t.storage_offset() + t.numel()) * t.element_size():  # fmt: skip
+                raise RuntimeError(
+                    f"fp4_dist: this FP8 weight copy {list(self.shape)} was freed when FSDP2 resharded its layer; "
+                    "a weight is read inside the forward and backward that gathered it (keep the layer, not the "
+                    "unsharded weight)")
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.nn.functional.linear and len(args) >= 2 and type(args[1]) is cls \
-                and not isinstance(args[0], cls):  # fmt: skip
-            x, w = args[0], args[1]
+        if func is torch.nn.functional.linear:
+            x = args[0] if args else kwargs.get("input")
+            w = args[1] if len(args) > 1 else kwargs.get("weight")
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            return fp8_linear(x, w, bias, w.operand)
+            if type(w) is cls and not isinstance(x, cls) and not isinstance(bias, cls):
+                return _linear(x, w, bias)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        first = args[0]
+        first = args[0] if args else None
         if func in _SAME and type(first) is cls and _same_geometry(func, first, args, kwargs):
+            first.check_allocated()
             return cls(first.operand, first.dtype)
-        plain = [a.values() if type(a) is cls else a for a in args]
-        plain_kwargs = {k: (v.values() if type(v) is cls else v) for k, v in kwargs.items()}
-        return func(*plain, **plain_kwargs)
+        if func._schema.is_mutable and any(type(a) is cls for a in (*args, *kwargs.values())):
+            raise RuntimeError(
+                f"fp4_dist: {func} writes into an FP8 weight copy (FSDP2's unsharded weight in the FP8 compute "
+                "mode), which the next gather would overwrite; change the fp32 master (the sharded parameter) "
+                "instead")
+        plain_args, plain_kwargs = tree_map_only(cls, lambda t: t.values(), (args, kwargs))
+        return func(*plain_args, **plain_kwargs)
+
+
+def _linear(x: torch.Tensor, w: Fp8Param, bias) -> torch.Tensor:
+    """F.linear(x, w, bias) by the FP8 GEMMs, with F.linear's dtype rules: under autocast the input in autocast's
+    dtype, as F.linear would take it; otherwise x and w of one dtype."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        x = x.to(torch.get_autocast_dtype(device))
+    if x.dtype != w.dtype:
+        raise RuntimeError(f"F.linear: the input is {x.dtype} and the FP8 weight copy computes in {w.dtype} "
+                           "(FSDP2's mixed-precision param_dtype); they must be the same")
+    w.check_allocated()
+    return fp8_linear(x, w, bias, w.operand)
 
 
 def _same_geometry(func, first: Fp8Param, args, kwargs) -> bool:
@@ -90,8 +123,10 @@ def _same_geometry(func, first: Fp8Param, args, kwargs) -> bool:
 
 def own(fresh: Fp8Operand) -> Fp8Operand:
     """Tensors of the weight's own for the FP8 copy `fresh` (each with its own storage of its exact size: FSDP2
-    frees and allocates them by storage), holding its values."""
-    return Fp8Operand(*(t.clone() if isinstance(t, torch.Tensor) else t for t in fresh))
+    frees and allocates them by storage), holding its values; normal tensors even when the first gather runs
+    under inference mode, so that later gathers can write them."""
+    with torch.inference_mode(False):
+        return Fp8Operand(*(t.clone() if isinstance(t, torch.Tensor) else t for t in fresh))
 
 
 def write(dst: Fp8Operand, fresh: Fp8Operand) -> None:
@@ -99,6 +134,6 @@ def write(dst: Fp8Operand, fresh: Fp8Operand) -> None:
     backward, whose gather writes the same values again: autograd must not take that for an in-place change
     (FSDP2 writes its own unsharded parameters so too)."""
     pairs = [(d, f) for d, f in zip(dst, fresh) if isinstance(d, torch.Tensor)]
-    with torch.autograd._unsafe_preserve_version_counter(tuple(d for d, _ in pairs)):
+    with torch.inference_mode(False), torch.autograd._unsafe_preserve_version_counter(tuple(d for d, _ in pairs)):
         for d, f in pairs:
             d.copy_(f)

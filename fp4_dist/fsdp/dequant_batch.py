@@ -50,7 +50,7 @@ class DequantBatch:
             return
         # The forward saved these tensors (as the unsharded parameters) for the backward, which gathers the same
         # bytes again: writing them must not look like an in-place change to autograd (FSDP2 does the same).
-        with torch.autograd._unsafe_preserve_version_counter(tuple(self.outs)):
+        with torch.inference_mode(False), torch.autograd._unsafe_preserve_version_counter(tuple(self.outs)):
             kernels.dequantize(self.datas, self.scales, self.amaxes, self.outs)
         self.datas, self.scales, self.amaxes, self.outs = [], [], [], []
         self.queued = set()

@@ -193,9 +193,11 @@ class NVFP4Master(torch.Tensor):
         fp8 = state.compute == "fp8"
         first = (state.fp8 if fp8 else state.value) is None or out is None
         if first:
-            state.buffers = _gather_buffers(state, self.device)
-            if not fp8:
-                state.value = torch.empty((m, k), dtype=state.model_dtype, device=self.device)
+            # normal tensors even under inference mode: later gathers write them
+            with torch.inference_mode(False):
+                state.buffers = _gather_buffers(state, self.device)
+                if not fp8:
+                    state.value = torch.empty((m, k), dtype=state.model_dtype, device=self.device)
         b = state.buffers
         if state.mode == "nvfp4":
             # the dequantize reads the tile grid as gathered (no expand)

@@ -29,6 +29,7 @@ from ..shared_amax import check_patterns, group_of, sibling_groups
 from ..tensor import NVFP4Tensor
 from ..cast.core import DeferredCheck
 from ..compute.fp8_gemm import require_fp8_gemm
+from ..compute.linear import NVFP4Linear
 from . import dequant_batch, wire
 from .master import NVFP4Master, WeightState, local_master
 from .precompute import ShardCast
@@ -47,6 +48,8 @@ class FSDPReport:
     """Linear weights left in high precision, with the reason."""
     fp8: list[str] = field(default_factory=list)
     """NVFP4 weights whose GEMMs read their FP8 block copy (the FP8 compute mode); the others read bf16."""
+    not_fp8: dict[str, str] = field(default_factory=dict)
+    """With ``compute="fp8"``: NVFP4 weights computed in bf16 all the same, with the reason."""
     world_size: int = 1
 
     def gathered_bytes_per_element(self, model: nn.Module) -> dict[str, float]:
@@ -65,8 +68,9 @@ class FSDPReport:
     def __str__(self) -> str:
         lines = [f"fp4_dist.fsdp: {len(self.nvfp4)} weights gathered as NVFP4, {len(self.bf16_gather)} NVFP4 weights "
                  f"gathered in bf16, {len(self.kept)} kept in high precision (FSDP world size {self.world_size})"]
-        if self.fp8:
+        if self.fp8 or self.not_fp8:
             lines.append(f"  FP8 compute: {len(self.fp8)} of the NVFP4 weights' GEMMs read their FP8 block copy")
+            lines += [f"  bf16 compute {n}: {why}" for n, why in self.not_fp8.items()]
         lines += [f"  bf16 gather {n}: {why}" for n, why in self.bf16_gather.items()]
         lines += [f"  kept {n}: {why}" for n, why in self.kept.items()]
         return "\n".join(lines)
@@ -120,7 +124,7 @@ def fully_shard_nvfp4(
     if compute not in ("bf16", "fp8"):
         raise ValueError(f"fully_shard_nvfp4: compute is 'bf16' or 'fp8', got {compute!r}")
     if compute == "fp8" or any(getattr(m, "fp4_compute", "bf16") == "fp8" for m in model.modules()):
-        _require_fp8(model)
+        _require_fp8(model, mesh)
     if isinstance(model, FSDPModule) or any(isinstance(p, DTensor) for p in model.parameters()):
         raise ValueError("fully_shard_nvfp4: this model is already sharded (DTensor parameters); call "
                          "fp4_dist.fsdp.fully_shard_nvfp4 on the unsharded model instead of torch's fully_shard")
@@ -171,14 +175,17 @@ def _set_amax_groups(states: dict, groups: dict) -> None:
         states[fqn].amax_group = g
 
 
-def _require_fp8(model: nn.Module) -> None:
-    """Raise RuntimeError, saying what is missing, unless the FP8 GEMMs run where `model`'s weights compute: the
-    device of its parameters, or the current CUDA device for a model on "meta" where CUDA is present."""
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    if device.type == "meta":
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    if device is None or device.type == "cpu":
+def _require_fp8(model: nn.Module, mesh) -> None:
+    """Raise RuntimeError, saying what is missing, unless the FP8 GEMMs run where `model`'s weights will compute:
+    the mesh's device type (fully_shard moves the parameters there), or without a mesh the one fully_shard's
+    default mesh takes (CUDA where present), at the current device."""
+    if mesh is not None:
+        kind = mesh.device_type
+    else:
+        kind = "cuda" if torch.cuda.is_available() else next((p.device.type for p in model.parameters()), "cpu")
+    if kind == "cpu" or kind == "meta":
         return  # emulated on the CPU
+    device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
     try:
         require_fp8_gemm(device)
     except RuntimeError as e:
@@ -209,7 +216,14 @@ def _convert(name, module, world, mp_policy, numerics, skip, report, compute) ->
         mode = "bf16"
         report.bf16_gather[fqn] = (f"M = {m} rows over {world} ranks is not a multiple of {TILE} rows per rank, "
                                    "so a 16x16 tile would span two ranks")
-    fp8 = compute == "fp8" or getattr(module, "fp4_compute", "bf16") == "fp8"
+    fp8 = getattr(module, "fp4_compute", "bf16") == "fp8"
+    if compute == "fp8" and not fp8:
+        # A layer with a forward of its own may use its weight other than through F.linear: that would compute on
+        # a bf16 copy of the FP8 values that autograd keeps until the backward, not freed at the reshard.
+        fp8 = type(module) is nn.Linear or type(module) is NVFP4Linear
+        if not fp8:
+            report.not_fp8[fqn] = (f"{type(module).__name__} keeps its own forward (a subclass of nn.Linear), "
+                                   "which may use its weight other than through F.linear: it computes in bf16")
     state = WeightState(fqn, (m, k), mode, model_dtype, numerics, compute="fp8" if fp8 else "bf16")
     if fp8:
         report.fp8.append(fqn)
@@ -241,8 +255,12 @@ class _Registry:
         out = [(fqn, module.weight) for fqn, module in self.owners]
         unsharded = [fqn for fqn, p in out if local_master(p) is None]
         if unsharded:
-            raise RuntimeError(f"fp4_dist.fsdp: {unsharded[0]} is unsharded; the NVFP4 cast reads the sharded fp32 "
-                               "masters (call it between reshard() and the next unshard())")
+            raise RuntimeError(
+                f"fp4_dist.fsdp: {unsharded[0]} is unsharded; the NVFP4 cast reads the sharded fp32 masters, so it "
+                "runs between FSDP2's reshard and the next unshard. A forward begins with the cast: FSDP2 keeps a "
+                "layer unsharded after a forward without a backward under reshard_after_forward=False (evaluation, "
+                "several forwards per backward) and after a backward under set_reshard_after_backward(False); call "
+                "reshard() on the model's FSDP modules before the next forward (or precompute_nvfp4)")
         return out
 
     def precompute(self, defer_check: bool = False) -> None:

@@ -265,7 +265,27 @@ def suite_train_fp8(ctx, world, rank) -> dict:
     loss_of(converted(batch(0, rank).to(torch.bfloat16))).backward()
     ctx.check(sorted(second.fp8) == ["hid.weight", "inp.weight", "mix.weight", "odd.weight"] and seen == [Fp8Param],
               f"converted in FP8 first: FP8 weights {second.fp8}, mix computed with {seen}")
+    # A subclass of nn.Linear with a forward of its own computes in bf16, and the report says why
+    torch.manual_seed(2)
+    mixed = nn.Sequential(OwnForward(48, 96), nn.Linear(96, 32)).to(DEVICE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        third = fully_shard_nvfp4(mixed, mp_policy=BF16, compute="fp8")
+    kinds = []
+    for layer in mixed:
+        layer.register_forward_pre_hook(lambda m, a: kinds.append(type(m.weight)))
+    loss_of(mixed(batch(0, rank).to(torch.bfloat16))).backward()
+    ctx.check(third.fp8 == ["1.weight"] and list(third.not_fp8) == ["0.weight"]
+              and "keeps its own forward" in str(third) and kinds[1] is Fp8Param and kinds[0] is not Fp8Param,
+              f"a layer with its own forward: FP8 {third.fp8}, not FP8 {third.not_fp8}, computed with {kinds}")
     return {"losses": losses, "fp8": report.fp8}
+
+
+class OwnForward(nn.Linear):
+    """An nn.Linear subclass whose forward uses its weight other than through F.linear."""
+
+    def forward(self, x):
+        return x @ self.weight.t() + self.bias
 
 
 def suite_non_finite(ctx, world, rank) -> dict:

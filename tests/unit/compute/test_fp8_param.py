@@ -88,3 +88,41 @@ def test_fully_shard_nvfp4_takes_the_compute_mode_by_name():
 
     with pytest.raises(ValueError, match="compute is 'bf16' or 'fp8', got 'fp4'"):
         fully_shard_nvfp4(nn.Linear(32, 32), compute="fp4")
+
+
+def test_a_copy_fsdp2_freed_a_write_into_it_and_mismatched_dtypes_are_refused_with_a_sentence():
+    p = _param(_weight(64, 48))
+    x = torch.randn(2, 48, dtype=torch.bfloat16)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="writes into an FP8 weight copy"):
+        p.mul_(0)
+    with pytest.raises(RuntimeError, match="input is torch.float16.*computes in torch.bfloat16"):
+        F.linear(x.half(), p)
+    for t in p.operand:  # FSDP2's reshard frees the copy's memory
+        if isinstance(t, torch.Tensor):
+            t.untyped_storage().resize_(0)
+    with pytest.raises(RuntimeError, match="freed when FSDP2 resharded"):
+        F.linear(x, p)
+    with pytest.raises(RuntimeError, match="freed when FSDP2 resharded"):
+        p.float()
+
+
+def test_keywords_autocast_and_lists_of_weights_take_the_same_paths():
+    w = _weight(64, 48)
+    p = _param(w)
+    x = torch.randn(3, 48, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    want = fp8_linear(x, w, None, Fp8Operand.weight(w))
+    assert torch.equal(F.linear(input=x, weight=p), want)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = F.linear(x.float(), p)  # as F.linear under autocast: the input taken in bf16
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    both = torch.cat([p, p])  # an op on a list of them reads their values
+    assert type(both) is torch.Tensor and torch.equal(both, torch.cat([p.values(), p.values()]))
+
+
+def test_a_first_gather_under_inference_mode_leaves_copies_later_gathers_can_write():
+    w, w2 = _weight(seed=6), _weight(seed=7)
+    with torch.inference_mode():
+        kept = own(Fp8Operand.weight(w))
+    assert not any(t.is_inference() for t in kept if isinstance(t, torch.Tensor))
+    write(kept, Fp8Operand.weight(w2))
+    assert torch.equal(kept.bits, Fp8Operand.weight(w2).bits)
