@@ -278,6 +278,25 @@ def suite_train_fp8(ctx, world, rank) -> dict:
     ctx.check(third.fp8 == ["1.weight"] and list(third.not_fp8) == ["0.weight"]
               and "keeps its own forward" in str(third) and kinds[1] is Fp8Param and kinds[0] is not Fp8Param,
               f"a layer with its own forward: FP8 {third.fp8}, not FP8 {third.not_fp8}, computed with {kinds}")
+    # reshard_after_forward=False and a forward without a backward: FSDP2 keeps the layers unsharded, and the next
+    # forward says so and what to do (in either compute mode)
+    torch.manual_seed(3)
+    kept = Net().to(DEVICE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fully_shard_nvfp4(kept, mp_policy=BF16, reshard_after_forward=False, compute="fp8")
+    with torch.no_grad():
+        kept(batch(0, rank).to(torch.bfloat16))
+    try:
+        kept(batch(1, rank).to(torch.bfloat16))
+        error = "no error"
+    except RuntimeError as e:
+        error = str(e)
+    ctx.check("reshard_after_forward=False" in error and "call reshard()" in error,
+              f"a forward on weights FSDP2 left unsharded: {error}")
+    kept.reshard()
+    with torch.no_grad():
+        kept(batch(1, rank).to(torch.bfloat16))  # resharded as the message says: the forward runs
     return {"losses": losses, "fp8": report.fp8}
 
 
