@@ -20,7 +20,7 @@ from ..format import FP8_BLOCK
 from .fp8 import fp8_linear
 from .fp8_gemm import Fp8Operand
 
-__all__ = ["Fp8Param", "own", "write"]
+__all__ = ["Fp8Param", "allocated", "own", "write"]
 
 aten = torch.ops.aten
 
@@ -58,8 +58,7 @@ class Fp8Param(torch.Tensor):
         """Raise unless the copy's memory is there: FSDP2 frees it when it reshards the layer, and a kernel would
         read freed memory (the bytes are viewed as E4M3, which skips torch's own size check)."""
         for t in self.operand:
-            if isinstance(t, torch.Tensor) and \
-                    t.untyped_storage().nbytes() < (t.storage_offset() + t.numel()) * t.element_size():  # fmt: skip
+            if isinstance(t, torch.Tensor) and not allocated(t):
                 raise RuntimeError(
                     f"fp4_dist: this FP8 weight copy {list(self.shape)} was freed when FSDP2 resharded its layer; "
                     "a weight is read inside the forward and backward that gathered it (keep the layer, not the "
@@ -119,6 +118,11 @@ def _same_geometry(func, first: Fp8Param, args, kwargs) -> bool:
         offset = args[3] if len(args) > 3 else kwargs.get("storage_offset", 0)
         return stride == list(first.stride()) and not offset
     return True
+
+
+def allocated(t: torch.Tensor) -> bool:
+    """Whether `t`'s memory is there: FSDP2 frees an unsharded weight's tensors by resizing their storage to 0."""
+    return t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size()
 
 
 def own(fresh: Fp8Operand) -> Fp8Operand:

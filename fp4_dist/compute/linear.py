@@ -35,8 +35,8 @@ def _linear_eagerly(module: nn.Module, input: torch.Tensor) -> torch.Tensor:
 
 def _fp8_forward(module: nn.Module, input: torch.Tensor) -> torch.Tensor:
     w = module.weight
-    if type(w) is Fp8Param:  # FSDP2's unsharded weight in the FP8 mode (fully_shard_nvfp4): the copy itself
-        return fp8_linear(input, w, module.bias, w.operand)
+    if type(w) is Fp8Param:  # FSDP2's unsharded weight in the FP8 mode (fully_shard_nvfp4): the copy itself,
+        return F.linear(input, w, module.bias)  # through its F.linear (dtype and freed-memory checks included)
     if type(w) is not NVFP4Tensor:  # never bf16 in its place without a word
         raise RuntimeError(
             f"NVFP4Linear computes in FP8 (convert_linear_weights(compute='fp8')) but its weight is now a "

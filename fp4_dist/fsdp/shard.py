@@ -29,6 +29,7 @@ from ..shared_amax import check_patterns, group_of, sibling_groups
 from ..tensor import NVFP4Tensor
 from ..cast.core import DeferredCheck
 from ..compute.fp8_gemm import require_fp8_gemm
+from ..compute.fp8_param import allocated
 from ..compute.linear import NVFP4Linear
 from . import dequant_batch, wire
 from .master import NVFP4Master, WeightState, local_master
@@ -344,13 +345,9 @@ def nvfp4_weights(model: nn.Module) -> dict[str, NVFP4Tensor]:
     out = {}
     for st in _registry(model).states.values():
         fields = st.gathered_fields
-        if fields is not None and all(_allocated(t) for t in fields):
+        if fields is not None and all(allocated(t) for t in fields):
             out[st.fqn] = st.gathered()
     return out
-
-
-def _allocated(t: torch.Tensor) -> bool:
-    return t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size()
 
 
 class OrderedReduceScatter:
