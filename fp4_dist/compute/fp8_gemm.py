@@ -153,10 +153,20 @@ def _padded(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return out
 
 
+def _outer_major(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """x zero-padded to [rows, cols] and stored column after column: strides exactly (1, rows). torch checks the
+    scales' strides as numbers, also along a dimension of size 1, where a contiguous tensor's stride is 1."""
+    out = torch.empty_strided((rows, cols), (1, rows), dtype=x.dtype, device=x.device)
+    if tuple(x.shape) != (rows, cols):
+        out.zero_()
+    out[: x.shape[0], : x.shape[1]].copy_(x)
+    return out
+
+
 def _block_scales(scales: torch.Tensor, rows: int, k_groups: int) -> torch.Tensor:
     """128 x 128 block scales [row blocks, K blocks] as cuBLAS reads them: [K blocks padded to 4, row blocks], the
     transpose of a row-major tensor (padding rows to 16 never adds a row block)."""
-    return _padded(scales, ceil_div(rows, FP8_BLOCK), ceil_div(k_groups, 4) * 4).contiguous().t()
+    return _outer_major(scales.t(), ceil_div(k_groups, 4) * 4, ceil_div(rows, FP8_BLOCK))
 
 
 def _cublas_operand(op: Fp8Operand, rows: int, k_groups: int) -> tuple[torch.Tensor, torch.Tensor, object]:
@@ -177,7 +187,7 @@ def _cublas_operand(op: Fp8Operand, rows: int, k_groups: int) -> tuple[torch.Ten
         return bits, scales, F.ScalingType.BlockWise128x128
     scales = op.scales  # [rows, K groups], outer-dim-major: the kernels write them so
     if scales.shape != (rows, k_groups) or scales.stride() != (1, rows):
-        scales = _padded(scales, rows, k_groups).t().contiguous().t()
+        scales = _outer_major(scales, rows, k_groups)
     return bits, scales, F.ScalingType.BlockWise1x128
 
 

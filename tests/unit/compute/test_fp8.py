@@ -161,3 +161,26 @@ def test_a_weight_copys_prepared_cublas_scales_are_what_each_gemm_would_make_of_
         assert torch.equal(a.scales, b.scales)  # what the emulation reads stays as it was
     with pytest.raises(ValueError, match="block operand"):
         Fp8Operand.rows(torch.randn(4, 128)).with_cublas_scales()
+
+
+@pytest.mark.parametrize("m, k", [(40, 6), (48, 100), (1, 32), (16, 128), (131, 48), (200, 304), (130, 1408)])
+def test_the_scales_handed_to_cublas_have_the_strides_torch_checks_also_along_a_dimension_of_one(m, k):
+    # torch's sm_90 recipes check the scales' strides as numbers: 1 x 128 scales [rows, K groups] with strides
+    # (1, rows), block scales [K blocks padded to 4, row blocks] with strides (1, K blocks padded to 4), also where
+    # a dimension is 1 (one contraction group, one row block), where a contiguous tensor's stride is 1
+    from fp4_dist.compute.fp8_gemm import _ROWS_ALIGN, _cublas_operand
+    from fp4_dist.kernels import reference
+    from fp4_dist.kernels.fp8_block_reference import fp8_block_copy
+
+    g = torch.Generator().manual_seed(m * 1000 + k)
+    rows, k_groups = -(-m // _ROWS_ALIGN) * _ROWS_ALIGN, -(-k // 128)
+    a = Fp8Operand.rows(torch.randn(m, k, generator=g))
+    _, scales, _ = _cublas_operand(a, rows, k_groups)
+    assert scales.shape == (rows, k_groups) and scales.stride() == (1, rows)
+    assert torch.equal(scales[:m], a.scales) and not scales[m:].any()  # padded rows read scale 0
+    data, bscales, amax, _ = reference.quantize(torch.randn(m, k, generator=g))
+    w = Fp8Operand(*fp8_block_copy(data, bscales, amax), blocks=True)
+    for op, r, kg in ((w, rows, k_groups), (w.t(), -(-k // _ROWS_ALIGN) * _ROWS_ALIGN, -(-m // 128))):
+        for s in (_cublas_operand(op, r, kg)[1], _cublas_operand(op.with_cublas_scales(), r, kg)[1]):
+            padded_k = -(-kg // 4) * 4
+            assert s.shape == (padded_k, -(-r // 128)) and s.stride() == (1, padded_k)

@@ -44,20 +44,23 @@ def test_cublas_block_scaled_gemms_equal_the_emulation_on_ragged_shapes(seed):
             assert torch.equal(cublas_mm(a_gpu, b_prepared, torch.bfloat16), got)
 
 
+# one contraction group for the weight gradient (tokens <= 128) with rows padded to 16 (40 -> 48): the scales'
+# strides torch checks along a dimension of size 1
 @needs_hopper
-def test_a_converted_layer_on_hopper_computes_what_the_cpu_emulation_does():
+@pytest.mark.parametrize("k, n, tokens", [(272, 200, (3, 45)), (96, 40, (6,)), (48, 24, (1, 5)), (128, 16, (130,))])
+def test_a_converted_layer_on_hopper_computes_what_the_cpu_emulation_does(k, n, tokens):
     require_fp8_gemm("cuda")
     here = torch.device("cuda", torch.cuda.current_device())
     assert fp8_gemm._ROWS_KERNEL[here] and fp8_gemm._BLOCK_KERNEL[here]  # the kernels quantize and copy here
     torch.manual_seed(0)
-    cpu = nn.Linear(272, 200).to(torch.bfloat16)
-    gpu = nn.Linear(272, 200).to(torch.bfloat16)
+    cpu = nn.Linear(k, n).to(torch.bfloat16)
+    gpu = nn.Linear(k, n).to(torch.bfloat16)
     gpu.load_state_dict(cpu.state_dict())
     fp4_dist.convert_linear_weights(cpu, compute="fp8")
     fp4_dist.convert_linear_weights(gpu.cuda(), compute="fp8")
     assert torch.equal(cpu.weight.rowwise_data, gpu.weight.rowwise_data.cpu())
-    x = torch.randn(3, 45, 272, dtype=torch.bfloat16)
-    dy = torch.randn(3, 45, 200, dtype=torch.bfloat16)
+    x = torch.randn(*tokens, k, dtype=torch.bfloat16)
+    dy = torch.randn(*tokens, n, dtype=torch.bfloat16)
     outs = {}
     for name, layer, dev in (("cpu", cpu, "cpu"), ("gpu", gpu, "cuda")):
         xi = x.to(dev).detach().requires_grad_()  # a leaf on each device
@@ -67,6 +70,7 @@ def test_a_converted_layer_on_hopper_computes_what_the_cpu_emulation_does():
     # the same operands; only the order of additions and a bf16 rounding differ (a misread scale is off by far more)
     for got, want in zip(outs["gpu"], outs["cpu"]):
         assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
+
 
 @pytest.mark.skipif(not torch.cuda.is_available() or HOPPER, reason="a GPU other than sm_90")
 def test_other_gpus_refuse_the_mode_before_converting_anything():
