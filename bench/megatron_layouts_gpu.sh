@@ -43,13 +43,16 @@ declare -A LAYOUT=(
   [moe-ep4]="$MOE --expert-model-parallel-size 4 --moe-token-dispatcher-type allgather"
 )
 # A Llama-shaped model (RMSNorm, SwiGLU, GQA 8 groups, RoPE, untied embeddings, seq 2048, hidden 4096 x 8 layers,
-# ffn 11008) in the layouts users train it with, by name: llama-tp2-dp2, llama-dp4.
+# ffn 11008) in the layouts users train it with, by name: llama-tp2-dp2, llama-dp4, llama-pp2-dp2 and
+# llama-ep2-dp2 (4 experts of that shape, top-2, alltoall dispatcher).
 LLAMA="--num-layers 8 --hidden-size 4096 --num-attention-heads 32 --group-query-attention --num-query-groups 8
   --ffn-hidden-size 11008 --normalization RMSNorm --swiglu --position-embedding-type rope
   --untie-embeddings-and-output-weights --seq-length 2048 --max-position-embeddings 2048 --micro-batch-size 1
   --global-batch-size 16 --vocab-size 32000"
 LAYOUT[llama-tp2-dp2]="$LLAMA --tensor-model-parallel-size 2"
 LAYOUT[llama-dp4]="$LLAMA"
+LAYOUT[llama-pp2-dp2]="$LLAMA --pipeline-model-parallel-size 2"
+LAYOUT[llama-ep2-dp2]="$LLAMA $MOE --disable-bias-linear --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"
 ORDER=(tp2-dp2 pp2-dp2 tp2-pp2 moe-ep2-dp2 moe-ep4)
 (( $# )) && ORDER=("$@")
 status=0
