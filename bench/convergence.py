@@ -4,7 +4,7 @@ GPUs), every run's per-iteration record kept, the figures drawn, and any two run
 
     python bench/convergence.py run --out DIR [--variants bf16,fp4,fake,fp4-fl] [--seeds 1234,4321]
         [--lr 6e-4] [--model gpt12x1024] [--iters 5000] [--gpus N] [--per-gpu K] [--corpus PATH]
-        [-- extra Megatron args]
+        [--stop-at N] [-- extra Megatron args]
     python bench/convergence.py plot DIR [DIR ...] [--out FIGDIR] [--at 1000,2500,5000]   # figures and tables
     python bench/convergence.py compare A.json B.json                # the first iteration where two runs differ
 
@@ -15,8 +15,13 @@ compute), ``fake`` (``--fp4-fake-quant``: bf16 weights, the NVFP4 forward of eve
 writes DIR/<variant>-lr<lr>-s<seed>.json (the trainer's record: loss, grad norm and lr of every iteration,
 validation losses; written after each evaluation and at the end) and .log, and DIR/runs.json says how they
 were made; a run stopped before its end (a time limit) is plotted as far as its record, or without one its log,
-goes. The plots read those files and draw with matplotlib: ``scripts/bootstrap.sh``
-installs it into ``.venv``, ``pip install '.[bench]'`` into another environment.
+goes. The plots read those files and draw with matplotlib: ``scripts/bootstrap.sh`` installs it into ``.venv``,
+``pip install '.[bench]'`` into another environment.
+
+Runs longer than one sitting (a device call's time limit): ``--stop-at N`` has every run save a checkpoint under
+DIR/checkpoints/<run> and exit after iteration N (and 2N, 3N, ...: Megatron's ``--exit-interval``); ``run`` again
+with the same DIR and arguments, with or without ``--stop-at``, resumes each unfinished run from its checkpoint (the
+trainer resumes bit for bit) and skips the finished ones. The record then holds every iteration of every sitting.
 """
 
 from __future__ import annotations
@@ -58,6 +63,25 @@ def run_name(variant: str, lr: float, seed: int) -> str:
     return f"{variant}-lr{lr:g}-s{seed}"
 
 
+def checkpoints(out: Path, name: str) -> Path:
+    """Where a run's checkpoints go (``--stop-at``) and where a later ``run`` resumes it from."""
+    return out / "checkpoints" / name
+
+
+def resumable(out: Path, name: str) -> bool:
+    """Whether the run has a checkpoint to resume from (the trainer's latest-iteration file, written last)."""
+    return (checkpoints(out, name) / "latest_checkpointed_iteration.txt").exists()
+
+
+def finished(out: Path, name: str, iters: int) -> bool:
+    """Whether the run's record holds every iteration up to `iters` (nothing left to train)."""
+    try:
+        records = json.loads((out / f"{name}.json").read_text())["records"]
+    except (OSError, ValueError, KeyError):
+        return False
+    return bool(records) and records[-1]["iteration"] >= iters
+
+
 def command(args, variant: str, seed: int, out: Path) -> list[str]:
     warmup = args.warmup if args.warmup is not None else max(1, args.iters // 25)
     train = [*MODELS[args.model].split(), *COMMON.split(), "--lr", f"{args.lr:g}", "--min-lr", f"{args.lr / 10:g}",
@@ -67,6 +91,12 @@ def command(args, variant: str, seed: int, out: Path) -> list[str]:
              "--fp4-master-digest"]  # fmt: skip
     if args.corpus:
         train += ["--fp4-corpus", args.corpus]
+    name = run_name(variant, args.lr, seed)
+    if args.stop_at:
+        train += ["--save", str(checkpoints(out, name)), "--save-interval", str(args.stop_at), "--exit-interval",
+                  str(args.stop_at)]
+    if resumable(out, name):
+        train += ["--load", str(checkpoints(out, name))]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
             "-m", "examples.megatron_pretrain_gpt", *train, *VARIANTS[variant], *args.extra]  # fmt: skip
 
@@ -83,14 +113,22 @@ def run(args) -> int:
     unknown = set(args.variants) - set(VARIANTS)
     if unknown:
         raise SystemExit(f"convergence: unknown variants {sorted(unknown)}; choose from {sorted(VARIANTS)}")
+    if args.stop_at is not None and not 0 < args.stop_at < args.iters:
+        raise SystemExit(f"convergence: --stop-at is an iteration between 1 and --iters - 1, got {args.stop_at}")
     gpus = args.gpus if args.gpus is not None else gpus_available()
     slots = max(1, gpus) * args.per_gpu
     todo = [(v, s) for s in args.seeds for v in args.variants]
+    done = [run_name(v, args.lr, s) for v, s in todo if finished(out, run_name(v, args.lr, s), args.iters)]
+    if done:
+        print(f"convergence: finished already, not run again: {', '.join(done)}", flush=True)
     (out / "runs.json").write_text(json.dumps({
         "model": args.model, "model_args": MODELS[args.model], "common": COMMON, "lr": args.lr, "iters": args.iters,
         "seeds": args.seeds, "variants": {v: VARIANTS[v] for v in args.variants}, "extra": args.extra,
         "corpus": args.corpus, "tokens_per_iteration": _tokens_per_iteration(args.model),
+        "stop_at": args.stop_at,
         "commands": {run_name(v, args.lr, s): command(args, v, s, out) for v, s in todo}}, indent=1))  # fmt: skip
+    todo = [(v, s) for v, s in todo if run_name(v, args.lr, s) not in done]
+    names = [run_name(v, args.lr, s) for v, s in todo]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")  # fmt: skip
     # Each run sees one GPU; under an outer CUDA_VISIBLE_DEVICES the runs take its devices, not the first ones.
@@ -105,7 +143,9 @@ def run(args) -> int:
         while todo and free:
             (variant, seed), gpu = todo.pop(0), free.pop(0)
             name = run_name(variant, args.lr, seed)
-            log = open(out / f"{name}.log", "w")
+            if resumable(out, name):  # the record of the sittings so far, merged with this one's when it ends
+                _keep_earlier(out, name)
+            log = open(out / f"{name}.log", "a" if resumable(out, name) else "w")
             where = dict(env, CUDA_VISIBLE_DEVICES=visible[gpu % gpus]) if gpus else env  # no GPU: CPU ranks
             proc = subprocess.Popen(command(args, variant, seed, out), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                     env=where)
@@ -115,8 +155,11 @@ def run(args) -> int:
             if proc.poll() is not None:
                 log.close()
                 ok = proc.returncode == 0 and (out / f"{name}.json").exists()
-                print(f"convergence: {name} {'done' if ok else f'FAILED (exit {proc.returncode})'} in "
-                      f"{time.time() - t0:.0f} s", flush=True)
+                state = f"FAILED (exit {proc.returncode})"
+                if ok:
+                    _merge_earlier(out, name, args.iters)
+                    state = "done" if finished(out, name, args.iters) else f"stopped at {_last_record(out, name)}"
+                print(f"convergence: {name} {state} in {time.time() - t0:.0f} s", flush=True)
                 if not ok:
                     failed.append(name)
                 del running[gpu]
@@ -125,8 +168,53 @@ def run(args) -> int:
             print(f"convergence: {time.time() - start:.0f} s: " + ", ".join(
                 f"{name} at iteration {_last_iteration(out / f'{name}.log')}" for name, *_ in running.values()),
                 flush=True)  # fmt: skip
-    print(f"convergence: {len(failed)} failed {failed}" if failed else "convergence: every run finished", flush=True)
+    paused = [n for n in names if (out / f"{n}.json").exists() and not finished(out, n, args.iters)]
+    print(f"convergence: {len(failed)} failed {failed}" if failed else
+          f"convergence: every run stopped at --stop-at {args.stop_at} or before; run again to resume" if paused else
+          "convergence: every run finished", flush=True)  # fmt: skip
     return 1 if failed else 0
+
+
+def _earlier(out: Path, name: str) -> Path:
+    return out / f"{name}.earlier.json"
+
+
+def _keep_earlier(out: Path, name: str) -> None:
+    """Before a sitting resumes a run: its record so far becomes DIR/<run>.earlier.json (kept as it is when a sitting
+    before this one failed: that one's partial record is dropped, its iterations are trained again)."""
+    record = out / f"{name}.json"
+    if record.exists():
+        if _earlier(out, name).exists():
+            record.unlink()
+        else:
+            record.rename(_earlier(out, name))
+
+
+def _merge_earlier(out: Path, name: str, iters: int) -> None:
+    """After a sitting: one record of every sitting (iterations and evaluations by iteration, the later sitting's
+    where both have one), complete when it reaches `iters`."""
+    record, earlier = out / f"{name}.json", _earlier(out, name)
+    now = json.loads(record.read_text())
+    if earlier.exists():
+        now = _combined(json.loads(earlier.read_text()), now)
+    now["complete"] = bool(now["records"]) and now["records"][-1]["iteration"] >= iters
+    record.write_text(json.dumps(now, indent=1))
+    if earlier.exists():
+        earlier.unlink()
+
+
+def _combined(before: dict, now: dict) -> dict:
+    """The record of two sittings of one run: iterations and evaluations by iteration, `now`'s where both have one."""
+    steps = {r["iteration"]: r for r in before["records"] + now["records"]}
+    evals = dict(map(tuple, before["validation"] + now["validation"]))
+    return dict(now, records=[steps[i] for i in sorted(steps)], validation=[[i, evals[i]] for i in sorted(evals)],
+                start_iteration=before.get("start_iteration", 0),
+                checkpoints=before.get("checkpoints", []) + now.get("checkpoints", []))
+
+
+def _last_record(out: Path, name: str) -> int:
+    records = json.loads((out / f"{name}.json").read_text())["records"]
+    return records[-1]["iteration"] if records else 0
 
 
 def _tokens_per_iteration(model: str) -> int:
@@ -157,6 +245,9 @@ def load_runs(folders) -> list[dict]:
             path, log = folder / f"{name}.json", folder / f"{name}.log"
             if path.exists():  # complete: false while the run trains (written after each evaluation)
                 record = json.loads(path.read_text())
+                if (folder / f"{name}.earlier.json").exists():  # a resumed run stopped inside a sitting
+                    record = dict(_combined(json.loads((folder / f"{name}.earlier.json").read_text()), record),
+                                  complete=False)
                 records, validation, digest = record["records"], record["validation"], record.get("master_digest")
                 finished = record.get("complete", True)
             elif log.exists():
@@ -325,6 +416,8 @@ def main() -> int:
     r.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: every GPU this machine has)")
     r.add_argument("--per-gpu", type=int, default=1, help="runs at a time on each GPU (small models)")
     r.add_argument("--corpus", default=None, help="text file or folder (--fp4-corpus; default: the embedded one)")
+    r.add_argument("--stop-at", type=int, default=None, metavar="N",
+                   help="every run saves a checkpoint and exits after iteration N (2N, ...); run again to resume")
     q = sub.add_parser("plot")
     q.add_argument("folders", nargs="+")
     q.add_argument("--out", default=None, help="where the PNGs go (default: the first folder)")

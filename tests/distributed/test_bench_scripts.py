@@ -5,6 +5,7 @@ of on the GPU machine."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -55,6 +56,27 @@ def test_megatron_benches_run_paired_and_profiled():
     memory = _bench("bench/megatron_compare.py", "--tiny", "--memory-only", "fp4", "--steps", "3",
                     "--cast-diagnostic", "noread", ranks=2)  # fmt: skip
     _ran(memory, "memory fp4: peak allocated", "lean pool")
+
+
+@pytest.mark.megatron
+def test_convergence_runs_resumed_over_two_sittings_equal_one_whole_run(tmp_path):
+    # a run longer than a device call's limit: --stop-at checkpoints and stops it, the same command resumes it; the
+    # record of both sittings must equal one whole run's, bit for bit, and a third call finds it finished
+    pytest.importorskip("megatron.core")
+    base = ["bench/convergence.py", "run", "--model", "tiny", "--iters", "6", "--variants", "fp4", "--seeds", "1",
+            "--gpus", "0", "--eval-interval", "3", "--log-interval", "1"]  # fmt: skip
+    _ran(_bench(*base, "--out", str(tmp_path / "split"), "--stop-at", "3"), "stopped at 3", "run again to resume")
+    _ran(_bench(*base, "--out", str(tmp_path / "split")), "done in", "every run finished")
+    _ran(_bench(*base, "--out", str(tmp_path / "split")), "finished already, not run again: fp4-lr0.0006-s1")
+    _ran(_bench(*base, "--out", str(tmp_path / "whole")), "done in")
+    split, whole = (json.loads((tmp_path / f / "fp4-lr0.0006-s1.json").read_text()) for f in ("split", "whole"))
+    assert [r["iteration"] for r in split["records"]] == list(range(1, 7)) and split["complete"]
+    for key in ("validation", "master_digest"):
+        assert split[key] == whole[key]
+    assert [r["loss"] for r in split["records"]] == [r["loss"] for r in whole["records"]]
+    assert not (tmp_path / "split" / "fp4-lr0.0006-s1.earlier.json").exists()
+    log = (tmp_path / "split" / "fp4-lr0.0006-s1.log").read_text()  # both sittings' output, the second resumed
+    assert "resumed from" in log and "at iteration 3" in log
 
 
 def test_cpu_benches_print_their_tables():

@@ -68,3 +68,18 @@ def test_plot_without_matplotlib_prints_the_tables_and_fails_naming_the_remedy(t
     out, err = capsys.readouterr()
     assert "| 0.0006 | fp4 |" in out and "pip install '.[bench]'" in err
     assert not (tmp_path / "figures").exists()
+
+
+def test_a_resumed_run_stopped_inside_a_sitting_is_read_with_its_earlier_sittings(tmp_path):
+    # --stop-at: a resumed sitting's record holds its own iterations only until it ends; the earlier sittings'
+    # record waits beside it (<run>.earlier.json), and a run killed inside the sitting is read as both
+    name = "fp8-lr0.0003-s1234"
+    (tmp_path / "runs.json").write_text(json.dumps({"lr": 3e-4, "tokens_per_iteration": 10, "commands": {name: []}}))
+    step = lambda i: dict(iteration=i, loss=5.0 - i / 10, grad_norm=1.0)  # noqa: E731
+    (tmp_path / f"{name}.earlier.json").write_text(json.dumps(
+        {"records": [step(i) for i in range(1, 5)], "validation": [[2, 4.0], [4, 3.5]], "complete": True}))
+    (tmp_path / f"{name}.json").write_text(json.dumps(
+        {"records": [step(i) for i in range(5, 7)], "validation": [[6, 3.0]], "complete": False}))
+    (run,) = convergence.load_runs([tmp_path])
+    assert run["iterations"] == list(range(1, 7)) and run["stopped"] == 6
+    assert run["validation"] == [(20, 4.0), (40, 3.5), (60, 3.0)]
