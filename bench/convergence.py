@@ -35,6 +35,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -113,21 +114,31 @@ def run(args) -> int:
     unknown = set(args.variants) - set(VARIANTS)
     if unknown:
         raise SystemExit(f"convergence: unknown variants {sorted(unknown)}; choose from {sorted(VARIANTS)}")
-    if args.stop_at is not None and not 0 < args.stop_at < args.iters:
-        raise SystemExit(f"convergence: --stop-at is an iteration between 1 and --iters - 1, got {args.stop_at}")
+    evaluation = args.eval_interval or max(1, args.iters // 10)
+    if args.stop_at is not None and (not 0 < args.stop_at < args.iters or args.stop_at % evaluation):
+        raise SystemExit(f"convergence: --stop-at is an iteration before --iters ({args.iters}) and a multiple of the "
+                         f"evaluation interval ({evaluation}, so that the sittings evaluate where one whole run "
+                         f"does), got {args.stop_at}")
     gpus = args.gpus if args.gpus is not None else gpus_available()
     slots = max(1, gpus) * args.per_gpu
     todo = [(v, s) for s in args.seeds for v in args.variants]
+    meta = dict(experiment(args), seeds=args.seeds, variants={v: VARIANTS[v] for v in args.variants},
+                tokens_per_iteration=_tokens_per_iteration(args.model), stop_at=args.stop_at,
+                commands=_earlier_commands(out, args))
+    meta["commands"].update({run_name(v, args.lr, s): command(args, v, s, out) for v, s in todo})
+    failed = []
+    for v, s in todo:  # one record per run, of every sitting so far; a run that cannot resume is not run
+        name = run_name(v, args.lr, s)
+        _settle(out, name, args.iters)
+        gap = _gap(out, name) if resumable(out, name) else None
+        if gap:
+            print(f"convergence: {name} cannot resume: {gap}", flush=True)
+            failed.append(name)
     done = [run_name(v, args.lr, s) for v, s in todo if finished(out, run_name(v, args.lr, s), args.iters)]
     if done:
         print(f"convergence: finished already, not run again: {', '.join(done)}", flush=True)
-    (out / "runs.json").write_text(json.dumps({
-        "model": args.model, "model_args": MODELS[args.model], "common": COMMON, "lr": args.lr, "iters": args.iters,
-        "seeds": args.seeds, "variants": {v: VARIANTS[v] for v in args.variants}, "extra": args.extra,
-        "corpus": args.corpus, "tokens_per_iteration": _tokens_per_iteration(args.model),
-        "stop_at": args.stop_at,
-        "commands": {run_name(v, args.lr, s): command(args, v, s, out) for v, s in todo}}, indent=1))  # fmt: skip
-    todo = [(v, s) for v, s in todo if run_name(v, args.lr, s) not in done]
+    (out / "runs.json").write_text(json.dumps(meta, indent=1))
+    todo = [(v, s) for v, s in todo if run_name(v, args.lr, s) not in done + failed]
     names = [run_name(v, args.lr, s) for v, s in todo]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")  # fmt: skip
@@ -135,7 +146,7 @@ def run(args) -> int:
     outer = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     visible = outer if len(outer) >= gpus else [str(i) for i in range(gpus)]
     running: dict = {}
-    failed, start, last_note = [], time.time(), 0.0
+    start, last_note = time.time(), 0.0
     print(f"convergence: {len(todo)} runs of {args.model}, {args.iters} iterations, {slots} at a time -> {out}",
           flush=True)
     while todo or running:
@@ -157,7 +168,7 @@ def run(args) -> int:
                 ok = proc.returncode == 0 and (out / f"{name}.json").exists()
                 state = f"FAILED (exit {proc.returncode})"
                 if ok:
-                    _merge_earlier(out, name, args.iters)
+                    _settle(out, name, args.iters)
                     state = "done" if finished(out, name, args.iters) else f"stopped at {_last_record(out, name)}"
                 print(f"convergence: {name} {state} in {time.time() - t0:.0f} s", flush=True)
                 if not ok:
@@ -168,10 +179,10 @@ def run(args) -> int:
             print(f"convergence: {time.time() - start:.0f} s: " + ", ".join(
                 f"{name} at iteration {_last_iteration(out / f'{name}.log')}" for name, *_ in running.values()),
                 flush=True)  # fmt: skip
-    paused = [n for n in names if (out / f"{n}.json").exists() and not finished(out, n, args.iters)]
+    paused = [n for n in names if n not in failed and not finished(out, n, args.iters)]
     print(f"convergence: {len(failed)} failed {failed}" if failed else
-          f"convergence: every run stopped at --stop-at {args.stop_at} or before; run again to resume" if paused else
-          "convergence: every run finished", flush=True)  # fmt: skip
+          f"convergence: {len(paused)} of {len(names)} runs stopped before iteration {args.iters}; the same command "
+          "again resumes them" if paused else "convergence: every run finished", flush=True)  # fmt: skip
     return 1 if failed else 0
 
 
@@ -180,27 +191,62 @@ def _earlier(out: Path, name: str) -> Path:
 
 
 def _keep_earlier(out: Path, name: str) -> None:
-    """Before a sitting resumes a run: its record so far becomes DIR/<run>.earlier.json (kept as it is when a sitting
-    before this one failed: that one's partial record is dropped, its iterations are trained again)."""
+    """Before a sitting resumes a run: its record so far (`_settle`d) waits as DIR/<run>.earlier.json."""
     record = out / f"{name}.json"
     if record.exists():
-        if _earlier(out, name).exists():
-            record.unlink()
-        else:
-            record.rename(_earlier(out, name))
+        record.rename(_earlier(out, name))
 
 
-def _merge_earlier(out: Path, name: str, iters: int) -> None:
-    """After a sitting: one record of every sitting (iterations and evaluations by iteration, the later sitting's
-    where both have one), complete when it reaches `iters`."""
+def _settle(out: Path, name: str, iters: int) -> None:
+    """One record of every sitting of a run, DIR/<run>.json (iterations and evaluations by iteration, the later
+    sitting's where both have one), complete when it reaches `iters`: after a sitting, and before the next call
+    decides what to run (a sitting stopped before this could leave the earlier record beside its own, or alone)."""
     record, earlier = out / f"{name}.json", _earlier(out, name)
-    now = json.loads(record.read_text())
-    if earlier.exists():
-        now = _combined(json.loads(earlier.read_text()), now)
+    if not earlier.exists():
+        return
+    now = json.loads(earlier.read_text())
+    if record.exists():
+        now = _combined(now, json.loads(record.read_text()))
     now["complete"] = bool(now["records"]) and now["records"][-1]["iteration"] >= iters
     record.write_text(json.dumps(now, indent=1))
-    if earlier.exists():
-        earlier.unlink()
+    earlier.unlink()
+
+
+def _gap(out: Path, name: str) -> Optional[str]:
+    """Why a run cannot resume from its checkpoint (None: it can): its record lacks iterations the checkpoint has
+    trained (a sitting stopped between saving and recording them), which no later sitting would record."""
+    latest = int((checkpoints(out, name) / "latest_checkpointed_iteration.txt").read_text())
+    try:
+        have = {r["iteration"] for r in json.loads((out / f"{name}.json").read_text())["records"]}
+    except OSError:
+        have = set()
+    missing = [i for i in range(1, latest + 1) if i not in have]
+    if not missing:
+        return None
+    return (f"its checkpoint is at iteration {latest}, but its record lacks iterations {missing[0]}-{missing[-1]}; "
+            f"remove {checkpoints(out, name)} and {out / (name + '.json')} to train it again from the start")
+
+
+def experiment(args) -> dict:
+    """What the runs of one DIR share: a later call that resumes or skips runs there must be the same experiment."""
+    return {"model": args.model, "model_args": MODELS[args.model], "common": COMMON, "lr": args.lr,
+            "iters": args.iters, "warmup": args.warmup, "eval_interval": args.eval_interval, "extra": args.extra,
+            "corpus": args.corpus}  # fmt: skip
+
+
+def _earlier_commands(out: Path, args) -> dict:
+    """The commands of the runs an earlier call of the same experiment made in DIR (kept in runs.json, so that the
+    plots find them); a DIR holding another experiment's records or checkpoints is refused."""
+    try:
+        meta = json.loads((out / "runs.json").read_text())
+    except OSError:
+        return {}
+    differ = sorted(k for k, v in experiment(args).items() if meta.get(k) != v)
+    names = list(meta.get("commands", {}))
+    if differ and any((out / f"{n}.json").exists() or _earlier(out, n).exists() or resumable(out, n) for n in names):
+        raise SystemExit(f"convergence: {out} holds runs of another experiment (runs.json differs in "
+                         f"{', '.join(differ)}); choose another --out")
+    return dict(meta.get("commands", {})) if not differ else {}
 
 
 def _combined(before: dict, now: dict) -> dict:
@@ -242,12 +288,13 @@ def load_runs(folders) -> list[dict]:
         meta = json.loads((folder / "runs.json").read_text())
         per_iteration = meta["tokens_per_iteration"]
         for name in meta["commands"]:
-            path, log = folder / f"{name}.json", folder / f"{name}.log"
-            if path.exists():  # complete: false while the run trains (written after each evaluation)
-                record = json.loads(path.read_text())
-                if (folder / f"{name}.earlier.json").exists():  # a resumed run stopped inside a sitting
-                    record = dict(_combined(json.loads((folder / f"{name}.earlier.json").read_text()), record),
-                                  complete=False)
+            path, log, earlier = folder / f"{name}.json", folder / f"{name}.log", folder / f"{name}.earlier.json"
+            if path.exists() or earlier.exists():  # complete: false while a run trains (written at each evaluation)
+                record = json.loads((path if path.exists() else earlier).read_text())
+                if path.exists() and earlier.exists():  # a resumed run stopped inside a sitting
+                    record = _combined(json.loads(earlier.read_text()), record)
+                if earlier.exists():
+                    record["complete"] = False
                 records, validation, digest = record["records"], record["validation"], record.get("master_digest")
                 finished = record.get("complete", True)
             elif log.exists():

@@ -83,3 +83,42 @@ def test_a_resumed_run_stopped_inside_a_sitting_is_read_with_its_earlier_sitting
     (run,) = convergence.load_runs([tmp_path])
     assert run["iterations"] == list(range(1, 7)) and run["stopped"] == 6
     assert run["validation"] == [(20, 4.0), (40, 3.5), (60, 3.0)]
+
+
+def _sitting_args(out, **kw):
+    return argparse.Namespace(**dict(dict(out=str(out), variants=["fp4"], seeds=[1], lr=3e-4, model="tiny", iters=6,
+                                          warmup=None, eval_interval=3, log_interval=1, gpus=0, per_gpu=1,
+                                          corpus=None, stop_at=None, extra=[]), **kw))  # fmt: skip
+
+
+def test_sittings_settle_into_one_record_and_a_run_missing_checkpointed_iterations_is_not_resumed(tmp_path, capsys):
+    name = "fp4-lr0.0003-s1"
+    step = lambda i: dict(iteration=i, loss=5.0 - i / 10, grad_norm=1.0)  # noqa: E731
+    # a sitting stopped after its record but before the merge: both records, one complete run
+    (tmp_path / f"{name}.earlier.json").write_text(json.dumps(
+        {"records": [step(i) for i in range(1, 4)], "validation": [[3, 4.0]], "complete": True}))
+    (tmp_path / f"{name}.json").write_text(json.dumps(
+        {"records": [step(i) for i in range(4, 7)], "validation": [[6, 3.0]], "complete": True}))
+    convergence._settle(tmp_path, name, 6)
+    record = json.loads((tmp_path / f"{name}.json").read_text())
+    assert [r["iteration"] for r in record["records"]] == list(range(1, 7)) and record["complete"]
+    assert record["validation"] == [[3, 4.0], [6, 3.0]] and not (tmp_path / f"{name}.earlier.json").exists()
+    # a sitting stopped between its checkpoint (iteration 6) and its record (up to 3): refused, naming the remedy
+    (tmp_path / f"{name}.json").write_text(json.dumps({"records": [step(i) for i in range(1, 4)], "validation": []}))
+    ckpt = convergence.checkpoints(tmp_path, name)
+    ckpt.mkdir(parents=True)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("6")
+    assert "record lacks iterations 4-6" in convergence._gap(tmp_path, name)
+    assert convergence.run(_sitting_args(tmp_path, iters=9)) == 1
+    assert "cannot resume" in capsys.readouterr().out
+
+
+def test_a_folder_of_another_experiment_and_a_stop_between_evaluations_are_refused(tmp_path):
+    convergence.run(_sitting_args(tmp_path, variants=[]))  # writes runs.json of this experiment, runs nothing
+    (tmp_path / "fp4-lr0.0003-s1.json").write_text(json.dumps({"records": [], "validation": []}))
+    meta = json.loads((tmp_path / "runs.json").read_text())
+    (tmp_path / "runs.json").write_text(json.dumps(dict(meta, commands={"fp4-lr0.0003-s1": []})))
+    with pytest.raises(SystemExit, match="another experiment .*differs in iters, model, model_args"):
+        convergence.run(_sitting_args(tmp_path, model="gpt4x256", iters=9))
+    with pytest.raises(SystemExit, match="multiple of the evaluation interval"):
+        convergence.run(_sitting_args(tmp_path / "other", stop_at=2))
