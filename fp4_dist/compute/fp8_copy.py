@@ -54,7 +54,7 @@ def forget(module: torch.nn.Module) -> None:
 
 def fp8_copy_bytes(model: torch.nn.Module) -> int:
     """Bytes the FP8 copies of `model`'s layers hold now (values, block scales, and those laid out for cuBLAS)."""
-    storages = {}  # the cuBLAS layout of the scales is the scales themselves where it needs no padding
+    storages = {}  # by storage: tensors that share one are counted once
     for m in model.modules():
         kept = m.__dict__.get(_ATTR)
         if kept is not None:

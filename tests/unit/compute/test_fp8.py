@@ -163,7 +163,8 @@ def test_a_weight_copys_prepared_cublas_scales_are_what_each_gemm_would_make_of_
         Fp8Operand.rows(torch.randn(4, 128)).with_cublas_scales()
 
 
-@pytest.mark.parametrize("m, k", [(40, 6), (48, 100), (1, 32), (16, 128), (131, 48), (200, 304), (130, 1408)])
+@pytest.mark.parametrize("m, k", [(40, 6), (48, 100), (1, 32), (16, 128), (131, 48), (200, 304), (130, 1408),
+                                  (512, 16)])
 def test_the_scales_handed_to_cublas_have_the_strides_torch_checks_also_along_a_dimension_of_one(m, k):
     # torch's sm_90 recipes check the scales' strides as numbers: 1 x 128 scales [rows, K groups] with strides
     # (1, rows), block scales [K blocks padded to 4, row blocks] with strides (1, K blocks padded to 4), also where
@@ -184,3 +185,7 @@ def test_the_scales_handed_to_cublas_have_the_strides_torch_checks_also_along_a_
         for s in (_cublas_operand(op, r, kg)[1], _cublas_operand(op.with_cublas_scales(), r, kg)[1]):
             padded_k = -(-kg // 4) * 4
             assert s.shape == (padded_k, -(-r // 128)) and s.stride() == (1, padded_k)
+            held = op.scales.t()  # [K blocks, row blocks]: what the padding surrounds
+            padding = s.clone()
+            padding[: held.shape[0], : held.shape[1]] = 0
+            assert torch.equal(s[: held.shape[0], : held.shape[1]], held) and not padding.any()
