@@ -2,10 +2,11 @@
 and the dequantize launch itself, bound (a direct driver launch) and through the call form (CuPy's generic call).
 The weight does not change between the calls, so a lean use finds its copy made and launches nothing.
 
-    python bench/host_per_use.py [--size 2048] [--tokens 16] [--calls 2000]
+    python bench/host_per_use.py [--size 2048] [--tokens 16] [--calls 2000] [--device cpu]
 
 A few tokens make the GPU work negligible, so the wall time per call is the host's (the device is drained once
-at the end of each timed loop). Prints one table, microseconds per call.
+at the end of each timed loop). Prints one table, microseconds per call. ``--device cpu`` times the layers' host
+path on a CPU core (the same Python and autograd work; the dequantize launch rows need CUDA and are left out).
 """
 
 from __future__ import annotations
@@ -43,9 +44,12 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--profile", action="store_true", help="also cProfile the lean forward + backward loop")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = p.parse_args()
-    require_gpu("bench/host_per_use.py", "host time per weight use of the CUDA launches")
-    dev = torch.device("cuda")
+    if args.device == "cuda":
+        require_gpu("bench/host_per_use.py", "host time per weight use of the CUDA launches (--device cpu: the "
+                    "layers' host path on a CPU core)")
+    dev = torch.device(args.device)
     torch.manual_seed(0)
     x = torch.randn(args.tokens, args.size, device=dev, dtype=torch.bfloat16, requires_grad=True)
     rows, nvfp4_weights = [], []
@@ -69,6 +73,11 @@ def main() -> None:
             per_call(lambda: m(x).sum().backward(), args.calls // 4)
             prof.disable()
             pstats.Stats(prof).sort_stats("tottime").print_stats(16)
+    if dev.type == "cpu":
+        print(f"host us per call, [{args.size}, {args.size}] weight, {args.tokens} tokens, a CPU core")
+        for name, us in rows:
+            print(f"| {name} | {us:.1f} |")
+        return
     w = next(p for p in nvfp4_weights if fp4_dist.is_nvfp4_tensor(p))
     out = torch.empty(tuple(w.shape), dtype=torch.bfloat16, device=dev)
     bound = kernels.bind_dequantize([w.rowwise_data], [w.rowwise_scale_inv], [w.amax], [out])

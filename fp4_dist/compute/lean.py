@@ -19,9 +19,12 @@ Launches. A use that finds its values in its buffer launches nothing: the backwa
 forward, the forward of the first layer after its backward. A use that does not makes one launch that also fills
 the buffers of the uses expected next (`lean_order.py`).
 
-Per use the host cost is what a kept copy costs plus those checks (about a microsecond): the layer's alias is made
-once (one dispatch through NVFP4Tensor) and reused while the weight's fields and the pool buffer stay the same;
-the launches are bound to the weights' fields and the buffers (no plan lookup, no argument checks).
+Host cost per use: the layer's alias is made once (one dispatch through NVFP4Tensor) and reused while the weight's
+fields and the pool buffer stay the same, and the launches are bound to the weights' fields and the buffers (no plan
+lookup, no argument checks). Through Megatron's claim a use then costs a kept copy's lookup plus about a
+microsecond of checks. Through the saved-tensor hooks (`NVFP4Linear`) autograd calls Python to pack and unpack
+every tensor the linear saves: about 40 us more than a kept copy per forward and backward on a CPU core
+(`python bench/host_per_use.py --device cpu --size 256`: 251-258 against 209-223 us).
 
 A weight whose bytes change between a layer's forward and its backward (an optimizer step or a load in between)
 makes that backward raise, as a parameter changed in place does in PyTorch. Memory: the pool (`pool_bytes()`, at
@@ -174,14 +177,18 @@ def stamp(w: NVFP4Tensor) -> tuple:
     return tuple(map(id, fields)) + version_key(fields)
 
 
-def lean_call(module: torch.nn.Module, weight: NVFP4Tensor, op: Callable[[torch.Tensor], torch.Tensor]):
+def lean_call(module: torch.nn.Module, weight: NVFP4Tensor, op: Callable[[torch.Tensor], torch.Tensor],
+              fresh_tensor: bool = True):
     """``op(copy)`` for `module`'s use of its lean weight `weight`: `copy` holds the weight's values (linked to it
     by an autograd node when grad is on); whatever autograd saves of it inside `op` is saved as a note that
-    re-dequantizes in backward (see the module docstring). `op` must consume the copy, not keep it."""
+    re-dequantizes in backward (see the module docstring). `op` must consume the copy, not keep it. `fresh_tensor`
+    False gives `op` the layer's alias itself instead of a new view of it, for an op known to keep nothing of its
+    argument but what autograd saves (``F.linear``): one view and its autograd node fewer per use (about 6 us of
+    host per forward on a CPU core, `bench/host_per_use.py --device cpu`)."""
     view = lean_view(module)
     if not torch.is_grad_enabled():
         return op(view.value(weight, False))
-    value = view.value(weight, weight.requires_grad)
+    value = view.value(weight, weight.requires_grad, fresh_tensor)
     ptr, device = value.untyped_storage().data_ptr(), value.device
 
     def pack(t: torch.Tensor):

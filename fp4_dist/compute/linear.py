@@ -84,7 +84,7 @@ class NVFP4Linear(nn.Linear):
         if self.fp4_compute == "fp8":
             return _fp8_forward(self, input)
         if is_lean(w):
-            return lean_call(self, w, lambda value: F.linear(input, value, self.bias))
+            return lean_call(self, w, lambda value: F.linear(input, value, self.bias), fresh_tensor=False)
         return F.linear(input, compute_view(self, w), self.bias)
 
     def _apply(self, fn, *args, **kwargs):
