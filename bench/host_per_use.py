@@ -1,6 +1,7 @@
 """Host time per use of a linear weight: plain bf16, NVFP4 with a kept compute copy, lean NVFP4 (fp4_dist.compute.lean),
-and the dequantize launch itself, bound (a direct driver launch) and through the call form (CuPy's generic call).
-The weight does not change between the calls, so a lean use finds its copy made and launches nothing.
+the bookkeeping of a use on Megatron's path alone (lean's claim and backward check, a kept copy's lookup), and the
+dequantize launch itself, bound (a direct driver launch) and through the call form (CuPy's generic call). The weight
+does not change between the calls, so a lean use finds its copy made and launches nothing.
 
     python bench/host_per_use.py [--size 2048] [--tokens 16] [--calls 2000] [--device cpu]
 
@@ -38,6 +39,29 @@ def per_call(fn, calls: int, warmup: int = 20) -> float:
     return 1e6 * (time.perf_counter() - t) / calls
 
 
+def megatron_path(dev: torch.device, size: int, calls: int) -> list:
+    """The bookkeeping of a weight use on Megatron's path alone (the adapter's rows, without Megatron's linear): a
+    lean use with its claim (`lean_call_refilled`, an op that only claims), the backward's check that the copy is
+    in its buffer (`Use.refill`), and a kept copy's lookup (`compute_view`). The copy is made already, so no use
+    launches anything."""
+    from fp4_dist.compute.view import compute_view
+    from fp4_dist.megatron import lean_claim
+
+    layers = {}
+    for kept in (False, True):
+        layers[kept] = torch.nn.Linear(size, size, bias=False).to(dev, torch.bfloat16)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fp4_dist.convert_linear_weights(layers[kept], compute_copy=kept)
+    lean, kept = layers[False], layers[True]
+    use = lean_claim.lean_call_refilled(lean, lean.weight, lean_claim.claim)
+    return [("Megatron path, lean use and its claim (lean_call_refilled)",
+             per_call(lambda: lean_claim.lean_call_refilled(lean, lean.weight, lean_claim.claim), calls)),
+            ("Megatron path, lean backward's check (Use.refill)", per_call(use.refill, calls)),
+            ("Megatron path, kept copy's lookup (compute_view)",
+             per_call(lambda: compute_view(kept, kept.weight), calls))]  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", type=int, default=2048)
@@ -73,6 +97,7 @@ def main() -> None:
             per_call(lambda: m(x).sum().backward(), args.calls // 4)
             prof.disable()
             pstats.Stats(prof).sort_stats("tottime").print_stats(16)
+    rows += megatron_path(dev, args.size, args.calls)
     if dev.type == "cpu":
         print(f"host us per call, [{args.size}, {args.size}] weight, {args.tokens} tokens, a CPU core")
         for name, us in rows:

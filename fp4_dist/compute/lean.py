@@ -21,10 +21,10 @@ the buffers of the uses expected next (`lean_order.py`).
 
 Host cost per use: the layer's alias is made once (one dispatch through NVFP4Tensor) and reused while the weight's
 fields and the pool buffer stay the same, and the launches are bound to the weights' fields and the buffers (no plan
-lookup, no argument checks). Through Megatron's claim a use then costs a kept copy's lookup plus about a
-microsecond of checks. Through the saved-tensor hooks (`NVFP4Linear`) autograd calls Python to pack and unpack
-every tensor the linear saves: about 40 us more than a kept copy per forward and backward on a CPU core
-(`python bench/host_per_use.py --device cpu --size 256`: 251-258 against 209-223 us).
+lookup, no argument checks). Through Megatron's claim a use then costs a kept copy's lookup plus about 2 us
+of checks (forward and backward). Through the saved-tensor hooks (`NVFP4Linear`) autograd calls Python to pack and
+unpack every tensor the linear saves: tens of microseconds more than a kept copy per forward and backward on a CPU
+core (`python bench/host_per_use.py --device cpu --size 256`: 250-299 against 206-223 us over three runs).
 
 A weight whose bytes change between a layer's forward and its backward (an optimizer step or a load in between)
 makes that backward raise, as a parameter changed in place does in PyTorch. Memory: the pool (`pool_bytes()`, at

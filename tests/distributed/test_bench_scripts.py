@@ -87,7 +87,7 @@ def test_cpu_benches_print_their_tables():
     _ran(_bench("bench/fp8_copy_error.py", "--size", "256"), "| heavy-tailed | [256, 384] |")
     _ran(_bench("bench/fp8_copy_error.py", "--help"), "--safetensors")
     _ran(_bench("bench/host_per_use.py", "--device", "cpu", "--size", "64", "--calls", "20"),
-         "| lean: forward + backward |", "a CPU core")
+         "| lean: forward + backward |", "a CPU core", "| Megatron path, lean backward's check (Use.refill) |")
 
 
 def test_the_projected_ratios_are_the_range_docs_fsdp2_gives():
