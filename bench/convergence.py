@@ -74,13 +74,18 @@ def resumable(out: Path, name: str) -> bool:
     return (checkpoints(out, name) / "latest_checkpointed_iteration.txt").exists()
 
 
-def finished(out: Path, name: str, iters: int) -> bool:
-    """Whether the run's record holds every iteration up to `iters` (nothing left to train)."""
+def recorded(out: Path, name: str) -> int:
+    """The last iteration the run's record holds (0: no record, or an empty one)."""
     try:
         records = json.loads((out / f"{name}.json").read_text())["records"]
     except (OSError, ValueError, KeyError):
-        return False
-    return bool(records) and records[-1]["iteration"] >= iters
+        return 0
+    return records[-1]["iteration"] if records else 0
+
+
+def finished(out: Path, name: str, iters: int) -> bool:
+    """Whether the run's record holds every iteration up to `iters` (nothing left to train)."""
+    return recorded(out, name) >= iters
 
 
 def command(args, variant: str, seed: int, out: Path) -> list[str]:
@@ -169,7 +174,7 @@ def run(args) -> int:
                 state = f"FAILED (exit {proc.returncode})"
                 if ok:
                     _settle(out, name, args.iters)
-                    state = "done" if finished(out, name, args.iters) else f"stopped at {_last_record(out, name)}"
+                    state = "done" if finished(out, name, args.iters) else f"stopped at {recorded(out, name)}"
                 print(f"convergence: {name} {state} in {time.time() - t0:.0f} s", flush=True)
                 if not ok:
                     failed.append(name)
@@ -256,11 +261,6 @@ def _combined(before: dict, now: dict) -> dict:
     return dict(now, records=[steps[i] for i in sorted(steps)], validation=[[i, evals[i]] for i in sorted(evals)],
                 start_iteration=before.get("start_iteration", 0),
                 checkpoints=before.get("checkpoints", []) + now.get("checkpoints", []))
-
-
-def _last_record(out: Path, name: str) -> int:
-    records = json.loads((out / f"{name}.json").read_text())["records"]
-    return records[-1]["iteration"] if records else 0
 
 
 def _tokens_per_iteration(model: str) -> int:
