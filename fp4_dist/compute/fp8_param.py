@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_map_only
 
-from ..format import FP8_BLOCK
+from ..kernels.fp8_block_reference import fp8_block_values
 from .fp8 import fp8_linear
 from .fp8_gemm import Fp8Operand
 
@@ -49,10 +49,7 @@ class Fp8Param(torch.Tensor):
     def values(self) -> torch.Tensor:
         """The copy's values in this parameter's dtype: each E4M3 value times its 128 x 128 block's scale."""
         self.check_allocated()
-        bits, scales = self.operand.bits, self.operand.scales
-        m, k = bits.shape
-        expanded = scales.repeat_interleave(FP8_BLOCK, 0)[:m].repeat_interleave(FP8_BLOCK, 1)[:, :k]
-        return (bits.view(torch.float8_e4m3fn).to(torch.float32) * expanded).to(self.dtype)
+        return fp8_block_values(self.operand.bits, self.operand.scales).to(self.dtype)
 
     def check_allocated(self) -> None:
         """Raise unless the copy's memory is there: FSDP2 frees it when it reshards the layer, and a kernel would
