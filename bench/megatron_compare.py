@@ -28,6 +28,11 @@ Runs the same GPT (same seed, data, LR schedule, no gradient clipping) several t
               script prints it in a verdict line and exits 0 unless --strict (a failed correctness check exits 1).
     memory       --memory-only VARIANT: one model trained alone in this process, its peak allocated and reserved
               memory per rank (run once per variant: bf16, fp4, kept, fp8).
+    collectives  --collectives bf16,fp4: each model trained alone, in turn, every torch.distributed collective of
+              its steps after the second counted on rank 0 (by wrapping torch.distributed's functions, as
+              bench/traffic.py does): calls and bytes per step by collective, reduce op, dtype and group (its
+              ranks: at TP 2 x DP 2, 0,1 is rank 0's tensor-parallel group and 0,2 its data-parallel one).
+              Runs on gloo CPU ranks as on GPUs: what a mode adds to a step's collectives in a parallel layout.
 
 Gradient clipping is off (--clip-grad 0): above data-parallel size 1 each rank sums the norm of the shards its
 buffer layout gives it, so fp32 rounding can differ between runs whose buffers are laid out differently (at size 1
@@ -112,6 +117,9 @@ def parse() -> tuple[argparse.Namespace, list[str]]:
                    help="no timing: train one model (bf16 or one of the variants) for --steps steps in this process "
                         "and report its peak allocated and reserved memory per rank (max over ranks); one process "
                         "per variant, since the paired run holds every model at once")
+    p.add_argument("--collectives", default=None, metavar="VARIANTS",
+                   help="no timing: train each of these models (bf16 and/or variants, comma-separated) alone for "
+                        "--steps steps and print the collectives per step of each (rank 0)")
     p.add_argument("--memory-sites", type=int, default=0, metavar="N",
                    help="with --memory-only on CUDA: also list the N allocating sites holding the most live memory "
                         "after the run (torch's memory history)")
@@ -409,6 +417,57 @@ def memory_only(base: list[str], args) -> int:
     return 0
 
 
+COUNTED_AFTER = 2  # steps left out of --collectives' counts: the first ones build buffers and bindings
+
+
+def collectives(base: list[str], args) -> int:
+    """Collectives per step of each model trained alone (`--collectives`), counted on rank 0 after its first steps."""
+    from traffic import counted  # bench/traffic.py, beside this script
+
+    names = args.collectives.split(",")
+    unknown = [n for n in names if n != "bf16" and n not in VARIANTS]
+    if unknown or args.steps <= COUNTED_AFTER:
+        raise SystemExit(f"megatron_compare: --collectives takes bf16 and/or {', '.join(VARIANTS)} (got "
+                         f"{args.collectives}) and --steps over {COUNTED_AFTER} (got {args.steps})")
+    inner = pretrain_gpt.train_step
+    per_variant = {}
+    for name in names:
+        calls, nbytes = {}, {}
+
+        def step(run_args, iteration, *rest, **kwargs):
+            if iteration <= COUNTED_AFTER:
+                return inner(run_args, iteration, *rest, **kwargs)
+            with counted(detail=True) as (c, b):
+                out = inner(run_args, iteration, *rest, **kwargs)
+            for key in c:
+                calls[key] = calls.get(key, 0) + c[key]
+                nbytes[key] = nbytes.get(key, 0) + b[key]
+            return out
+
+        pretrain_gpt.train_step = step
+        try:
+            run(name, base + ([] if name == "bf16" else VARIANTS[name]), f"collectives, {args.steps} steps")
+        finally:
+            pretrain_gpt.train_step = inner
+        per_variant[name] = (calls, nbytes)
+    if dist.get_rank() == 0:
+        steps = args.steps - COUNTED_AFTER
+        keys = sorted({k for calls, _ in per_variant.values() for k in calls})
+        print(f"\ncollectives per step on rank 0 (steps {COUNTED_AFTER + 1}-{args.steps}): calls, bytes (the largest "
+              "tensor of each call)")
+        print("| collective | op | dtype | group (ranks) | " + " | ".join(names) + " |")
+        print("|---|---|---|---|" + "---|" * len(names))
+        for key in keys:
+            cells = [f"{calls.get(key, 0) / steps:g}, {nbytes.get(key, 0) / steps:,.0f}"
+                     for calls, nbytes in per_variant.values()]
+            print(f"| {' | '.join(map(str, key))} | " + " | ".join(cells) + " |", flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps({name: [[*k, c[k] / steps, b[k] / steps] for k in c]
+                                                   for name, (c, b) in per_variant.items()}, indent=1))
+    shutdown()
+    return 0
+
+
 def live_memory_by_site(top: int) -> str:
     """The live CUDA allocations of this rank grouped by the first frame in fp4_dist, Megatron or the example
     trainer that made them (torch's memory history), largest first: where resident memory sits."""
@@ -510,6 +569,8 @@ def main() -> int:
     _cast_diagnostic(args.cast_diagnostic)
     if args.memory_only:
         return memory_only(base, args)
+    if args.collectives:
+        return collectives(base, args)
     if args.paired_only:
         return paired_only(base, args)
     rounds = []

@@ -43,29 +43,62 @@ CANONICAL = {"all_gather_into_tensor": "all_gather_single", "reduce_scatter_tens
 SHAPES = [(48, 80), (40, 96), (64, 48), (33, 112), (96, 64)]
 
 
-@contextmanager
-def counted():
-    """Wrap torch.distributed's collectives; yields (calls, bytes) Counters keyed by canonical name."""
-    calls, nbytes, saved = Counter(), Counter(), {}
-    for name in NAMES:
-        fn = getattr(dist, name, None)
-        if fn is None:
-            continue
-        saved[name] = fn
+def _detail(name: str, values: tuple) -> tuple[str, str, str, str]:
+    """(collective, reduce op, dtype, the group's ranks) of one call: what tells a step's collectives apart."""
+    op = next((str(v).split(".")[-1] for v in values if isinstance(v, dist.ReduceOp.RedOpType)),
+              "SUM" if "reduce" in name else "")
+    group = next((v for v in values if isinstance(v, dist.ProcessGroup)), None)
+    tensor = next((v for v in values if isinstance(v, torch.Tensor)), None)
+    dtype = str(tensor.dtype).removeprefix("torch.") if tensor is not None else ""
+    ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+    return name, op, dtype, ",".join(map(str, ranks))
 
-        def wrapper(*args, _fn=fn, _name=name, **kwargs):
-            key = CANONICAL.get(_name, _name)
+
+@contextmanager
+def counted(detail: bool = False):
+    """Wrap torch.distributed's collectives; yields (calls, bytes) Counters keyed by canonical name, or with
+    `detail` by (name, reduce op, dtype, the group's ranks)."""
+    calls, nbytes, saved = Counter(), Counter(), []
+    originals = {fn: name for name in NAMES if (fn := getattr(dist, name, None)) is not None}
+    # Libraries keep module-level aliases of some (Megatron's buffers call `dist_all_gather_func`, bound at import):
+    # every module attribute that is one of these functions is wrapped, and put back after.
+    for module in list(sys.modules.values()):
+        for attr, value in list(getattr(module, "__dict__", {}).items()):
+            try:
+                name = originals.get(value)
+            except TypeError:  # an unhashable attribute
+                continue
+            if name is not None:
+                saved.append((module, attr, value))
+
+    inside = []  # a call that re-enters (torch's __torch_function__ dispatch looks the function up again) counts once
+
+    def wrapped(fn, name):
+        def wrapper(*args, **kwargs):
+            if inside:
+                return fn(*args, **kwargs)
+            key = CANONICAL.get(name, name)
+            if detail:
+                key = _detail(key, (*args, *kwargs.values()))
             sizes = [t.numel() * t.element_size() for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
             calls[key] += 1
             nbytes[key] += max(sizes, default=0)
-            return _fn(*args, **kwargs)
+            inside.append(name)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                inside.pop()
 
-        setattr(dist, name, wrapper)
+        return wrapper
+
+    wrappers = {fn: wrapped(fn, name) for fn, name in originals.items()}
+    for module, attr, value in saved:
+        setattr(module, attr, wrappers[value])
     try:
         yield calls, nbytes
     finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
+        for module, attr, value in saved:
+            setattr(module, attr, value)
 
 
 def model() -> nn.Module:

@@ -57,6 +57,10 @@ def test_megatron_benches_run_paired_and_profiled():
     memory = _bench("bench/megatron_compare.py", "--tiny", "--memory-only", "fp4", "--steps", "3",
                     "--cast-diagnostic", "noread", ranks=2)  # fmt: skip
     _ran(memory, "memory fp4: peak allocated", "lean pool")
+    # the 4-bit parameter gather is a uint8 all-gather that only the NVFP4 model makes
+    counted = _bench("bench/megatron_compare.py", "--tiny", "--collectives", "bf16,fp4", "--steps", "4", ranks=2)
+    _ran(counted, "| collective | op | dtype | group (ranks) | bf16 | fp4 |",
+         "| all_gather_single |  | uint8 | 0,1 | 0, 0 | 1, ")
 
 
 @pytest.mark.megatron
