@@ -35,7 +35,6 @@ refused (``--trust-checkpoint`` / ``trusted=True`` unpickles it in full).
 
 from __future__ import annotations
 
-import os
 import random
 import re
 from pathlib import Path
@@ -158,7 +157,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, run_
     dist.all_gather_object(rng, _rng_state())
     if writes_slices:
         _save(model_state(model.module), slices / "model.pt")
-        _fsync(slices / "distrib_optim.pt")
+        atomic.fsync_file(slices / "distrib_optim.pt")
     if rank == 0:
         common = {"iteration": iteration, "config": run_config, "optimizer": optimizer.state_dict(),
                   "scheduler": scheduler.state_dict()}
@@ -218,13 +217,7 @@ def slice_dir(folder: Path, tp_rank: int, tp_size: int) -> Path:
 
 def _save(obj, path: Path) -> None:
     torch.save(obj, path)
-    _fsync(path)
-
-
-def _fsync(path: Path) -> None:
-    """Flush a file this process wrote (the commit's rename then publishes complete files, on any host)."""
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
+    atomic.fsync_file(path)
 
 
 def load_checkpoint(root: str, model, optimizer, scheduler, run_config: dict, *, trusted: bool = False) -> int:

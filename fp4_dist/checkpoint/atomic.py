@@ -30,7 +30,8 @@ import warnings
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-__all__ = ["FolderWrite", "commit_folder", "temporary_folder", "swap_in", "resolve", "recover", "write_file_atomically"]
+__all__ = ["FolderWrite", "commit_folder", "temporary_folder", "swap_in", "resolve", "recover", "write_file_atomically",
+           "fsync_file"]
 
 _TMP, _OLD, _DEL = "tmp", "old", "del"
 
@@ -73,7 +74,9 @@ def _writer_gone(side: Path, target: Path) -> bool:
     return False
 
 
-def _fsync(path: Path) -> None:
+def fsync_file(path: Path) -> None:
+    """Flush `path` (a file or a folder) to its disk. A rank that writes a file into a folder another rank commits
+    flushes it itself: on a shared file system another host's fsync does not reach this host's cache."""
     _step("fsync", path)
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -86,8 +89,8 @@ def _fsync_tree(root: Path) -> None:
     """fsync every file, then every folder bottom-up, so that the names are durable after their contents."""
     for folder, dirs, files in os.walk(root, topdown=False):
         for name in sorted(files):
-            _fsync(Path(folder) / name)
-        _fsync(Path(folder))
+            fsync_file(Path(folder) / name)
+        fsync_file(Path(folder))
 
 
 def _plain_permissions(root: Path) -> None:
@@ -201,7 +204,7 @@ def swap_in(tmp, target) -> None:
     if old is not None:
         _rename(target, old)
     _rename(tmp, target)
-    _fsync(target.parent)
+    fsync_file(target.parent)
     if old is not None:
         trash = _side(target, _DEL, old.name.rpartition(f".{_OLD}-")[2])
         _rename(old, trash)
@@ -240,4 +243,4 @@ def write_file_atomically(path, data: bytes | str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync(path.parent)
+    fsync_file(path.parent)
