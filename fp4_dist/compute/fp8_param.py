@@ -46,6 +46,14 @@ class Fp8Param(torch.Tensor):
     def __repr__(self, *, tensor_contents=None) -> str:
         return f"Fp8Param(shape={list(self.shape)}, dtype={self.dtype}, FP8 block copy)"
 
+    def __deepcopy__(self, memo) -> "Fp8Param":
+        """A copy with tensors of its own holding the same bits and scales (deepcopy of a layer inside its forward,
+        where FSDP2 has unsharded it); torch's default would clone through the values into a plain tensor."""
+        self.check_allocated()
+        copied = type(self)(own(self.operand), self.dtype, self.requires_grad)
+        memo[id(self)] = copied
+        return copied
+
     def values(self) -> torch.Tensor:
         """The copy's values in this parameter's dtype: each E4M3 value times its 128 x 128 block's scale."""
         self.check_allocated()

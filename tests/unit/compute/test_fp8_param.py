@@ -4,6 +4,8 @@ other op reads the copy's values; its tensors can be freed and written again the
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -81,6 +83,28 @@ def test_its_tensors_are_its_own_and_are_written_again_in_place_after_fsdp2_free
     write(kept, Fp8Operand.weight(w2))
     assert [t._version for t in tensors] == versions  # a saved copy written again is no in-place change
     assert torch.equal(p.operand.bits, Fp8Operand.weight(w2).bits) and torch.equal(p.values(), _param(w2).values())
+
+
+def test_a_deep_copy_holds_the_same_copy_in_tensors_of_its_own_and_a_freed_one_refuses():
+    w = _weight(64, 48)
+    layer = nn.Linear(48, 64, bias=False, dtype=torch.bfloat16)
+    layer.weight = _param(w)
+    twin = copy.deepcopy(layer)
+    p, q = layer.weight, twin.weight
+    assert type(q) is Fp8Param and q.requires_grad and q.dtype == p.dtype
+    for a, b in zip(p.operand, q.operand):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b) and a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+        else:
+            assert a == b
+    x = torch.randn(3, 48, dtype=torch.bfloat16)
+    assert torch.equal(twin(x), layer(x))
+    for t in p.operand:
+        if isinstance(t, torch.Tensor):
+            t.untyped_storage().resize_(0)
+    assert torch.equal(twin(x), F.linear(x, _param(w)))  # the twin's copy outlives the original's
+    with pytest.raises(RuntimeError, match="freed when FSDP2 resharded"):
+        copy.deepcopy(p)
 
 
 def test_fully_shard_nvfp4_takes_the_compute_mode_by_name():
