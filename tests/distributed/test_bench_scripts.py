@@ -92,6 +92,9 @@ def test_cpu_benches_print_their_tables():
     _ran(_bench("bench/fp8_copy_error.py", "--help"), "--safetensors")
     _ran(_bench("bench/host_per_use.py", "--device", "cpu", "--size", "64", "--calls", "20"),
          "| lean: forward + backward |", "a CPU core", "| Megatron path, lean backward's check (Use.refill) |")
+    _ran(_bench("bench/zero1_stack.py", "--device", "cpu", "--nproc", "2", "--hidden", "256", "--layers", "1", "--seq",
+                "32", "--micro-batch", "1", "--steps", "2", "--rounds", "1"),
+         "Zero1Optimizer (AdamW) on 2 CPU ranks", "\nlean ")
 
 
 def test_the_projected_ratios_are_the_range_docs_fsdp2_gives():
