@@ -51,6 +51,8 @@ class Fp8Param(torch.Tensor):
         where FSDP2 has unsharded it); torch's default would clone through the values into a plain tensor."""
         self.check_allocated()
         copied = type(self)(own(self.operand), self.dtype, self.requires_grad)
+        if isinstance(self, torch.nn.Parameter):  # a module's weight stays a parameter of the copied module
+            copied = torch.nn.Parameter(copied, self.requires_grad)
         memo[id(self)] = copied
         return copied
 

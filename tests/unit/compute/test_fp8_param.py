@@ -91,7 +91,9 @@ def test_a_deep_copy_holds_the_same_copy_in_tensors_of_its_own_and_a_freed_one_r
     layer.weight = _param(w)
     twin = copy.deepcopy(layer)
     p, q = layer.weight, twin.weight
-    assert type(q) is Fp8Param and q.requires_grad and q.dtype == p.dtype
+    assert type(q) is Fp8Param and isinstance(q, nn.Parameter) and q.requires_grad and q.dtype == p.dtype
+    assert [n for n, _ in twin.named_parameters()] == ["weight"]
+    twin.weight = q  # a module takes it back as a parameter
     for a, b in zip(p.operand, q.operand):
         if isinstance(a, torch.Tensor):
             assert torch.equal(a, b) and a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
