@@ -426,8 +426,8 @@ def collectives(base: list[str], args) -> int:
 
     names = args.collectives.split(",")
     unknown = [n for n in names if n != "bf16" and n not in VARIANTS]
-    if unknown or args.steps <= COUNTED_AFTER:
-        raise SystemExit(f"megatron_compare: --collectives takes bf16 and/or {', '.join(VARIANTS)} (got "
+    if unknown or len(set(names)) != len(names) or args.steps <= COUNTED_AFTER:
+        raise SystemExit(f"megatron_compare: --collectives takes bf16 and/or {', '.join(VARIANTS)}, each once (got "
                          f"{args.collectives}) and --steps over {COUNTED_AFTER} (got {args.steps})")
     inner = pretrain_gpt.train_step
     per_variant = {}

@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import warnings
 from collections import Counter
 from contextlib import contextmanager
@@ -38,14 +39,16 @@ import fp4_dist  # noqa: E402
 from fp4_dist.optim import Zero1Config, Zero1Optimizer  # noqa: E402
 
 NAMES = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
-         "reduce_scatter_tensor", "all_to_all_single", "broadcast", "all_gather")  # fmt: skip
+         "reduce_scatter_tensor", "all_to_all_single", "broadcast", "all_gather", "all_gather_object",
+         "broadcast_object_list", "gather_object", "scatter_object_list")  # fmt: skip
+"""Each counts once per call: the collectives the object helpers make inside them are theirs."""
 CANONICAL = {"all_gather_into_tensor": "all_gather_single", "reduce_scatter_tensor": "reduce_scatter_single"}
 SHAPES = [(48, 80), (40, 96), (64, 48), (33, 112), (96, 64)]
 
 
 def _detail(name: str, values: tuple) -> tuple[str, str, str, str]:
     """(collective, reduce op, dtype, the group's ranks) of one call: what tells a step's collectives apart."""
-    op = next((str(v).split(".")[-1] for v in values if isinstance(v, dist.ReduceOp.RedOpType)),
+    op = next((str(v).split(".")[-1] for v in values if isinstance(v, (dist.ReduceOp.RedOpType, dist.ReduceOp))),
               "SUM" if "reduce" in name else "")
     group = next((v for v in values if isinstance(v, dist.ProcessGroup)), None)
     tensor = next((v for v in values if isinstance(v, torch.Tensor)), None)
@@ -66,16 +69,18 @@ def counted(detail: bool = False):
         for attr, value in list(getattr(module, "__dict__", {}).items()):
             try:
                 name = originals.get(value)
-            except TypeError:  # an unhashable attribute
+            except Exception:  # an attribute that cannot be hashed or compared
                 continue
             if name is not None:
                 saved.append((module, attr, value))
 
-    inside = []  # a call that re-enters (torch's __torch_function__ dispatch looks the function up again) counts once
+    # A call inside another (torch's __torch_function__ dispatch looks the function up again; an object helper's own
+    # collectives) counts once, per thread: the autograd engine's thread makes a backward's collectives.
+    inside = threading.local()
 
     def wrapped(fn, name):
         def wrapper(*args, **kwargs):
-            if inside:
+            if getattr(inside, "depth", 0):
                 return fn(*args, **kwargs)
             key = CANONICAL.get(name, name)
             if detail:
@@ -83,11 +88,11 @@ def counted(detail: bool = False):
             sizes = [t.numel() * t.element_size() for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
             calls[key] += 1
             nbytes[key] += max(sizes, default=0)
-            inside.append(name)
+            inside.depth = 1
             try:
                 return fn(*args, **kwargs)
             finally:
-                inside.pop()
+                inside.depth = 0
 
         return wrapper
 
