@@ -27,6 +27,8 @@ trainer resumes bit for bit) and skips the finished ones. The record then holds 
 from __future__ import annotations
 
 import argparse
+import functools
+import hashlib
 import json
 import math
 import os
@@ -236,7 +238,25 @@ def experiment(args) -> dict:
     """What the runs of one DIR share: a later call that resumes or skips runs there must be the same experiment."""
     return {"model": args.model, "model_args": MODELS[args.model], "common": COMMON, "lr": args.lr,
             "iters": args.iters, "warmup": args.warmup, "eval_interval": args.eval_interval, "extra": args.extra,
-            "corpus": args.corpus}  # fmt: skip
+            "corpus": args.corpus, "corpus_sha256": corpus_digest(args.corpus)}  # fmt: skip
+
+
+@functools.lru_cache(maxsize=None)
+def corpus_digest(corpus: Optional[str]) -> Optional[str]:
+    """sha256 of the corpus's bytes (a folder's files in sorted order, each after its relative path), so that runs
+    of different days can show they read the same text; None for the trainer's embedded corpus."""
+    if corpus is None:
+        return None
+    root = Path(corpus)
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    digest = hashlib.sha256()
+    for path in files:
+        if path is not root:
+            digest.update(str(path.relative_to(root)).encode() + b"\0")
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _earlier_commands(out: Path, args) -> dict:

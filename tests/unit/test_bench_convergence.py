@@ -122,3 +122,23 @@ def test_a_folder_of_another_experiment_and_a_stop_between_evaluations_are_refus
         convergence.run(_sitting_args(tmp_path, model="gpt4x256", iters=9))
     with pytest.raises(SystemExit, match="multiple of the evaluation interval"):
         convergence.run(_sitting_args(tmp_path / "other", stop_at=2))
+
+
+def test_the_corpus_is_part_of_the_experiment_by_its_bytes(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_text("def f():\n    return 1\n")
+    folder = tmp_path / "texts"
+    (folder / "a").mkdir(parents=True)
+    (folder / "a" / "x.py").write_text("x = 1\n")
+    digest = convergence.corpus_digest
+    assert digest(None) is None and len(digest(str(text))) == 64 and digest(str(folder)) != digest(str(text))
+    out = tmp_path / "out"
+    convergence.run(_sitting_args(out, variants=[], corpus=str(text)))
+    assert json.loads((out / "runs.json").read_text())["corpus_sha256"] == digest(str(text))
+    (out / "fp4-lr0.0003-s1.json").write_text(json.dumps({"records": [], "validation": []}))
+    meta = json.loads((out / "runs.json").read_text())
+    (out / "runs.json").write_text(json.dumps(dict(meta, commands={"fp4-lr0.0003-s1": []})))
+    text.write_text("def f():\n    return 2\n")  # the same path, other text: another experiment
+    digest.cache_clear()
+    with pytest.raises(SystemExit, match="another experiment .*differs in corpus_sha256"):
+        convergence.run(_sitting_args(out, corpus=str(text)))
