@@ -145,19 +145,15 @@ def _emulated_mm(a: Fp8Operand, b: Fp8Operand, k: int) -> torch.Tensor:
     return out
 
 
-def _padded(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    if tuple(x.shape) == (rows, cols):
+def _padded(x: torch.Tensor, rows: int, cols: int, outer_major: bool = False) -> torch.Tensor:
+    """x zero-padded to [rows, cols] (x itself when it has that shape), row-major; or, `outer_major`, always a new
+    tensor stored column after column with strides exactly (1, rows): torch checks the scales' strides as numbers,
+    also along a dimension of size 1, where a contiguous tensor's stride is 1."""
+    fits = tuple(x.shape) == (rows, cols)
+    if fits and not outer_major:
         return x
-    out = x.new_zeros(rows, cols)
-    out[: x.shape[0], : x.shape[1]] = x
-    return out
-
-
-def _outer_major(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """x zero-padded to [rows, cols] and stored column after column: strides exactly (1, rows). torch checks the
-    scales' strides as numbers, also along a dimension of size 1, where a contiguous tensor's stride is 1."""
-    out = torch.empty_strided((rows, cols), (1, rows), dtype=x.dtype, device=x.device)
-    if tuple(x.shape) != (rows, cols):
+    out = torch.empty_strided((rows, cols), (1, rows) if outer_major else (cols, 1), dtype=x.dtype, device=x.device)
+    if not fits:
         out.zero_()
     out[: x.shape[0], : x.shape[1]].copy_(x)
     return out
@@ -166,7 +162,7 @@ def _outer_major(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 def _block_scales(scales: torch.Tensor, rows: int, k_groups: int) -> torch.Tensor:
     """128 x 128 block scales [row blocks, K blocks] as cuBLAS reads them: [K blocks padded to 4, row blocks], the
     transpose of a row-major tensor (padding rows to 16 never adds a row block)."""
-    return _outer_major(scales.t(), ceil_div(k_groups, 4) * 4, ceil_div(rows, FP8_BLOCK))
+    return _padded(scales.t(), ceil_div(k_groups, 4) * 4, ceil_div(rows, FP8_BLOCK), outer_major=True)
 
 
 def _cublas_operand(op: Fp8Operand, rows: int, k_groups: int) -> tuple[torch.Tensor, torch.Tensor, object]:
@@ -187,7 +183,7 @@ def _cublas_operand(op: Fp8Operand, rows: int, k_groups: int) -> tuple[torch.Ten
         return bits, scales, F.ScalingType.BlockWise128x128
     scales = op.scales  # [rows, K groups], outer-dim-major: the kernels write them so
     if scales.shape != (rows, k_groups) or scales.stride() != (1, rows):
-        scales = _outer_major(scales, rows, k_groups)
+        scales = _padded(scales, rows, k_groups, outer_major=True)
     return bits, scales, F.ScalingType.BlockWise1x128
 
 
