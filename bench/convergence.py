@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
 VARIANTS = {
     "bf16": [],
@@ -144,7 +145,7 @@ def run(args) -> int:
     done = [run_name(v, args.lr, s) for v, s in todo if finished(out, run_name(v, args.lr, s), args.iters)]
     if done:
         print(f"convergence: finished already, not run again: {', '.join(done)}", flush=True)
-    (out / "runs.json").write_text(json.dumps(meta, indent=1))
+    _write(out / "runs.json", meta)
     todo = [(v, s) for v, s in todo if run_name(v, args.lr, s) not in done + failed]
     names = [run_name(v, args.lr, s) for v, s in todo]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
@@ -215,8 +216,16 @@ def _settle(out: Path, name: str, iters: int) -> None:
     if record.exists():
         now = _combined(now, json.loads(record.read_text()))
     now["complete"] = bool(now["records"]) and now["records"][-1]["iteration"] >= iters
-    record.write_text(json.dumps(now, indent=1))
+    _write(record, now)
     earlier.unlink()
+
+
+def _write(path: Path, data: dict) -> None:
+    """A file of DIR that later calls read (runs.json, a run's merged record), written whole or not at all: a call
+    killed while writing leaves the earlier version, as the trainer's own records do."""
+    from fp4_dist.checkpoint.atomic import write_file_atomically  # imports torch: only `run` writes
+
+    write_file_atomically(path, json.dumps(data, indent=1))
 
 
 def _gap(out: Path, name: str) -> Optional[str]:
@@ -308,7 +317,7 @@ def load_runs(folders) -> list[dict]:
         meta = json.loads((folder / "runs.json").read_text())
         per_iteration = meta["tokens_per_iteration"]
         for name in meta["commands"]:
-            path, log, earlier = folder / f"{name}.json", folder / f"{name}.log", folder / f"{name}.earlier.json"
+            path, log, earlier = folder / f"{name}.json", folder / f"{name}.log", _earlier(folder, name)
             if path.exists() or earlier.exists():  # complete: false while a run trains (written at each evaluation)
                 record = json.loads((path if path.exists() else earlier).read_text())
                 if path.exists() and earlier.exists():  # a resumed run stopped inside a sitting
@@ -316,14 +325,14 @@ def load_runs(folders) -> list[dict]:
                 if earlier.exists():
                     record["complete"] = False
                 records, validation, digest = record["records"], record["validation"], record.get("master_digest")
-                finished = record.get("complete", True)
+                complete = record.get("complete", True)
             elif log.exists():
-                (records, validation), digest, finished = _read_log(log), None, False
+                (records, validation), digest, complete = _read_log(log), None, False
                 if not records:
                     continue
             else:
                 continue
-            stopped = None if finished else (records[-1]["iteration"] if records else 0)
+            stopped = None if complete else (records[-1]["iteration"] if records else 0)
             variant, lr, seed = name.rsplit("-lr", 1)[0], meta["lr"], int(name.rsplit("-s", 1)[1])
             its = [r["iteration"] for r in records]
             runs.append(dict(name=name, variant=variant, lr=lr, seed=seed, iterations=its,
