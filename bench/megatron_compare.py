@@ -52,6 +52,7 @@ import os
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
 
@@ -432,16 +433,15 @@ def collectives(base: list[str], args) -> int:
     inner = pretrain_gpt.train_step
     per_variant = {}
     for name in names:
-        calls, nbytes = {}, {}
+        calls, nbytes = Counter(), Counter()
 
         def step(run_args, iteration, *rest, **kwargs):
             if iteration <= COUNTED_AFTER:
                 return inner(run_args, iteration, *rest, **kwargs)
             with counted(detail=True) as (c, b):
                 out = inner(run_args, iteration, *rest, **kwargs)
-            for key in c:
-                calls[key] = calls.get(key, 0) + c[key]
-                nbytes[key] = nbytes.get(key, 0) + b[key]
+            calls.update(c)
+            nbytes.update(b)
             return out
 
         pretrain_gpt.train_step = step
@@ -458,7 +458,7 @@ def collectives(base: list[str], args) -> int:
         print("| collective | op | dtype | group (ranks) | " + " | ".join(names) + " |")
         print("|---|---|---|---|" + "---|" * len(names))
         for key in keys:
-            cells = [f"{calls.get(key, 0) / steps:g}, {nbytes.get(key, 0) / steps:,.0f}"
+            cells = [f"{calls[key] / steps:g}, {nbytes[key] / steps:,.0f}"
                      for calls, nbytes in per_variant.values()]
             print(f"| {' | '.join(map(str, key))} | " + " | ".join(cells) + " |", flush=True)
         if args.json:
