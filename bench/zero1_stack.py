@@ -70,9 +70,7 @@ def run_mode(mode: str, args) -> dict:
     from fp4_dist.launch import init_distributed, shutdown
 
     info = init_distributed("nccl" if args.device == "cuda" else "gloo")
-    dev = torch.device(f"cuda:{info.local_rank}") if args.device == "cuda" else torch.device("cpu")
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
+    dev = info.device if args.device == "cuda" else torch.device("cpu")  # the CPU asked for on a GPU machine too
     torch.manual_seed(0)  # the same model on every rank
     model = Net(args.hidden, args.layers).to(dev, torch.bfloat16)
     if mode != "bf16":
