@@ -37,7 +37,8 @@ if dist.is_available():
 _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "MPI_LOCALRANKID", "PMIX_RANK")
 
 
-__all__ = ["init_distributed", "shutdown", "DistInfo", "launched_by", "launch_rank", "export_mpi_env"]
+__all__ = ["init_distributed", "shutdown", "DistInfo", "launched_by", "launch_rank", "export_mpi_env",
+           "hold_rendezvous_store"]
 
 
 @dataclass(frozen=True)
@@ -111,10 +112,29 @@ def init_distributed(backend: Optional[str] = None, *, timeout_s: float = 300.0)
     return _init_from_mpi(backend, timeout)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+"""Set to "True", ``env://`` rendezvous connects every rank to a store server that is already running, rank 0
+included, as torchrun's workers connect to their agent's (torch.distributed.rendezvous reads it)."""
+
+_held_stores: list = []  # the rendezvous servers this process keeps for its lifetime (see hold_rendezvous_store)
+
+
+def _open_store_server(addr: str, timeout: timedelta) -> "dist.TCPStore":
+    return dist.TCPStore(addr, 0, None, True, timeout=timeout, wait_for_workers=False)
+
+
+def hold_rendezvous_store(addr: str, environ=os.environ, timeout_s: float = 1800.0) -> int:
+    """Start the job's rendezvous store server in this process on a port the system picks, keep it until the process
+    ends, set ``environ[AGENT_STORE] = "True"`` and return the port, for ``MASTER_PORT``.
+
+    Code that initialises the process group later with ``env://`` (Megatron's, a user's) then connects to this server
+    as a client on every rank. A port found free and bound later could be taken in between by another process of the
+    host (two jobs started together, a test run beside a training run); this one is never released. Other ranks set
+    the same variable (`export_mpi_env` does)."""
+    store = _open_store_server(addr, timedelta(seconds=timeout_s))
+    _held_stores.append(store)
+    environ[AGENT_STORE] = "True"
+    return store.port
 
 
 def _this_host_address() -> str:
@@ -130,12 +150,14 @@ def export_mpi_env() -> bool:
 
     Returns whether it did (False when not launched by MPI or the variables are set already). Raises RuntimeError
     with the remedy when MPI launched this process but mpi4py is missing (each process would otherwise run as a
-    separate one-rank job). The port is one the system had free when rank 0 asked; whoever starts the process group
-    binds it later (`init_distributed` instead opens its store on a port of the system's choosing and keeps it).
+    separate one-rank job). Unless ``MASTER_PORT`` is set, rank 0 starts the rendezvous store on a port the system
+    picks and keeps it (`hold_rendezvous_store`), and every rank's ``env://`` rendezvous connects to it as a client
+    (``TORCHELASTIC_USE_AGENT_STORE=True``), so nothing can take the port between here and ``init_process_group``.
     """
     if launched_by() != "mpi":
         return False
-    _mpi_rendezvous(lambda addr: _free_port())
+    if _mpi_rendezvous(hold_rendezvous_store):
+        os.environ[AGENT_STORE] = "True"
     return True
 
 
@@ -168,7 +190,7 @@ def _init_from_mpi(backend: str, timeout: timedelta) -> DistInfo:
     stores = []
 
     def open_store(addr: str) -> int:
-        stores.append(dist.TCPStore(addr, 0, None, True, timeout=timeout, wait_for_workers=False))
+        stores.append(_open_store_server(addr, timeout))
         return stores[0].port
 
     opened = _mpi_rendezvous(open_store)

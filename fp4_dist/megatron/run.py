@@ -78,7 +78,8 @@ def export_rank_environment(environ=os.environ) -> str:
         return "mpi"
     environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    environ.setdefault("MASTER_PORT", str(launch._free_port()))
+    if "MASTER_PORT" not in environ:
+        environ["MASTER_PORT"] = str(launch.hold_rendezvous_store(environ["MASTER_ADDR"], environ))
     return "single"
 
 

@@ -8,6 +8,7 @@ param gather has the single-process loss bit for bit, with a measured collective
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -167,6 +168,43 @@ def test_under_mpirun_rank_0_opens_the_store_it_names_or_the_given_port(port):
     assert sorted(r[0] for r in ranks) == ["0", "1"] and all(r[1:3] == ("mpi", "3.0") for r in ranks), proc.stdout
     ports = {r[3] for r in ranks} | {r[4] for r in ranks}
     assert len(ports) == 1 and (port is None or ports == {port}), ranks
+
+
+_HELD_PORT = """
+import os, socket, torch, torch.distributed as dist
+from fp4_dist import launch
+from fp4_dist.megatron.run import export_rank_environment
+launcher = export_rank_environment()
+with socket.socket() as s:  # another process of the host asking for MASTER_PORT before the job binds it
+    try:
+        s.bind(("", int(os.environ["MASTER_PORT"])))
+        port = "free"
+    except OSError:
+        port = "held"
+dist.init_process_group("gloo")  # env://, as Megatron's initialize_megatron starts it
+total = torch.tensor([dist.get_rank() + 1.0])
+dist.all_reduce(total)
+print(f"rank {dist.get_rank()}: {launcher} {total.item()} {port}", flush=True)
+launch.shutdown()
+"""
+
+
+@pytest.mark.parametrize("launcher", ["single", "mpi"])
+def test_the_megatron_launcher_holds_the_port_it_names_until_the_job_binds_it(launcher):
+    # A port found free and released would be open to any process of the host until Megatron's env:// rendezvous
+    # binds it; the launcher keeps the store on it instead, and every rank's env:// connects to that store.
+    if launcher == "mpi" and (_mpirun() is None or importlib.util.find_spec("mpi4py") is None):
+        pytest.skip("mpirun or mpi4py not installed")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    cmd = [sys.executable, "-c", _HELD_PORT]
+    if launcher == "mpi":
+        cmd = [_mpirun(), "-n", "2", *cmd]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = re.findall(r"rank (\d): (\w+) ([\d.]+) (free|held)", proc.stdout)
+    expect = [("0", launcher, "1.0", "held")] if launcher == "single" else [
+        ("0", "mpi", "3.0", "held"), ("1", "mpi", "3.0", "held")]  # fmt: skip
+    assert sorted(ranks) == expect, proc.stdout
 
 
 # The FP8 compute mode changes what the GEMMs read, never the NVFP4 bytes: its run passes the same parity check.
