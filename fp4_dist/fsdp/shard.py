@@ -303,9 +303,12 @@ def _weight_owners(model: nn.Module):
 def _install(model: nn.Module) -> None:
     """The root pre-forward cast (before FSDP2's own pre-forward, which all-gathers) and the state-dict unwrap."""
     registry = model._fp4_dist_nvfp4 = _Registry(model)
-    model.register_forward_pre_hook(lambda module, args, kwargs: registry.precompute(defer_check=True), prepend=True,
-                                    with_kwargs=True)  # fmt: skip
-    model.register_forward_hook(lambda module, args, kwargs, out: registry.after_forward(), with_kwargs=True)
+    # Eager under torch.compile too: the cast reads DTensor layouts and the device's verdicts, which dynamo cannot
+    # trace (its guards fail on the frame that made them).
+    before = torch.compiler.disable(lambda module, args, kwargs: registry.precompute(defer_check=True))
+    after = torch.compiler.disable(lambda module, args, kwargs, out: registry.after_forward())
+    model.register_forward_pre_hook(before, prepend=True, with_kwargs=True)
+    model.register_forward_hook(after, with_kwargs=True)
     for _, module in registry.owners:
         module.register_state_dict_post_hook(_unwrap_state_dict)
 

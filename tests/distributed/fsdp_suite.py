@@ -7,6 +7,8 @@
 train-fp8: the same net with ``compute="fp8"``: the unsharded weights are FP8 block copies of quantize(full master)
 and the run equals a single process computing the same FP8 GEMMs (emulated on the CPU), and layers converted with
 ``compute="fp8"`` first compute in FP8.
+compiled: torch.compile (aot_eager) over the net in both compute modes trains bit for bit like the same net eagerly,
+every weight with a gradient.
 train: a small net (weights gathered as NVFP4, weights whose shards are not whole 16-row tile bands gathered in
 bf16 and quantized after, a weight kept in bf16) trains STEPS steps; at every step, inside the forward, every
 gathered NVFP4 weight equals ``fp4_dist.quantize(full fp32 master)`` bit for bit, and the loss and every full
@@ -495,9 +497,43 @@ def suite_checkpoint(ctx, world, rank, mode, ckpt) -> dict:
     return {"digests": digests, "next_step": digest(full_state(model, opt))}
 
 
+COMPILED_STEPS = 4
+
+
+def suite_compiled(ctx, world, rank) -> dict:
+    """torch.compile (aot_eager: eager numerics) over a model from fully_shard_nvfp4, in both compute modes: the
+    losses, every weight's gradient (an NVFP4 weight whose gradient is lost would keep its master) and the masters
+    after each step equal the same model's run without compile, bit for bit."""
+    out = {}
+    for compute in ("bf16", "fp8"):
+        runs = {}
+        for compiled in (False, True):
+            model, opt, init, _, _ = build(compute=compute)
+            forward = torch.compile(model, backend="aot_eager") if compiled else model
+            losses, masters, no_grad = [], [], set()
+            for step in range(COMPILED_STEPS):
+                loss = loss_of(forward(batch(step, rank).to(torch.bfloat16)))
+                loss.backward()
+                no_grad |= {n for n, p in model.named_parameters() if p.grad is None}
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+                masters.append(full_masters(model))
+            moved = {n for n, t in masters[-1].items() if not torch.equal(t, init[n].to(t.device))}
+            ctx.check(not no_grad and moved == set(init), f"{compute}, compiled {compiled}: no gradient for "
+                      f"{sorted(no_grad)}; masters that never moved: {sorted(set(init) - moved)}")
+            runs[compiled] = (losses, masters)
+        ctx.check(runs[True][0] == runs[False][0], f"{compute}: compiled losses {runs[True][0]} != {runs[False][0]}")
+        for step, (a, b) in enumerate(zip(runs[True][1], runs[False][1])):
+            differ = [n for n in a if not torch.equal(a[n], b[n])]
+            ctx.check(not differ, f"{compute}, step {step}: compiled masters differ: {differ}")
+        out[compute] = runs[True][0]
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=("train", "train-fp8", "save", "load"), default="train")
+    ap.add_argument("--mode", choices=("train", "train-fp8", "compiled", "save", "load"), default="train")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -518,6 +554,7 @@ def main() -> int:
                         ("orderings", suite_orderings)] + ([("hsdp", suite_hsdp)] if world == 4 else [])
               if DEVICE.type == "cpu" else [("train", suite_train), ("non_finite", suite_non_finite)],
               "train-fp8": [("train_fp8", suite_train_fp8)],
+              "compiled": [("compiled", suite_compiled)],
               "save": [("checkpoint", lambda c, w, r: suite_checkpoint(c, w, r, "save", args.dir))],
               "load": [("checkpoint", lambda c, w, r: suite_checkpoint(c, w, r, "load", args.dir))]}[args.mode]
     for name, fn in suites:

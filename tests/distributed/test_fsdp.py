@@ -69,6 +69,16 @@ def test_fsdp2_in_the_fp8_compute_mode_computes_with_fp8_copies_of_the_gathered_
     assert len(report["train_fp8"]["losses"]) == 8 and len(report["train_fp8"]["fp8"]) == 4
 
 
+@pytest.mark.parametrize("world_size", [1, 2], ids=lambda n: f"ws{n}")
+def test_torch_compile_over_fsdp2_trains_bitwise_like_eager_in_both_compute_modes(world_size):
+    # The root's cast hooks ran under dynamo and tripped its guards; in the FP8 mode the compiled graph traced
+    # F.linear through the copy's values and every NVFP4 weight's gradient was lost, silently.
+    report = _launch(world_size, "--mode", "compiled")
+    assert report["failures"] == [], "\n".join(report["failures"][:10])
+    assert report["returncode"] == 0, report["log"]
+    assert sorted(report["compiled"]) == ["bf16", "fp8"]
+
+
 @pytest.mark.gpu
 def test_fsdp2_in_the_fp8_compute_mode_on_one_gpu():
     """cuBLAS's block-scaled GEMMs and the CUDA copy kernel under FSDP2 and NCCL, against a reference on the GPU."""
