@@ -252,16 +252,21 @@ def experiment(args) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def corpus_digest(corpus: Optional[str]) -> Optional[str]:
-    """sha256 of the corpus's bytes (a folder's files in sorted order, each after its relative path), so that runs
-    of different days can show they read the same text; None for the trainer's embedded corpus."""
+    """sha256 of the text the trainer reads (`examples.megatron_data.corpus_files`: a file, or a folder's *.txt
+    files in name order, each after its name), so that runs of different days can show they read the same text;
+    None for the trainer's embedded corpus. A path with no text raises, naming it, as the trainer would."""
     if corpus is None:
         return None
-    root = Path(corpus)
-    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    from examples.megatron_data import corpus_files
+
+    try:
+        files = corpus_files(corpus)
+    except FileNotFoundError as e:
+        raise SystemExit(f"convergence: --corpus: {e}") from None
     digest = hashlib.sha256()
     for path in files:
-        if path is not root:
-            digest.update(str(path.relative_to(root)).encode() + b"\0")
+        if path != Path(corpus):
+            digest.update(path.name.encode() + b"\0")
         with open(path, "rb") as f:
             while chunk := f.read(1 << 24):
                 digest.update(chunk)
@@ -275,7 +280,8 @@ def _earlier_commands(out: Path, args) -> dict:
         meta = json.loads((out / "runs.json").read_text())
     except OSError:
         return {}
-    differ = sorted(k for k, v in experiment(args).items() if meta.get(k) != v)
+    # A folder from before the corpus's digest was recorded: the digest is unknown there, not different.
+    differ = sorted(k for k, v in experiment(args).items() if meta.get(k, v if k == "corpus_sha256" else None) != v)
     names = list(meta.get("commands", {}))
     if differ and any((out / f"{n}.json").exists() or _earlier(out, n).exists() or resumable(out, n) for n in names):
         raise SystemExit(f"convergence: {out} holds runs of another experiment (runs.json differs in "
@@ -506,6 +512,8 @@ def main() -> int:
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     args.extra = extra
+    if getattr(args, "corpus", None):  # the caller's path: the trainer runs in the repository's folder
+        args.corpus = os.path.abspath(args.corpus)
     return {"run": run, "plot": plot, "compare": compare}[args.what](args)
 
 

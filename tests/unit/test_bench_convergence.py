@@ -128,15 +128,28 @@ def test_the_corpus_is_part_of_the_experiment_by_its_bytes(tmp_path):
     text = tmp_path / "corpus.txt"
     text.write_text("def f():\n    return 1\n")
     folder = tmp_path / "texts"
-    (folder / "a").mkdir(parents=True)
-    (folder / "a" / "x.py").write_text("x = 1\n")
+    folder.mkdir()
+    (folder / "a.txt").write_text("x = 1\n")
     digest = convergence.corpus_digest
     assert digest(None) is None and len(digest(str(text))) == 64 and digest(str(folder)) != digest(str(text))
+    before = digest(str(folder))
+    digest.cache_clear()
+    (folder / "notes.md").write_text("not read by the trainer")  # only what the trainer reads is the corpus
+    (folder / "sub").mkdir()
+    (folder / "sub" / "b.txt").write_text("nor this")
+    assert digest(str(folder)) == before
+    with pytest.raises(SystemExit, match="no text corpus at .*nothing-here"):
+        digest(str(tmp_path / "nothing-here"))
     out = tmp_path / "out"
     convergence.run(_sitting_args(out, variants=[], corpus=str(text)))
     assert json.loads((out / "runs.json").read_text())["corpus_sha256"] == digest(str(text))
     (out / "fp4-lr0.0003-s1.json").write_text(json.dumps({"records": [], "validation": []}))
     meta = json.loads((out / "runs.json").read_text())
+    # a folder made before the digest was recorded resumes (the digest is unknown there, not different)
+    older = {k: v for k, v in meta.items() if k != "corpus_sha256"}
+    (out / "runs.json").write_text(json.dumps(dict(older, commands={"fp4-lr0.0003-s1": []})))
+    convergence.run(_sitting_args(out, variants=[], corpus=str(text)))
+    assert json.loads((out / "runs.json").read_text())["corpus_sha256"] == digest(str(text))
     (out / "runs.json").write_text(json.dumps(dict(meta, commands={"fp4-lr0.0003-s1": []})))
     text.write_text("def f():\n    return 2\n")  # the same path, other text: another experiment
     digest.cache_clear()
