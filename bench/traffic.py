@@ -20,6 +20,7 @@ and the tensor-amax exchange for fsdp2.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -41,14 +42,15 @@ from fp4_dist.optim import Zero1Config, Zero1Optimizer  # noqa: E402
 NAMES = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
          "reduce_scatter_tensor", "all_to_all_single", "broadcast", "all_gather", "all_gather_object",
          "broadcast_object_list", "gather_object", "scatter_object_list")  # fmt: skip
-"""Each counts once per call: the collectives the object helpers make inside them are theirs."""
+"""Each counts once per call, with the bytes of its largest tensor argument (none for the object helpers): the
+collectives a call makes inside it are its own."""
 CANONICAL = {"all_gather_into_tensor": "all_gather_single", "reduce_scatter_tensor": "reduce_scatter_single"}
 SHAPES = [(48, 80), (40, 96), (64, 48), (33, 112), (96, 64)]
 
 
 def _detail(name: str, values: tuple) -> tuple[str, str, str, str]:
     """(collective, reduce op, dtype, the group's ranks) of one call: what tells a step's collectives apart."""
-    op = next((str(v).split(".")[-1] for v in values if isinstance(v, (dist.ReduceOp.RedOpType, dist.ReduceOp))),
+    op = next((_op_name(v) for v in values if isinstance(v, (dist.ReduceOp.RedOpType, dist.ReduceOp))),
               "SUM" if "reduce" in name else "")
     group = next((v for v in values if isinstance(v, dist.ProcessGroup)), None)
     tensor = next((v for v in values if isinstance(v, torch.Tensor)), None)
@@ -57,28 +59,42 @@ def _detail(name: str, values: tuple) -> tuple[str, str, str, str]:
     return name, op, dtype, ",".join(map(str, ranks))
 
 
+def _op_name(op) -> str:
+    """A reduce op's name; a ReduceOp that carries a factor (NCCL's premul-sum, made per call) is PREMUL_SUM, so that
+    its calls share one row."""
+    if isinstance(op, dist.ReduceOp.RedOpType):
+        return str(op).split(".")[-1]
+    return "PREMUL_SUM" if "object at" in str(op) else str(op).split(".")[-1]
+
+
+def _module_attributes(values: dict):
+    """(module, attribute, name) of every module attribute that holds one of `values`' keys (`name` its value)."""
+    for module in list(sys.modules.values()):
+        for attr, value in list(getattr(module, "__dict__", {}).items()):
+            try:
+                name = values.get(value)
+            except Exception:  # an attribute that cannot be hashed or compared
+                continue
+            if name is not None:
+                yield module, attr, name
+
+
 @contextmanager
 def counted(detail: bool = False):
     """Wrap torch.distributed's collectives; yields (calls, bytes) Counters keyed by canonical name, or with
     `detail` by (name, reduce op, dtype, the group's ranks)."""
-    calls, nbytes, saved = Counter(), Counter(), []
+    calls, nbytes = Counter(), Counter()
     originals = {fn: name for name in NAMES if (fn := getattr(dist, name, None)) is not None}
     # Libraries keep module-level aliases of some (Megatron's buffers call `dist_all_gather_func`, bound at import):
     # every module attribute that is one of these functions is wrapped, and put back after.
-    for module in list(sys.modules.values()):
-        for attr, value in list(getattr(module, "__dict__", {}).items()):
-            try:
-                name = originals.get(value)
-            except Exception:  # an attribute that cannot be hashed or compared
-                continue
-            if name is not None:
-                saved.append((module, attr, value))
+    saved = [(module, attr, getattr(module, attr)) for module, attr, _ in _module_attributes(originals)]
 
     # A call inside another (torch's __torch_function__ dispatch looks the function up again; an object helper's own
     # collectives) counts once, per thread: the autograd engine's thread makes a backward's collectives.
     inside = threading.local()
 
     def wrapped(fn, name):
+        @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             if getattr(inside, "depth", 0):
                 return fn(*args, **kwargs)
@@ -97,13 +113,17 @@ def counted(detail: bool = False):
         return wrapper
 
     wrappers = {fn: wrapped(fn, name) for fn, name in originals.items()}
-    for module, attr, value in saved:
-        setattr(module, attr, wrappers[value])
     try:
+        for module, attr, value in saved:
+            setattr(module, attr, wrappers[value])
         yield calls, nbytes
     finally:
         for module, attr, value in saved:
             setattr(module, attr, value)
+        # A module imported meanwhile may have bound a wrapper (`from torch.distributed import all_reduce`).
+        unwrap = {w: fn for fn, w in wrappers.items()}
+        for module, attr, _ in list(_module_attributes(unwrap)):
+            setattr(module, attr, unwrap[getattr(module, attr)])
 
 
 def model() -> nn.Module:

@@ -50,7 +50,11 @@ class Fp8Param(torch.Tensor):
         """A copy with tensors of its own holding the same bits and scales (deepcopy of a layer inside its forward,
         where FSDP2 has unsharded it); torch's default would clone through the values into a plain tensor."""
         self.check_allocated()
-        copied = type(self)(own(self.operand), self.dtype, self.requires_grad)
+        operand = memo.get(id(self.operand))
+        if operand is None:  # weights that share one copy (a parameter and its detach) share it in the copy too
+            operand = memo[id(self.operand)] = own(self.operand)
+            memo.setdefault(id(memo), []).append(self.operand)  # deepcopy's keep-alive: the id stays this one's
+        copied = type(self)(operand, self.dtype, self.requires_grad)
         if isinstance(self, torch.nn.Parameter):  # a module's weight stays a parameter of the copied module
             copied = torch.nn.Parameter(copied, self.requires_grad)
         memo[id(self)] = copied

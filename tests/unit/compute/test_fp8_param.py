@@ -105,6 +105,9 @@ def test_a_deep_copy_holds_the_same_copy_in_tensors_of_its_own_and_a_freed_one_r
         if isinstance(t, torch.Tensor):
             t.untyped_storage().resize_(0)
     assert torch.equal(twin(x), F.linear(x, _param(w)))  # the twin's copy outlives the original's
+    r = _param(w)
+    a, b = copy.deepcopy([r, r.detach()])  # one copy shared by two weights stays one copy
+    assert a.operand is b.operand and a.operand is not r.operand
     with pytest.raises(RuntimeError, match="freed when FSDP2 resharded"):
         copy.deepcopy(p)
 
