@@ -158,6 +158,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, run_
     if writes_slices:
         _save(model_state(model.module), slices / "model.pt")
         atomic.fsync_file(slices / "distrib_optim.pt")
+        atomic.fsync_file(slices)  # the folder's entries, from the host that made them
     if rank == 0:
         common = {"iteration": iteration, "config": run_config, "optimizer": optimizer.state_dict(),
                   "scheduler": scheduler.state_dict()}
