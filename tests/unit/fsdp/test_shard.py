@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[3]
 
 _UNSHARD_AFTER_STEP = """
@@ -38,3 +40,48 @@ def test_unshard_right_after_a_step_names_the_step_and_the_remedy():
                           timeout=120)  # fmt: skip
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("ERROR")), proc.stdout + proc.stderr[-2000:])
     assert "0.weight are stale" in line and "an optimizer step" in line and "precompute_nvfp4(model)" in line, line
+
+
+_TIED = """
+import sys, warnings, torch, torch.distributed as dist
+from torch import nn
+import fp4_dist
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from fp4_dist.fsdp import fully_shard_nvfp4
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+class LM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.mid, self.head = nn.Embedding(64, 32), nn.Linear(32, 32), nn.Linear(32, 64, bias=False)
+        self.head.weight = self.emb.weight
+    def forward(self, t):
+        return self.head(torch.relu(self.mid(self.emb(t))))
+torch.manual_seed(0)
+m = LM()
+if sys.argv[1] == "converted":
+    fp4_dist.convert_linear_weights(m)
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    report = fully_shard_nvfp4(m, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+first = m.emb.weight.full_tensor().clone()
+t = torch.randint(0, 64, (8, 4))
+for _ in range(2):
+    nn.functional.cross_entropy(m(t).float().flatten(0, 1), t.flatten()).backward()
+    opt.step()
+    opt.zero_grad()
+moved = not torch.equal(first, m.emb.weight.full_tensor())
+print("RESULT", report.nvfp4, sorted(report.kept), m.emb.weight is m.head.weight, moved, report.kept["head.weight"])
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("order", ["plain", "converted"])
+def test_a_linear_weight_tied_to_an_embedding_stays_tied_in_high_precision(order):
+    # It became an NVFP4 master of the head alone: the embedding and the head trained as two weights, silently;
+    # converted first, FSDP2 met the embedding's NVFP4Tensor and blamed the user for not calling fully_shard_nvfp4.
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-c", _TIED, order], env=env, capture_output=True, text=True, timeout=120)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")), proc.stdout + proc.stderr[-3000:])
+    assert line.startswith("RESULT ['mid.weight'] ['head.weight'] True True shared with emb.weight"), line
+    assert ("it was an NVFP4 weight" in line) == (order == "converted"), line
