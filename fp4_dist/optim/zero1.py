@@ -189,6 +189,10 @@ class Zero1Optimizer(torch.optim.Optimizer):
         stats: optional `CommStats` that records every collective this optimizer issues.
     """
 
+    # torch.amp.GradScaler.step hands such an optimizer its verdict instead of skipping step() on one rank alone:
+    # step() refuses it (below) on every rank at once.
+    _step_supports_amp_scaling = True
+
     def __init__(self, params: Iterable, make_optimizer: Callable[[List[dict]], torch.optim.Optimizer], *,
                  group=None, config: Zero1Config = Zero1Config(),
                  master_init: Optional[Sequence[Optional[torch.Tensor]]] = None, stats: Optional[CommStats] = None):
@@ -211,6 +215,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
                              f"groups for the {len(groups)} it was given; build it from exactly those groups")
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._grads_reduced = False
+        self._reduced_from: Optional[list] = None  # the gradients `clip_grad_norm_` reduced (`_reduce_all_grads`)
+        self._published: list = []  # the parameters' version counters when this optimizer last wrote them
         self._present = [False] * len(self.params)  # this rank's: requires_grad and a gradient, this step
         self._check = _GradCheck(self)
         self.skipped_steps = 0
@@ -369,6 +375,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
     # ----------------------------------------------------------------------------------------------- step
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._grads_reduced = False
+        self._reduced_from = None
         for p in self.params:
             if set_to_none:
                 p.grad = None
@@ -394,8 +401,21 @@ class Zero1Optimizer(torch.optim.Optimizer):
         """
         if closure is not None:
             raise ValueError("Zero1Optimizer.step does not take a closure; run forward/backward before step()")
-        self._reduce_all_grads()
-        self._grads_reduced = False
+        if hasattr(self, "found_inf") or hasattr(self, "grad_scale"):  # set by torch.amp.GradScaler.step
+            for name in ("found_inf", "grad_scale"):
+                self.__dict__.pop(name, None)
+            raise RuntimeError(
+                "Zero1Optimizer.step under torch.amp.GradScaler: the scaler checks each rank's own gradients, before "
+                "they are reduced, so the ranks would skip different steps and reduce gradients of different steps "
+                "together. Train with bf16 autocast, which needs no loss scaling; Zero1Config(nonfinite_grads=\"skip\") "
+                "skips a step whose reduced gradients hold inf or NaN, on every rank together")
+        clipped = self._grads_reduced
+        if self._reduce_all_grads() and clipped:
+            warnings.warn("Zero1Optimizer.step: the gradients changed after clip_grad_norm_ reduced them (zeroed, or "
+                          "another backward), so this step reduced them again and uses them unclipped; call "
+                          "clip_grad_norm_ after the last backward", UserWarning, stacklevel=user_stacklevel())
+        self._grads_reduced, self._reduced_from = False, None
+        self._check.written = [i for i, p in enumerate(self.params) if p._version != self._published[i]]
         absent = self._check.run()  # the step's read of its gradients' state
         self.last_step_skipped = absent is None
         if absent is None:
@@ -412,11 +432,19 @@ class Zero1Optimizer(torch.optim.Optimizer):
                 p.grad = g
         self._publish_params(frozen=absent, after_step=True)
 
-    def _reduce_all_grads(self) -> None:
-        if not self._grads_reduced:
-            for sec in self._sections:
-                self._reduce_grads(sec)
-            self._grads_reduced = True
+    def _reduce_all_grads(self) -> bool:
+        """Reduce the gradients unless `clip_grad_norm_` reduced these same ones: gradients zeroed or replaced since
+        (``model.zero_grad()``, a backward of another batch) are reduced again, not the discarded ones used.
+        Returns whether it reduced."""
+        # The tensors themselves, held: a freed gradient's id can come back with the next batch's.
+        now = [(g, g._version) if (g := p.grad) is not None else None for p in self.params]
+        if self._grads_reduced and all(a is b or (a and b and a[0] is b[0] and a[1] == b[1])
+                                       for a, b in zip(now, self._reduced_from)):  # fmt: skip
+            return False
+        for sec in self._sections:
+            self._reduce_grads(sec)
+        self._grads_reduced, self._reduced_from = True, now
+        return True
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -527,6 +555,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
                 all_gather_inplace(sec.buf.bucket_param(b), self.group, self.stats)
         if cast is not None:
             cast.after_gather()
+        self._published = [p._version for p in self.params]
         if verdict is not None and not bool(verdict):
             cast.core.raise_for(" after this optimizer step, from finite gradients: the inner optimizer made them "
                                 "(check its hyperparameters)")
@@ -641,8 +670,10 @@ class _GradCheck:
     def __init__(self, opt: "Zero1Optimizer"):
         self.opt = opt
         n, dev = len(opt.params), opt.device
-        self.flags = torch.zeros(n + len(opt._sections), dtype=torch.float32, device=dev)
-        self.presence = torch.zeros(n, dtype=torch.float32, device=dev)
+        self.written: List[int] = []
+        """This rank's parameters written since the optimizer last set them (the step's flag after the presence)."""
+        self.flags = torch.zeros(n + 1 + len(opt._sections), dtype=torch.float32, device=dev)
+        self.presence = torch.zeros(n + 1, dtype=torch.float32, device=dev)
         self._pattern: Optional[list] = None
         self._staging = None  # the pinned source of the last presence upload, alive until it lands
 
@@ -660,16 +691,29 @@ class _GradCheck:
         """The parameters to leave out of this step (no rank has a gradient), or None to skip the step; raises
         for non-finite gradients (the default)."""
         opt, n, sections = self.opt, len(self.opt.params), self.opt._sections
-        self._upload_presence(opt._present)
+        self._upload_presence([*opt._present, bool(self.written)])
         flags = self.flags
-        flags[:n].copy_(self.presence)
+        flags[:n + 1].copy_(self.presence)
         for k, sec in enumerate(sections):
-            torch.logical_not(torch.isfinite(sec.buf.grad_shard).all(), out=flags[n + k])
+            torch.logical_not(torch.isfinite(sec.buf.grad_shard).all(), out=flags[n + 1 + k])
         all_reduce_max_(flags, opt.group, opt.stats)
         values = flags.tolist()  # the step's read of its gradients' state
-        if any(values[n:n + len(sections)]):
+        if values[n]:
+            self._written()
+        if any(values[n + 1:]):
             return self._nonfinite(self._bad_parameters())
         return [i for i in range(n) if not values[i]]
+
+    def _written(self) -> None:
+        opt = self.opt
+        names = ", ".join(opt.names[i] for i in self.written[:8]) + (
+            f" and {len(self.written) - 8} more" if len(self.written) > 8 else "")  # fmt: skip
+        raise ValueError(
+            "Zero1Optimizer.step: the model's parameters were written since the optimizer last set them "
+            f"({'here: ' + names if names else 'on another rank'}), e.g. by model.load_state_dict after the optimizer "
+            "was built. Its fp32 masters hold the weights, and this step would have cast them over the write; the "
+            "step was not taken on any rank. Load the weights before building the optimizer, or restore a checkpoint "
+            "through the optimizer (Zero1Optimizer.load_state_dict, fp4_dist.checkpoint), which sets the masters")
 
     def _bad_parameters(self) -> List[int]:
         """The parameters whose reduced gradient holds inf or NaN on some rank (every rank is here together)."""

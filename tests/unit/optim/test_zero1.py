@@ -507,3 +507,57 @@ def test_a_master_made_non_finite_while_another_weight_is_frozen_is_named_by_its
     loss_of(model, data(0)).backward()
     with pytest.raises(ValueError, match=r"model_weights\[1\] \(40x80\) = 2\.weight master.*after this optimizer step"):
         opt.step()
+
+
+def test_weights_loaded_into_the_model_after_the_optimizer_was_built_stop_the_next_step():
+    # The step cast the optimizer's fp32 masters over the loaded weights, silently, dense ones too.
+    model, init = mlp()
+    opt = Zero1Optimizer(model.parameters(), lambda g: torch.optim.SGD(g, lr=0.0), master_init=init)
+    pretrained, _ = mlp(seed=1)
+    model.load_state_dict(pretrained.state_dict())
+    loss_of(model, data(0)).backward()
+    with pytest.raises(ValueError, match=r"written since the optimizer last set them \(here: 0.weight, parameter 1 "
+                                         r"\[80\] \(torch.bfloat16\), 2.weight\), e.g. by model.load_state_dict"):
+        opt.step()
+    assert all(torch.equal(m, i) for m, i in zip(opt.full_masters(), init)), "the refused step changed a master"
+    model, init = mlp()
+    opt = Zero1Optimizer(model.parameters(), lambda g: torch.optim.SGD(g, lr=0.0), master_init=init)
+    for step in range(2):  # the optimizer's own writes are not the user's
+        loss_of(model, data(step)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("clip_again", [False, True])
+def test_gradients_changed_after_clip_grad_norm_are_reduced_again(clip_again):
+    # A batch looked at through clip_grad_norm_ and discarded with model.zero_grad(): the step used its gradients.
+    def run(discard: bool):
+        model, init = mlp()
+        opt = Zero1Optimizer(model.parameters(), lambda g: torch.optim.SGD(g, lr=1.0), master_init=init)
+        if discard:
+            loss_of(model, data(0)).backward()
+            opt.clip_grad_norm_(0.05)
+            model.zero_grad()
+        loss_of(model, data(1)).backward()
+        if clip_again:
+            opt.clip_grad_norm_(0.05)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step()
+        return opt.full_masters(), [str(w.message) for w in caught if "changed after clip_grad_norm_" in str(w.message)]
+
+    (want, _), (got, said) = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)), "the step used the discarded batch's gradients"
+    assert len(said) == (0 if clip_again else 1), said
+
+
+def test_a_grad_scaler_is_refused_at_its_first_step():
+    # It checked each rank's unreduced gradients: one rank skipped a step the others took, and the ranks' gradient
+    # reductions paired across steps until they hung.
+    model, init = mlp()
+    opt = Zero1Optimizer(model.parameters(), adam, master_init=init)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(loss_of(model, data(0))).backward()
+    with pytest.raises(RuntimeError, match="under torch.amp.GradScaler: the scaler checks each rank's own gradients"):
+        scaler.step(opt)
+    assert not hasattr(opt, "found_inf") and all(torch.equal(m, i) for m, i in zip(opt.full_masters(), init))
