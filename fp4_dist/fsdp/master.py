@@ -179,10 +179,12 @@ class NVFP4Master(torch.Tensor):
             state.world = (mesh, mesh.size())
         if state.mode == "nvfp4":
             if not state.cast_is_current(self._data):
+                why = ("are not cast yet (the cast runs in the forward of the model passed to fully_shard_nvfp4)"
+                       if state.cast_from is None else "are stale: its fp32 master changed since they were cast (an "
+                       "optimizer step, a checkpoint load or another in-place write; the cast runs in the forward of "
+                       "the model passed to fully_shard_nvfp4)")  # fmt: skip
                 raise RuntimeError(
-                    f"fp4_dist.fsdp: the NVFP4 bytes of {state.fqn} are stale: its fp32 master changed since they "
-                    "were cast (an optimizer step, a checkpoint load or another in-place write; the cast runs in "
-                    "the forward of the model passed to fully_shard_nvfp4). Before gathering outside a forward "
+                    f"fp4_dist.fsdp: the NVFP4 bytes of {state.fqn} {why}. Before gathering outside a forward "
                     "(module.unshard()), call fp4_dist.fsdp.precompute_nvfp4(model) on every rank")
             return wire.pack(state.packed, state.scales, state.amax, state.world[1])
         return wire.pack_rows(self._data.to(state.model_dtype), state.shape[0], state.world[1]), None

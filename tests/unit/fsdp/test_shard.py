@@ -85,3 +85,40 @@ def test_a_linear_weight_tied_to_an_embedding_stays_tied_in_high_precision(order
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")), proc.stdout + proc.stderr[-3000:])
     assert line.startswith("RESULT ['mid.weight'] ['head.weight'] True True shared with emb.weight"), line
     assert ("it was an NVFP4 weight" in line) == (order == "converted"), line
+
+
+_MESSAGES = """
+import warnings, torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from fp4_dist.fsdp import fully_shard_nvfp4
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+def build():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fully_shard_nvfp4(net, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16), shard_modules=list(net))
+    return net
+net = build()
+try:
+    net[0].unshard()
+except RuntimeError as e:
+    print("UNSHARD", e)
+net = build()
+net.load_state_dict(build().state_dict(), assign=True)
+try:
+    net(torch.randn(4, 32))
+except RuntimeError as e:
+    print("ASSIGN", e)
+dist.destroy_process_group()
+"""
+
+
+def test_a_gather_before_any_cast_and_an_assigning_load_are_named_for_what_they_are():
+    # The first was called stale ("its fp32 master changed"), the second an unsharded weight ("call reshard()").
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-c", _MESSAGES], env=env, capture_output=True, text=True, timeout=120)
+    said = dict(ln.split(" ", 1) for ln in proc.stdout.splitlines() if ln.startswith(("UNSHARD", "ASSIGN")))
+    assert "0.weight are not cast yet" in said.get("UNSHARD", ""), proc.stdout + proc.stderr[-3000:]
+    assert "0.weight is no NVFP4 master any more" in said.get("ASSIGN", "") and "assign=True" in said["ASSIGN"], said
