@@ -6,9 +6,11 @@ of on the GPU machine."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -97,7 +99,15 @@ def test_cpu_benches_print_their_tables():
          "Zero1Optimizer (AdamW) on 2 CPU ranks", "\nlean ")
 
 
-def test_the_projected_ratios_are_the_range_docs_fsdp2_gives():
+def test_the_one_node_table_script_runs_its_parts_and_names_an_unknown_one():
+    env = dict(os.environ, CPU="1", PARTS="zero1 nonsense", OUT=tempfile.mkdtemp(prefix="fp4_dist_one_node_"))
+    proc = subprocess.run(["bash", str(REPO / "bench" / "one_node_gpu.sh")], env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT_S, cwd=REPO)  # fmt: skip
+    assert proc.returncode == 1 and "unknown part nonsense" in proc.stderr, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Zero1Optimizer (AdamW) on 2 CPU ranks" in proc.stdout and "FAILED parts: nonsense" in proc.stdout
+
+
+
     proc = _bench("bench/projection.py")
     _ran(proc, "NVFP4 / bf16 at 64 |")
     ratios = [float(line.split("|")[-2]) for line in proc.stdout.splitlines() if "| nvfp4 |" in line]
