@@ -34,6 +34,7 @@ class Fp8Param(torch.Tensor):
     """An [M, K] weight in the model dtype whose values are the FP8 block copy `operand` (module docstring)."""
 
     operand: Fp8Operand
+    _eager_under_compile = False
 
     @staticmethod
     def __new__(cls, operand: Fp8Operand, dtype: torch.dtype, requires_grad: bool = False):
@@ -41,6 +42,8 @@ class Fp8Param(torch.Tensor):
         self = torch.Tensor._make_wrapper_subclass(cls, bits.shape, dtype=dtype, device=bits.device,
                                                    requires_grad=requires_grad)  # fmt: skip
         self.operand = operand
+        if not cls._eager_under_compile:
+            _run_eagerly_under_compile(cls)
         return self
 
     def __repr__(self, *, tensor_contents=None) -> str:
@@ -75,10 +78,7 @@ class Fp8Param(torch.Tensor):
                     "a weight is read inside the forward and backward that gathered it (keep the layer, not the "
                     "unsharded weight)")
 
-    # Under torch.compile each op on the copy runs eagerly, as a graph break (about 0.5 us more per op in eager
-    # mode): traced, F.linear reached the GEMMs through the copy's values, and the weight's gradient was lost.
     @classmethod
-    @torch.compiler.disable
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.nn.functional.linear:
@@ -104,6 +104,15 @@ class Fp8Param(torch.Tensor):
                 "instead")
         plain_args, plain_kwargs = tree_map_only(cls, lambda t: t.values(), (args, kwargs))
         return func(*plain_args, **plain_kwargs)
+
+
+def _run_eagerly_under_compile(cls) -> None:
+    """Make each op on the copy run eagerly under torch.compile, as a graph break (about 0.5 us more per op in eager
+    mode): traced, F.linear reached the GEMMs through the copy's values, and the weight's gradient was lost. Done at
+    the first copy made, not at import: torch.compiler.disable imports dynamo, which a Megatron CPU rank must not
+    import before Megatron does (`fp4_dist.megatron.cpu_compat`)."""
+    cls.__torch_function__ = classmethod(torch.compiler.disable(cls.__torch_function__.__func__))
+    cls._eager_under_compile = True
 
 
 def _linear(x: torch.Tensor, w: Fp8Param, bias) -> torch.Tensor:

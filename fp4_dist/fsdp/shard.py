@@ -292,22 +292,30 @@ class _Registry:
         unsharded = [fqn for fqn, p in out if local_master(p) is None]
         if unsharded:
             raise RuntimeError(
-                f"fp4_dist.fsdp: {unsharded[0]} is unsharded; the NVFP4 cast reads the sharded fp32 masters, so it "
-                "runs between FSDP2's reshard and the next unshard. A forward begins with the cast: FSDP2 keeps a "
-                "layer unsharded after a forward without a backward under reshard_after_forward=False (evaluation, "
-                "several forwards per backward) and after a backward under set_reshard_after_backward(False); call "
-                "reshard() on the model's FSDP modules before the next forward (or precompute_nvfp4)")
+                f"fp4_dist.fsdp: {unsharded[0]} is unsharded and a master changed since the last cast (an optimizer "
+                "step, a load); the NVFP4 cast reads the sharded fp32 masters, so it runs between FSDP2's reshard "
+                "and the next unshard. A forward begins with the cast: FSDP2 keeps a layer unsharded after a "
+                "forward without a backward under reshard_after_forward=False (evaluation, several forwards per "
+                "backward) and after a backward under set_reshard_after_backward(False); call reshard() on the "
+                "model's FSDP modules before the next forward (or precompute_nvfp4)")
         return out
 
     def precompute(self, defer_check: bool = False) -> None:
         """Cast the masters that changed. `defer_check` (the root's pre-forward): the non-finite verdict is read by
         `after_forward`, once the forward is queued, so the host does not wait for the device before it."""
         self.resolve()
+        if self.cast is not None and not self.cast.stale() and self._some_unsharded():
+            # Layers FSDP2 kept unsharded (an evaluation forward under reshard_after_forward=False) hold what the
+            # last cast gave, and no master changed since: nothing to cast.
+            return
         params = self.masters()
         if self.cast is None or not self.cast.current_for(params):
             self.cast = ShardCast(params)
         if self.cast.stale():
             self.check = self.cast(defer_check=defer_check)
+
+    def _some_unsharded(self) -> bool:
+        return any(local_master(module.weight) is None for _, module in self.owners)
 
     def resolve(self) -> None:
         """Read the deferred verdict; if a master was not finite, mark the bytes stale and raise, naming it."""

@@ -280,25 +280,32 @@ def suite_train_fp8(ctx, world, rank) -> dict:
     ctx.check(third.fp8 == ["1.weight"] and list(third.not_fp8) == ["0.weight"]
               and "keeps its own forward" in str(third) and kinds[1] is Fp8Param and kinds[0] is not Fp8Param,
               f"a layer with its own forward: FP8 {third.fp8}, not FP8 {third.not_fp8}, computed with {kinds}")
-    # reshard_after_forward=False and a forward without a backward: FSDP2 keeps the layers unsharded, and the next
-    # forward says so and what to do (in either compute mode)
+    # reshard_after_forward=False and a forward without a backward: FSDP2 keeps the layers unsharded. The next
+    # forward trains on them while no master changed; after a step it says so and what to do
     torch.manual_seed(3)
     kept = Net().to(DEVICE)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fully_shard_nvfp4(kept, mp_policy=BF16, reshard_after_forward=False, compute="fp8")
+    sgd = torch.optim.SGD(kept.parameters(), lr=0.1)
     with torch.no_grad():
         kept(batch(0, rank).to(torch.bfloat16))
+    loss_of(kept(batch(1, rank).to(torch.bfloat16))).backward()
+    no_grad = [n for n, p in kept.named_parameters() if p.grad is None]
+    ctx.check(not no_grad, f"a training forward after an evaluation one left no gradient for {no_grad}")
+    with torch.no_grad():
+        kept(batch(2, rank).to(torch.bfloat16))
+    sgd.step()
     try:
-        kept(batch(1, rank).to(torch.bfloat16))
+        kept(batch(3, rank).to(torch.bfloat16))
         error = "no error"
     except RuntimeError as e:
         error = str(e)
-    ctx.check("reshard_after_forward=False" in error and "call reshard()" in error,
-              f"a forward on weights FSDP2 left unsharded: {error}")
+    ctx.check("a master changed" in error and "reshard_after_forward=False" in error and "call reshard()" in error,
+              f"a forward on weights FSDP2 left unsharded, after a step: {error}")
     kept.reshard()
     with torch.no_grad():
-        kept(batch(1, rank).to(torch.bfloat16))  # resharded as the message says: the forward runs
+        kept(batch(3, rank).to(torch.bfloat16))  # resharded as the message says: the forward runs
     return {"losses": losses, "fp8": report.fp8}
 
 

@@ -122,3 +122,41 @@ def test_a_gather_before_any_cast_and_an_assigning_load_are_named_for_what_they_
     said = dict(ln.split(" ", 1) for ln in proc.stdout.splitlines() if ln.startswith(("UNSHARD", "ASSIGN")))
     assert "0.weight are not cast yet" in said.get("UNSHARD", ""), proc.stdout + proc.stderr[-3000:]
     assert "0.weight is no NVFP4 master any more" in said.get("ASSIGN", "") and "assign=True" in said["ASSIGN"], said
+
+
+_EVAL_BETWEEN = """
+import sys, warnings, torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from fp4_dist.fsdp import fully_shard_nvfp4
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+def run(evaluate):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fully_shard_nvfp4(net, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+                          shard_modules=[net[0], net[2]], reshard_after_forward=False)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    losses = []
+    for step in range(3):
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(step))
+        loss = net(x).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if evaluate:
+            with torch.no_grad():
+                net(x)
+    return losses
+print("LOSSES", run(False) == run(True))
+dist.destroy_process_group()
+"""
+
+
+def test_an_evaluation_forward_between_steps_under_reshard_after_forward_false_trains_on():
+    # FSDP2 keeps the evaluated layers unsharded; the next forward's cast refused them though no master had changed.
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-c", _EVAL_BETWEEN], env=env, capture_output=True, text=True, timeout=120)
+    assert "LOSSES True" in proc.stdout, proc.stdout + proc.stderr[-3000:]
