@@ -105,11 +105,17 @@ def refuse_unsupported_args(args) -> None:
             (getattr(args, "transformer_impl", "local") == "transformer_engine",
              "--transformer-impl transformer_engine (use --transformer-impl local)"),
             (getattr(args, "fp16", False), "--fp16 (loss-scaled fp16 is not tested with NVFP4 weights; use --bf16)"),
+            (not getattr(args, "fp16", False) and not getattr(args, "bf16", False),
+             "an fp32 model (neither --bf16 nor --fp16: NVFP4 weights compute in bf16; add --bf16)"),
             (getattr(args, "async_save", False), "--async-save (needs the torch_dist format; use --ckpt-format torch)"),
             (getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False),
              "--use-torch-fsdp2 / --use-megatron-fsdp (for FSDP2 use fp4_dist.fsdp.fully_shard_nvfp4)"),
             (not getattr(args, "use_distributed_optimizer", False), "a run without --use-distributed-optimizer"),
             (getattr(args, "data_parallel_random_init", False), "--data-parallel-random-init"),
+            (bool(load) and (getattr(args, "finetune", False) or getattr(args, "no_load_optim", False)),
+             "--finetune / --no-load-optim (Megatron then rebuilds the fp32 masters from the checkpoint's 4-bit "
+             "weights, whose -0 codes quantize back as +0, and the after-setup check stops the run; load the "
+             "optimizer state too, or fine-tune from a checkpoint saved without --fp4-param-gather)"),
             (getattr(args, "overlap_param_gather_with_optimizer_step", False),
              "--overlap-param-gather-with-optimizer-step"),
         ]

@@ -108,7 +108,7 @@ def test_platform_flags_are_added_only_when_needed_and_never_over_the_users():
 
 
 def _args(**kw):
-    base = dict(fp4_param_gather=True, use_distributed_optimizer=True, pipeline_model_parallel_size=1,
+    base = dict(fp4_param_gather=True, use_distributed_optimizer=True, pipeline_model_parallel_size=1, bf16=True,
                 num_experts=None, transformer_impl="local", fp16=False, async_save=False, use_torch_fsdp2=False,
                 use_megatron_fsdp=False, data_parallel_random_init=False,
                 overlap_param_gather_with_optimizer_step=False, load=None, ckpt_step=None, ckpt_format="torch")
@@ -122,6 +122,9 @@ def _args(**kw):
     (dict(use_torch_fsdp2=True), "--use-torch-fsdp2"),
     (dict(use_distributed_optimizer=False), "without --use-distributed-optimizer"),
     (dict(data_parallel_random_init=True), "--data-parallel-random-init"),
+    (dict(bf16=False), "an fp32 model"),
+    (dict(load="ckpt", finetune=True), "--finetune / --no-load-optim"),
+    (dict(load="ckpt", no_load_optim=True), "--finetune / --no-load-optim"),
 ])
 def test_each_unsupported_fp4_run_is_refused_naming_the_flag(change, named):
     pytest.importorskip("megatron.core")
