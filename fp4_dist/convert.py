@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import warnings
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -75,7 +76,8 @@ def convert_linear_weights(
         numerics: block-scale formula ("te" or "te-2.14").
         dtype: model dtype the NVFP4 weights report (their compute dtype); None: each linear's own dtype (bf16,
             fp16 or fp32).
-        skip: module names (as in `named_modules`) to leave in high precision, e.g. the output head.
+        skip: module names (as in `named_modules`) to leave in high precision, e.g. the output head; a module
+            holding linears (a block) leaves all of them. An entry that names no linear raises ValueError.
         compute_copy: keep each weight's values in the compute dtype between updates (2.5 bytes per weight with
             the packed bytes, against bf16's 2), so forward and backward use them without dequantizing. Default
             False (lean): 0.5 bytes per weight, each use dequantizes into a buffer shared by the weights of its
@@ -125,8 +127,13 @@ def convert_linear_weights(
     owners = weight_owners(model)
     report, done = ConversionReport(compute=compute), {}
     linears = {name: m.weight for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    skip = skipped_linears(model, skip, "convert_linear_weights")
     kept = {name: _kept_reason(name, w, skip) for name, w in linears.items() if not is_nvfp4_tensor(w)}
     groups = _amax_groups(linears, kept, check_patterns(shared_amax), dtype) if shared_amax else {}
+    if shared_amax and not groups:
+        warnings.warn(f"convert_linear_weights: shared_amax {list(shared_amax)} forms no group of sibling linears "
+                      "in this model (each pattern names leaf modules of one parent, e.g. 'q_proj'), so no weights "
+                      "share an amax", UserWarning, stacklevel=2)
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
@@ -198,6 +205,29 @@ def install_nvfp4(module: nn.Module, q, name: str, requires_grad: bool, others=(
         ready_for_compile()
         module.__class__ = NVFP4Linear
     return new
+
+
+def skipped_linears(model: nn.Module, skip, who: str) -> set:
+    """The linear layers `skip` names: each entry a module name as in ``named_modules``, a linear or a module
+    holding linears (all of them). Raises ValueError naming entries that name no module, or no linear: a typo
+    would leave the layer it meant in 4 bits without a word."""
+    if isinstance(skip, str):
+        raise TypeError(f"{who}: skip is a sequence of module names, got the string {skip!r}")
+    modules = dict(model.named_modules())
+    linears = [name for name, m in modules.items() if isinstance(m, nn.Linear)]
+    out, unknown = set(), []
+    for entry in skip:
+        under = [n for n in linears if n == entry or (entry in modules and n.startswith(entry + "."))]
+        if not under:
+            unknown.append(entry)
+        out.update(under)
+    if unknown:
+        near = {e: difflib.get_close_matches(e, list(modules), n=2) for e in unknown}
+        hints = "; ".join(f"{e!r}" + (f" (did you mean {' or '.join(map(repr, m))}?)" if m else "")
+                          for e, m in near.items())  # fmt: skip
+        raise ValueError(f"{who}: skip names no linear layer of this model: {hints}. Entries are module names as "
+                         "model.named_modules() gives them, of a linear or of a module holding linears")
+    return out
 
 
 def _kept_reason(name: str, w: torch.Tensor, skip) -> Optional[str]:

@@ -31,6 +31,7 @@ from ..cast.core import DeferredCheck
 from ..compute.fp8_gemm import require_fp8_gemm
 from ..compute.fp8_param import allocated
 from ..compute.linear import NVFP4Linear
+from ..convert import skipped_linears
 from . import dequant_batch, wire
 from .master import NVFP4Master, WeightState, local_master
 from .precompute import ShardCast
@@ -102,7 +103,8 @@ def fully_shard_nvfp4(
         shard_modules: submodules to shard on their own first (e.g. the transformer blocks), as with
             ``fully_shard``; ``model`` is always sharded last, as the root.
         numerics: NVFP4 block-scale formula ("te" or "te-2.14").
-        skip: module names (as in ``named_modules``) whose weight stays in high precision.
+        skip: module names (as in ``named_modules``) whose weight stays in high precision; a module holding
+            linears (a block) keeps all of them. An entry that names no linear raises ValueError.
         ordered_grad_reduction: reduce-scatter gradients as an all-to-all and a sum in rank order, so the
             result is bitwise the same for every world size (as a single process summing the ranks' gradients).
         shared_amax: sibling linears whose weights share one amax (`fp4_dist.shared_amax`), e.g.
@@ -138,6 +140,7 @@ def fully_shard_nvfp4(
     patterns = check_patterns(shared_amax) if shared_amax else ()
     states, groups = {}, {}
     holders = _holders(model)
+    skip = skipped_linears(model, skip, "fully_shard_nvfp4")
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
             carried = group_of(module.weight)
@@ -146,7 +149,12 @@ def fully_shard_nvfp4(
                 states[st.fqn] = st
                 if carried is not None:
                     groups[st.fqn] = carried
-    for g in sibling_groups([fqn[: -len(".weight")] for fqn in states], patterns):
+    siblings = sibling_groups([fqn[: -len(".weight")] for fqn in states], patterns)
+    if patterns and not siblings:
+        warnings.warn(f"fully_shard_nvfp4: shared_amax {list(patterns)} forms no group of sibling linears in this "
+                      "model (each pattern names leaf modules of one parent, e.g. 'q_proj'), so no weights share an "
+                      "amax", UserWarning, stacklevel=2)
+    for g in siblings:
         groups.update({m: g for m in g.members})
     _set_amax_groups(states, groups)
     shard_modules = list(shard_modules)

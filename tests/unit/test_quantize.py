@@ -278,3 +278,19 @@ def test_a_plain_torch_optimizer_on_nvfp4_weights_says_how_they_train():
     model(torch.randn(4, 32, dtype=torch.bfloat16)).float().sum().backward()
     with pytest.raises(NotImplementedError, match="Zero1Optimizer.*fully_shard_nvfp4"):
         opt.step()
+
+
+def test_a_skip_entry_naming_no_linear_is_refused_and_a_block_name_keeps_its_linears():
+    # A typo ("heads") left the head it meant in 4 bits with no word; a block's name matched nothing.
+    model = nn.Sequential(TinyMLP(), nn.Linear(32, 16))  # (a container: no forward runs)
+    with pytest.raises(ValueError, match=r"skip names no linear layer of this model: '0.heads' \(did you mean "
+                                         r"'0.head'\?\)"):  # fmt: skip
+        fp4_dist.convert_linear_weights(model, skip=("0.heads",))
+    assert not any(isinstance(p, fp4_dist.NVFP4Tensor) for p in model.parameters()), "converted before refusing"
+    report = fp4_dist.convert_linear_weights(model, skip=("0",))
+    assert report.converted == ["1"] and sorted(report.skipped) == ["0.down", "0.head", "0.up"]
+
+
+def test_shared_amax_patterns_that_form_no_group_are_said():
+    with pytest.warns(UserWarning, match=r"shared_amax \[\('q', 'k'\)\] forms no group of sibling linears"):
+        fp4_dist.convert_linear_weights(TinyMLP(), shared_amax=(("q", "k"),))
