@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..checkpoint.safe_load import UnsafeCheckpointError
 from .ct_format import DEFAULT_SHARD_BYTES
 from .save import export_megatron_checkpoint
 
@@ -37,7 +36,7 @@ def main(argv=None) -> int:
     try:
         report = export_megatron_checkpoint(args.save_dir, args.out_dir, iteration=args.iteration,
                                             max_shard_bytes=args.max_shard_bytes, trusted=args.trust_checkpoint)
-    except UnsafeCheckpointError as e:
+    except (ValueError, FileNotFoundError) as e:  # refusals (UnsafeCheckpointError among them) and missing folders
         p.exit(1, f"python -m fp4_dist.export: {e}\n")
     print(report)
     return 0

@@ -169,6 +169,9 @@ def export_megatron_checkpoint(save_dir, out_dir, *, iteration: Optional[int] = 
     entries = _megatron_entries(folder, trusted)
     report = ExportReport(str(out_dir))
     tensors, amaxes, _ = _encode(entries, set(), report)
+    if not report.nvfp4:  # the config would claim every Linear is NVFP4 and loaders would look for packed fields
+        raise ValueError(f"export_megatron_checkpoint: {folder} holds no NVFP4 weights (was it saved by a run "
+                         "without --fp4-param-gather?); nothing is written")
     targets = sorted(ct_format.module_of(n) for n in report.nvfp4)
     cfg = {"quantization_config": ct_format.quantization_config([], targets=targets),
            "fp4_dist_source": f"Megatron checkpoint {folder}"}  # fmt: skip

@@ -25,3 +25,13 @@ def test_help_describes_every_argument_in_plain_text(capsys):
 def test_no_arguments_names_what_the_usage_line_shows(capsys):
     text = _output(capsys, [])
     assert "usage: python -m fp4_dist.export SOURCE ..." in text and "required: SOURCE" in text
+
+
+def test_a_missing_iteration_is_one_line_not_a_traceback(capsys, tmp_path):
+    (tmp_path / "iter_0000002").mkdir()
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("2")
+    with pytest.raises(SystemExit) as stop:
+        main(["megatron", str(tmp_path), str(tmp_path / "out"), "--iteration", "5"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 1 and err.startswith("python -m fp4_dist.export: ") and err.count("\n") == 1, err
+    assert "iter_0000005" in err

@@ -294,6 +294,11 @@ def test_megatron_checkpoint_exports_under_megatron_names(tmp_path):
         load_compressed_tensors(back, tmp_path / "out")
     for f in ("rowwise_data", "rowwise_scale_inv", "amax"):
         assert torch.equal(getattr(back.linear_fc1.weight, f), getattr(net.linear_fc1.weight, f))
+    # a checkpoint of a bf16 run: its config claimed every Linear was NVFP4
+    torch.save(model_state(back.norm), folder / "model.pt")
+    with pytest.raises(ValueError, match="holds no NVFP4 weights .*without --fp4-param-gather"):
+        export_megatron_checkpoint(tmp_path / "ckpt", tmp_path / "out-bf16")
+    assert not (tmp_path / "out-bf16").exists()
 
 
 def test_a_model_without_nvfp4_weights_is_refused(tmp_path):
