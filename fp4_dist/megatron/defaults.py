@@ -52,6 +52,8 @@ PLATFORM_DEFAULTS = (
             "its fused weight-gradient kernel (fused_weight_gradient_mlp_cuda) is not installed"),
     Default("--no-masked-softmax-fusion", (), lambda m: not m.fused_softmax,
             "Megatron's fused softmax kernels (scaled_masked_softmax_cuda) are not built"),
+    Default("--no-rope-fusion", (), lambda m: not m.te,
+            "its fused rotary embedding is TransformerEngine's (a RoPE model stops without it)"),
 )
 """What any Megatron run on this machine needs (the launcher's and the example trainer's)."""
 

@@ -45,6 +45,11 @@ PEER_LOST = ("Connection closed by peer", "Connection reset by peer")
 PEER_LOST_HINT = (" -- a peer rank's process ended while this rank waited on it (killed, out of memory or crashed; the "
                   "launcher's summary names it). Restart with the same command: --load of the --save folder resumes "
                   "from the newest complete checkpoint")
+# Megatron's distributed optimizer, loading a checkpoint whose parameter buffers are laid out otherwise.
+LAYOUT_CHANGED = "Number of unpadded elements must be same in current run"
+LAYOUT_HINT = (" -- the checkpoint's parameter buffers differ from this run's: a checkpoint saved with --fp4-param-gather "
+               "(its NVFP4 weights in a uint8 buffer of their own) loads only into a run with it, and one saved "
+               "without it only into a run without it; the model's sizes and --first-last-layers-bf16 must match too")
 USAGE = "python -m fp4_dist.megatron.run [launcher options] SCRIPT.py [script arguments]"
 
 
@@ -155,13 +160,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # every rank once one exits, and a peer refusing the same run a moment later should still get its line in;
         # not when a peer's process is gone (nothing is coming from it, and the others lost it too).
         lost = peer_lost(e)
-        print(f"fp4_dist.megatron.run: rank {os.environ.get('RANK', '?')}: {type(e).__name__}: {describe(e)}"
-              + (PEER_LOST_HINT if lost else ""), file=sys.stderr, flush=True)  # fmt: skip
+        text = describe(e)
+        print(f"fp4_dist.megatron.run: rank {os.environ.get('RANK', '?')}: {type(e).__name__}: {text}"
+              f"{hint(text, lost)}", file=sys.stderr, flush=True)  # fmt: skip
         if not deliberate(e):
             traceback.print_exc()
         if not lost:
             time.sleep(ERROR_GRACE_S)
         return 1
+
+
+def hint(text: str, lost: bool) -> str:
+    """What the error line adds to an upstream message whose cause it does not name."""
+    return PEER_LOST_HINT if lost else LAYOUT_HINT if LAYOUT_CHANGED in text else ""
 
 
 def describe(error: BaseException) -> str:

@@ -98,10 +98,11 @@ def test_platform_flags_are_added_only_when_needed_and_never_over_the_users():
 
     bare = D.Machine(cuda=False)
     assert added([], bare) == ["--distributed-backend", "gloo", "--transformer-impl", "local", "--no-persist-layer-norm",
-                               "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+                               "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-rope-fusion",
                                "--eval-interval", "1000000000"]  # fmt: skip
     given = ["--distributed-backend=gloo", "--transformer-impl", "local", "--no-persist-layer-norm",
-             "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--eval-interval", "5"]
+             "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-rope-fusion",
+             "--eval-interval", "5"]  # fmt: skip
     assert added(given, bare) == []
     full = D.Machine(cuda=True, te=True, apex=True, fused_softmax=True, fused_wgrad=True)
     assert added([], full) == ["--eval-interval", "1000000000"]
@@ -166,3 +167,10 @@ def test_a_load_names_the_iterations_newer_than_the_tracker_it_skips(tmp_path, c
     (tmp_path / "iter_0000006").rmdir()
     note_unfinished_saves(_args(load=str(tmp_path)))
     assert capsys.readouterr().out == ""  # nothing skipped, nothing said
+
+
+def test_a_checkpoint_of_the_other_parameter_layout_is_named_for_what_it_is():
+    # Megatron's own words name element counts, not the flag that changed them.
+    text = "Number of unpadded elements must be same in current run (22272) and checkpoint (120576)"
+    assert "saved with --fp4-param-gather" in run.hint(text, lost=False)
+    assert run.hint("something else", lost=False) == "" and "peer rank" in run.hint(text, lost=True)
