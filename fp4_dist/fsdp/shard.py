@@ -294,8 +294,8 @@ class _Registry:
         if replaced:
             raise RuntimeError(
                 f"fp4_dist.fsdp: {replaced[0]} is no NVFP4 master any more: its parameter was replaced by a plain "
-                f"{type(dict(out)[replaced[0]]).__name__} (load_state_dict(..., assign=True) does this). Load into the masters "
-                "instead: load_state_dict without assign, or torch.distributed.checkpoint.state_dict's "
+                f"{type(dict(out)[replaced[0]]).__name__} (load_state_dict(..., assign=True) does this). Load into "
+                "the masters instead: load_state_dict without assign, or torch.distributed.checkpoint.state_dict's "
                 "set_model_state_dict")
         unsharded = [fqn for fqn, p in out if local_master(p) is None]
         if unsharded:

@@ -47,9 +47,10 @@ PEER_LOST_HINT = (" -- a peer rank's process ended while this rank waited on it 
                   "from the newest complete checkpoint")
 # Megatron's distributed optimizer, loading a checkpoint whose parameter buffers are laid out otherwise.
 LAYOUT_CHANGED = "Number of unpadded elements must be same in current run"
-LAYOUT_HINT = (" -- the checkpoint's parameter buffers differ from this run's: a checkpoint saved with --fp4-param-gather "
-               "(its NVFP4 weights in a uint8 buffer of their own) loads only into a run with it, and one saved "
-               "without it only into a run without it; the model's sizes and --first-last-layers-bf16 must match too")
+LAYOUT_HINT = (" -- the checkpoint's parameter buffers differ from this run's: a checkpoint saved with "
+               "--fp4-param-gather (its NVFP4 weights in a uint8 buffer of their own) loads only into a run with it, "
+               "and one saved without it only into a run without it; the model's sizes and "
+               "--first-last-layers-bf16 must match too")
 USAGE = "python -m fp4_dist.megatron.run [launcher options] SCRIPT.py [script arguments]"
 
 

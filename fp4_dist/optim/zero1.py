@@ -407,8 +407,9 @@ class Zero1Optimizer(torch.optim.Optimizer):
             raise RuntimeError(
                 "Zero1Optimizer.step under torch.amp.GradScaler: the scaler checks each rank's own gradients, before "
                 "they are reduced, so the ranks would skip different steps and reduce gradients of different steps "
-                "together. Train with bf16 autocast, which needs no loss scaling; Zero1Config(nonfinite_grads=\"skip\") "
-                "skips a step whose reduced gradients hold inf or NaN, on every rank together")
+                "together. Train with bf16 autocast, which needs no loss scaling; "
+                "Zero1Config(nonfinite_grads=\"skip\") skips a step whose reduced gradients hold inf or NaN, on every "
+                "rank together")
         clipped = self._grads_reduced
         if self._reduce_all_grads() and clipped:
             warnings.warn("Zero1Optimizer.step: the gradients changed after clip_grad_norm_ reduced them (zeroed, or "

@@ -97,9 +97,9 @@ def test_platform_flags_are_added_only_when_needed_and_never_over_the_users():
         return D.as_arguments(D.missing(argv, machine))
 
     bare = D.Machine(cuda=False)
-    assert added([], bare) == ["--distributed-backend", "gloo", "--transformer-impl", "local", "--no-persist-layer-norm",
-                               "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-rope-fusion",
-                               "--eval-interval", "1000000000"]  # fmt: skip
+    assert added([], bare) == ["--distributed-backend", "gloo", "--transformer-impl", "local",
+                               "--no-persist-layer-norm", "--no-gradient-accumulation-fusion",
+                               "--no-masked-softmax-fusion", "--no-rope-fusion", "--eval-interval", "1000000000"]
     given = ["--distributed-backend=gloo", "--transformer-impl", "local", "--no-persist-layer-norm",
              "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-rope-fusion",
              "--eval-interval", "5"]  # fmt: skip
