@@ -433,19 +433,22 @@ class Zero1Optimizer(torch.optim.Optimizer):
                 p.grad = g
         self._publish_params(frozen=absent, after_step=True)
 
-    def _reduce_all_grads(self) -> bool:
-        """Reduce the gradients unless `clip_grad_norm_` reduced these same ones: gradients zeroed or replaced since
-        (``model.zero_grad()``, a backward of another batch) are reduced again, not the discarded ones used.
-        Returns whether it reduced."""
-        # The tensors themselves, held: a freed gradient's id can come back with the next batch's.
-        now = [(g, g._version) if (g := p.grad) is not None else None for p in self.params]
-        if self._grads_reduced and all(a is b or (a and b and a[0] is b[0] and a[1] == b[1])
-                                       for a, b in zip(now, self._reduced_from)):  # fmt: skip
+    def _reduce_all_grads(self, remember: bool = False) -> bool:
+        """Reduce the gradients unless `clip_grad_norm_` reduced these same ones (it passes `remember`): gradients
+        zeroed or replaced since (``model.zero_grad()``, a backward of another batch) are reduced again, not the
+        discarded ones used. Returns whether it reduced."""
+        same = self._reduced_from is not None and all(a is b or (a and b and a[0] is b[0] and a[1] == b[1])
+                                                      for a, b in zip(self._grad_refs(), self._reduced_from))
+        if self._grads_reduced and same:
             return False
         for sec in self._sections:
             self._reduce_grads(sec)
-        self._grads_reduced, self._reduced_from = True, now
+        self._grads_reduced, self._reduced_from = True, self._grad_refs() if remember else None
         return True
+
+    def _grad_refs(self) -> list:
+        # The tensors themselves, held: a freed gradient's id can come back with the next batch's.
+        return [(g, g._version) if (g := p.grad) is not None else None for p in self.params]
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -461,7 +464,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         Returns:
             the total norm (fp32 scalar tensor, the same on every rank).
         """
-        self._reduce_all_grads()
+        self._reduce_all_grads(remember=True)
         norm_type = float(norm_type)
         dev = self.device
         partial = torch.zeros(len(self.params), dtype=torch.float32, device=dev)
