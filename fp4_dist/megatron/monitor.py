@@ -78,7 +78,9 @@ class Monitor:
                                      "skipped": bool(out[1]), "grad_norm": _float(out[5])}  # fmt: skip
             if options.check_every and iteration % options.check_every == 0:
                 entry["check"] = self.check(iteration)
-            last = iteration == get_args().train_iters
+            args = get_args()
+            exit_interval = getattr(args, "exit_interval", None)  # Megatron stops after such an iteration too
+            last = iteration == args.train_iters or bool(exit_interval and iteration % exit_interval == 0)
             if options.log_json:
                 self.record["iterations"].append(entry)
                 if last:

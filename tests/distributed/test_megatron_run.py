@@ -127,7 +127,12 @@ def assert_exports_the_saved_weights(folder: Path, out: Path) -> None:
 
 def test_dp1_trains_like_bf16_from_the_bf16_init(tmp_path, data):
     args = ("--data-path", data, "--train-iters", "5", "--eval-interval", "1000")
-    assert_fp4_run(train(tmp_path, "fp4", 1, *args), train(tmp_path, "bf16", 1, *args, fp4=False))
+    fp4 = train(tmp_path, "fp4", 1, *args)
+    assert_fp4_run(fp4, train(tmp_path, "bf16", 1, *args, fp4=False))
+    # a run Megatron stops early (--exit-interval) records its last masters too
+    early = train(tmp_path, "fp4_exit", 1, *args, "--exit-interval", "2")
+    assert [it["iteration"] for it in early["iterations"]] == [1, 2] and "master_digest_final" in early, early.keys()
+    assert [it["loss"] for it in early["iterations"]] == [it["loss"] for it in fp4["iterations"][:2]]
 
 
 def test_dp2_with_overlap_evaluation_save_and_resume_at_dp2_and_dp3(tmp_path, data):
