@@ -294,3 +294,18 @@ def test_a_skip_entry_naming_no_linear_is_refused_and_a_block_name_keeps_its_lin
 def test_shared_amax_patterns_that_form_no_group_are_said():
     with pytest.warns(UserWarning, match=r"shared_amax \[\('q', 'k'\)\] forms no group of sibling linears"):
         fp4_dist.convert_linear_weights(TinyMLP(), shared_amax=(("q", "k"),))
+
+
+def test_a_shared_amax_group_with_a_member_kept_in_high_precision_is_said():
+    from fp4_dist.export import VLLM_FUSED
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.k_proj, self.v_proj = (nn.Linear(32, 32) for _ in range(3))
+
+    model = nn.Sequential(Attention())
+    with pytest.warns(UserWarning, match=r"shared_amax groups are split.*0.k_proj \(of 0.q_proj.weight, "
+                                         r"0.k_proj.weight, 0.v_proj.weight\)"):  # fmt: skip
+        report = fp4_dist.convert_linear_weights(model, shared_amax=VLLM_FUSED, skip=("0.k_proj",))
+    assert sorted(report.shared_amax) == ["0.q_proj.weight", "0.v_proj.weight"]
