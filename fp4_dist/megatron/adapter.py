@@ -119,6 +119,10 @@ HOOKS: tuple[Hook, ...] = (
     Hook((_DO,), "DistributedOptimizer._set_main_param_and_optimizer_states", checkpoint.make_set_states,
          "loading Megatron's own dp_zero optimizer checkpoint (load_parameter_state) with the torch.optim "
          "fallback raises KeyError('step') (DO 1219-1226); keys the file lacks keep their restored value"),
+    Hook((_DO,), "DistributedOptimizer.reload_model_params", checkpoint.make_reload_model_params,
+         "a load without the optimizer state (--finetune, --no-load-optim) rebuilds the masters from the loaded "
+         "4-bit weights (DO 3067-3127); cast the weights again from them and gather, as after a step, so they are "
+         "quantize(master): a loaded -0 code would read +0 and fail the after-setup check (inherited method)"),
     Hook((_DO,), "DistributedOptimizer.load_state_dict", checkpoint.make_load_state_dict,
          "with the torch.optim fallback every param's Adam state gets one shared 'step' tensor on load (DO "
          "1024-1031), advanced once per param by the next step: resumed runs diverge; give each its own copy"),

@@ -7,6 +7,8 @@ import sys
 
 import torch
 
+from ..tensor import is_nvfp4_tensor
+
 
 class CheckpointingStopped(RuntimeError):
     """megatron.training.checkpointing stopped the run with a bare ``sys.exit()`` (exit status 0 upstream)."""
@@ -63,3 +65,18 @@ def make_load_state_dict(original):
 
     return load_state_dict
 
+
+
+def make_reload_model_params(original):
+    def reload_model_params(self, state_dict=None):
+        original(self, state_dict=state_dict)
+        # A load without the optimizer state (--finetune, --no-load-optim) rebuilds the fp32 masters from the loaded
+        # weights. Their bytes are then cast again from those masters and gathered, as after any step: the values
+        # stay, and a -0 code of the loaded bytes reads +0 (the spec's zero), so the weights are quantize(master)
+        # again, which the after-setup check and every later cast assume.
+        if any(is_nvfp4_tensor(p) for g in self.model_float16_groups for p in g):
+            self._copy_main_params_to_model_params()
+            for chunk in self.model_chunks:
+                chunk.start_param_sync(force_sync=True)
+
+    return reload_model_params

@@ -112,10 +112,6 @@ def refuse_unsupported_args(args) -> None:
              "--use-torch-fsdp2 / --use-megatron-fsdp (for FSDP2 use fp4_dist.fsdp.fully_shard_nvfp4)"),
             (not getattr(args, "use_distributed_optimizer", False), "a run without --use-distributed-optimizer"),
             (getattr(args, "data_parallel_random_init", False), "--data-parallel-random-init"),
-            (bool(load) and (getattr(args, "finetune", False) or getattr(args, "no_load_optim", False)),
-             "--finetune / --no-load-optim (Megatron then rebuilds the fp32 masters from the checkpoint's 4-bit "
-             "weights, whose -0 codes quantize back as +0, and the after-setup check stops the run; load the "
-             "optimizer state too, or fine-tune from a checkpoint saved without --fp4-param-gather)"),
             (getattr(args, "overlap_param_gather_with_optimizer_step", False),
              "--overlap-param-gather-with-optimizer-step"),
         ]

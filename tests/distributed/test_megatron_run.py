@@ -165,6 +165,13 @@ def test_dp2_with_overlap_evaluation_save_and_resume_at_dp2_and_dp3(tmp_path, da
     assert other["check_after_setup"].startswith("ok")  # the loaded weights == quantize(the re-sharded masters)
     assert all(it["check"].startswith("ok") for it in other["iterations"])
 
+    # Fine-tuning from it: Megatron rebuilds the masters from the 4-bit weights, whose loaded -0 codes failed the
+    # after-setup check (quantize gives +0) until the weights were cast again from those masters
+    tuned = train(tmp_path, "finetune", 2, *common, "--load", str(at4), "--finetune")
+    assert tuned["check_after_setup"].startswith("ok") and [it["iteration"] for it in tuned["iterations"]] == list(
+        range(1, 7))  # fmt: skip
+    assert all(it["check"].startswith("ok") for it in tuned["iterations"])
+
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
 def test_lean_compute_in_pretrain_trains_bitwise_like_kept_copies(tmp_path, data, recompute):

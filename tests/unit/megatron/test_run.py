@@ -124,8 +124,6 @@ def _args(**kw):
     (dict(use_distributed_optimizer=False), "without --use-distributed-optimizer"),
     (dict(data_parallel_random_init=True), "--data-parallel-random-init"),
     (dict(bf16=False), "an fp32 model"),
-    (dict(load="ckpt", finetune=True), "--finetune / --no-load-optim"),
-    (dict(load="ckpt", no_load_optim=True), "--finetune / --no-load-optim"),
 ])
 def test_each_unsupported_fp4_run_is_refused_naming_the_flag(change, named):
     pytest.importorskip("megatron.core")
