@@ -130,16 +130,8 @@ def convert_linear_weights(
     skip = skipped_linears(model, skip, "convert_linear_weights")
     kept = {name: _kept_reason(name, w, skip) for name, w in linears.items() if not is_nvfp4_tensor(w)}
     groups = _amax_groups(linears, kept, check_patterns(shared_amax), dtype) if shared_amax else {}
-    split = _split_groups(kept, check_patterns(shared_amax)) if shared_amax else []
-    if split:
-        warnings.warn(f"convert_linear_weights: some shared_amax groups are split, a member kept in high precision "
-                      f"({'; '.join(split[:4])}{' ...' if len(split) > 4 else ''}): their other members share an "
-                      "amax, but a fused layer (vLLM's qkv) cannot hold a high-precision member with NVFP4 ones",
-                      UserWarning, stacklevel=2)
-    if shared_amax and not groups:
-        warnings.warn(f"convert_linear_weights: shared_amax {list(shared_amax)} forms no group of sibling linears "
-                      "in this model (each pattern names leaf modules of one parent, e.g. 'q_proj'), so no weights "
-                      "share an amax", UserWarning, stacklevel=2)
+    if shared_amax:
+        warn_shared_amax("convert_linear_weights", kept, check_patterns(shared_amax), bool(groups), stacklevel=3)
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
@@ -258,15 +250,23 @@ def _amax_groups(linears: dict, kept: dict, patterns, dtype) -> dict:
     return out
 
 
-def _split_groups(kept: dict, patterns) -> list[str]:
-    """Sibling groups (over every linear this call looks at) with a member kept in high precision: 'kept member
-    (of group)' each."""
-    out = []
+def warn_shared_amax(who: str, kept: dict, patterns, formed: bool, stacklevel: int) -> None:
+    """Say what the `shared_amax` patterns did not do: form any group of siblings, or keep a group whole (a member
+    kept in high precision). `kept`: every linear looked at -> why it stays in high precision, None if NVFP4."""
+    split = []
     for g in sibling_groups(list(kept), patterns):
         stays = [m for m in g.members if kept[m[: -len(".weight")]]]
         if stays and len(stays) < len(g.members):
-            out += [f"{m[: -len('.weight')]} (of {', '.join(g.members)})" for m in stays]
-    return out
+            split += [f"{m[: -len('.weight')]} (of {', '.join(g.members)})" for m in stays]
+    if split:
+        warnings.warn(f"{who}: some shared_amax groups are split, a member kept in high precision "
+                      f"({'; '.join(split[:4])}{' ...' if len(split) > 4 else ''}): their other members share an "
+                      "amax, but a fused layer (vLLM's qkv) cannot hold a high-precision member with NVFP4 ones",
+                      UserWarning, stacklevel=stacklevel)
+    if not formed:
+        warnings.warn(f"{who}: shared_amax {list(patterns)} forms no group of sibling linears in this model (each "
+                      "pattern names leaf modules of one parent, e.g. 'q_proj'), so no weights share an amax",
+                      UserWarning, stacklevel=stacklevel)
 
 
 def weight_owners(model: nn.Module) -> dict:

@@ -31,7 +31,7 @@ from ..cast.core import DeferredCheck
 from ..compute.fp8_gemm import require_fp8_gemm
 from ..compute.fp8_param import allocated
 from ..compute.linear import NVFP4Linear
-from ..convert import skipped_linears
+from ..convert import skipped_linears, warn_shared_amax
 from . import dequant_batch, wire
 from .master import NVFP4Master, WeightState, local_master
 from .precompute import ShardCast
@@ -150,10 +150,9 @@ def fully_shard_nvfp4(
                 if carried is not None:
                     groups[st.fqn] = carried
     siblings = sibling_groups([fqn[: -len(".weight")] for fqn in states], patterns)
-    if patterns and not siblings:
-        warnings.warn(f"fully_shard_nvfp4: shared_amax {list(patterns)} forms no group of sibling linears in this "
-                      "model (each pattern names leaf modules of one parent, e.g. 'q_proj'), so no weights share an "
-                      "amax", UserWarning, stacklevel=2)
+    if patterns:
+        looked_at = {f[: -len(".weight")]: why for f, why in [*((f, None) for f in states), *report.kept.items()]}
+        warn_shared_amax("fully_shard_nvfp4", looked_at, patterns, bool(siblings), stacklevel=3)
     for g in siblings:
         groups.update({m: g for m in g.members})
     _set_amax_groups(states, groups)
