@@ -43,22 +43,44 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def _at_least(low: int):
+    """An argparse type: an integer >= `low` (a 0 or negative count stopped every rank deep in the run, or ran)."""
+
+    def integer(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    integer.__name__ = "int"  # argparse's "invalid int value" for a word
+    return integer
+
+
+def _backend(name: str) -> str:
+    if name not in ("gloo", "nccl"):
+        raise argparse.ArgumentTypeError(f"gloo or nccl, got {name!r}")
+    if name == "nccl" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError("nccl needs CUDA GPUs, and this machine has none: use gloo")
+    return name
+
+
 def parse_args(argv=None):
     ap = _Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--batch", type=int, default=16, help="sequences per rank per step")
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--hidden", type=int, default=384)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--lr", type=float, default=6e-3)
-    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--steps", type=_at_least(1), default=300, help="optimizer steps")
+    ap.add_argument("--batch", type=_at_least(1), default=16, help="sequences per rank per step")
+    ap.add_argument("--seq", type=_at_least(1), default=64, help="tokens per sequence")
+    ap.add_argument("--dim", type=_at_least(1), default=128, help="model width")
+    ap.add_argument("--hidden", type=_at_least(1), default=384, help="MLP width")
+    ap.add_argument("--heads", type=_at_least(1), default=4, help="attention heads")
+    ap.add_argument("--layers", type=_at_least(1), default=2, help="transformer blocks")
+    ap.add_argument("--lr", type=float, default=6e-3, help="peak learning rate")
+    ap.add_argument("--warmup", type=_at_least(1), default=20, help="linear warm-up steps, then cosine decay")
     ap.add_argument("--bucket-numel", type=int, default=200_000, help="elements per all-gather bucket")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--log-every", type=int, default=25)
-    ap.add_argument("--data", type=Path, default=DATA)
-    ap.add_argument("--backend", default=None, help="gloo or nccl (default: nccl when CUDA is available)")
+    ap.add_argument("--seed", type=int, default=0, help="initial weights and data order")
+    ap.add_argument("--log-every", type=_at_least(1), default=25, help="steps between log lines")
+    ap.add_argument("--data", type=Path, default=DATA, help="a UTF-8 text file, one token per character")
+    ap.add_argument("--backend", type=_backend, default=None,
+                    help="gloo or nccl (None: nccl when CUDA is available, else gloo)")
     ap.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
     ap.add_argument("--fp4-compute", choices=("bf16", "fp8"), default="bf16",
                     help="what the linears' GEMMs read: bf16 values of the NVFP4 weights, or FP8 block copies of them "
@@ -159,6 +181,9 @@ def main(argv=None) -> int:
     tokens, vocab = load_corpus(args.data)
     split = int(tokens.numel() * 0.9)
     train_tokens, val_tokens = tokens[:split], tokens[split:]
+    if min(train_tokens.numel(), val_tokens.numel()) <= args.seq + 1:
+        raise SystemExit(f"train_lm: --seq {args.seq} is longer than the validation text ({val_tokens.numel()} of "
+                         f"the {tokens.numel()} characters of {args.data}): choose a shorter --seq or more text")
     cfg = TinyLMConfig(vocab=len(vocab), dim=args.dim, hidden=args.hidden, heads=args.heads, layers=args.layers,
                        seq=args.seq)
     model, init = build_model(cfg, seed=args.seed, device=info.device)
@@ -186,7 +211,7 @@ def main(argv=None) -> int:
     first_loss = last_loss = float("nan")
     t0 = time.perf_counter()
     for step in range(args.steps):
-        for g in opt.optimizer.param_groups:  # linear warmup, then cosine decay
+        for g in opt.param_groups:  # linear warmup, then cosine decay (each step hands them to the inner optimizer)
             g["lr"] = args.lr * min(1.0, (step + 1) / args.warmup) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
         batch = windows(train_tokens, args.batch, args.seq, seed=args.seed * 1_000_003 + step * 997 + info.rank)
         loss = model.loss(batch.to(info.device))

@@ -21,4 +21,8 @@ if [[ ! "$ngpu" =~ ^[0-9]+$ ]]; then  # --help: argparse printed the options ins
   exit 0
 fi
 nproc=${NPROC:-$([[ "$ngpu" -gt 0 ]] && echo "$ngpu" || echo 2)}
+if [[ ! "$nproc" =~ ^[1-9][0-9]*$ ]]; then
+  echo "train.sh: NPROC is a number of ranks, 1 or more; got '$nproc'" >&2
+  exit 2
+fi
 exec .venv/bin/torchrun --standalone --nproc-per-node "$nproc" -m examples.train_lm "$@"

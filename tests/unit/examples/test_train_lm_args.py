@@ -24,3 +24,31 @@ def test_a_single_process_prints_the_mistake(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         train_lm.parse_args(["--steps", "ten"])
     assert "argument --steps: invalid int value: 'ten'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--steps", "0"], "argument --steps: must be at least 1, got 0"),
+    (["--warmup", "0"], "argument --warmup: must be at least 1, got 0"),
+    (["--log-every", "-3"], "argument --log-every: must be at least 1, got -3"),
+    (["--backend", "bogus"], "argument --backend: gloo or nccl, got 'bogus'"),
+])
+def test_values_that_stopped_every_rank_deep_in_the_run_are_usage_errors(monkeypatch, capsys, argv, said):
+    # Each ended in a ZeroDivisionError or a torch assertion on every rank (and --steps -1 "trained -1 steps").
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as stopped:
+        train_lm.parse_args(argv)
+    assert stopped.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_the_learning_rate_schedule_reaches_the_optimizer(monkeypatch, capsys):
+    # It was written into the inner optimizer, which each step overwrites from the outer one: every run trained
+    # at the constant --lr, whatever --warmup said.
+    for k in ("RANK", "WORLD_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    finals = {}
+    for warmup in ("1", "100000"):
+        assert train_lm.main(["--steps", "4", "--warmup", warmup, "--no-progress", "--log-every", "4"]) == 0
+        line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("trained 4 steps"))
+        first, last = (float(x) for x in line.split("train loss ")[1].split(";")[0].split(" -> "))
+        finals[warmup] = first - last
+    assert finals["1"] > 0.5 and abs(finals["100000"]) < 0.1, finals
