@@ -98,7 +98,14 @@ def load_distributed_checkpoint(state_dict: dict, path, *, trusted: bool = False
     docstring; collective, as dcp.load is). `trusted`: load as DCP does, unpickling in full. `checked`: a
     `SafeReader` of `path` whose metadata the caller has read already (that read was the check). Raises
     UnsafeCheckpointError, naming the file or the entry and what it asked for: for a crafted metadata file before
-    anything is loaded, for an entry when its turn comes (entries loaded before it stay loaded)."""
+    anything is loaded, for an entry when its turn comes (entries loaded before it stay loaded). `planner`: a
+    `SafeLoadPlanner` (it takes DefaultLoadPlanner's arguments, e.g. ``allow_partial_load=True``); another planner
+    raises TypeError unless `trusted`, since DefaultLoadPlanner unpickles the entries in full."""
+    if planner is not None and not trusted and not isinstance(planner, SafeLoadPlanner):
+        raise TypeError(f"load_distributed_checkpoint: a {type(planner).__name__} reads the checkpoint's non-tensor "
+                        "entries with torch.load(weights_only=False), which runs code stored in them; pass a "
+                        "SafeLoadPlanner with the same arguments (e.g. SafeLoadPlanner(allow_partial_load=True)), or "
+                        "trusted=True for a checkpoint you made")
     if trusted:
         dcp.load(state_dict, checkpoint_id=path, planner=planner)
         return

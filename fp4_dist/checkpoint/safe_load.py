@@ -26,14 +26,15 @@ NVFP4_GLOBALS = (_rebuild,)
 """What a pickled NVFP4Tensor names: its rebuild, which takes plain tensors, a dtype, a shape and a string.
 (`fp4_dist.tensor` also allows it globally, so that a plain ``torch.load`` restores NVFP4 weights.)"""
 
-TRUST_REMEDY = ("if you made the file or trust its source, pass trusted=True (on the command line "
-                "--trust-checkpoint), which unpickles it in full and so runs any code it holds")  # fmt: skip
+TRUST_REMEDY = ("if you made the file or trust its source, pass trusted=True (--trust-checkpoint on the command "
+                "lines that read checkpoints), which unpickles it in full and so runs any code it holds")
 
 SOUND_TORCH = (2, 6)
 """The first torch whose weights-only unpickler cannot be bypassed by a crafted file (CVE-2025-32434)."""
 
 # Torch's weights-only unpickler names what it refused in one of these forms (torch 2.13).
 _REFUSED = (re.compile(r"Unsupported global: GLOBAL (\S+) was not an allowed global"),
+            re.compile(r"unsupported GLOBAL (\S+) whose module \S+ is blocked"),
             re.compile(r"but got <class '([^']+)'>"))  # fmt: skip
 
 

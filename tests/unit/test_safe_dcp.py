@@ -8,8 +8,10 @@ import pickle
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from fp4_dist.checkpoint import SafeReader, UnsafeCheckpointError, load_distributed_checkpoint
+from fp4_dist.checkpoint.safe_dcp import SafeLoadPlanner
 
 from .pickle_payload import GLOBAL, TouchOnLoad, assert_refused
 
@@ -52,5 +54,11 @@ def test_a_state_dict_entry_that_would_run_code_is_refused(tmp_path):
     with pytest.raises(UnsafeCheckpointError, match="optimizer.step") as refused:
         load_distributed_checkpoint(_state(5), tmp_path / "ck")
     assert GLOBAL in str(refused.value) and "trusted=True" in str(refused.value) and not marker.exists()
+    # A planner of the caller's: DCP's own unpickles in full, so it is refused unless trusted; ours takes its options
+    with pytest.raises(TypeError, match="SafeLoadPlanner with the same arguments"):
+        load_distributed_checkpoint(_state(5), tmp_path / "ck", planner=DefaultLoadPlanner(allow_partial_load=True))
+    with pytest.raises(UnsafeCheckpointError, match="optimizer.step"):
+        load_distributed_checkpoint(_state(5), tmp_path / "ck", planner=SafeLoadPlanner(allow_partial_load=True))
+    assert not marker.exists()
     load_distributed_checkpoint(_state(5), tmp_path / "ck", trusted=True)  # as dcp.load: the payload runs
     assert marker.exists()

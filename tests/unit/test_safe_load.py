@@ -76,3 +76,19 @@ def test_a_torch_whose_weights_only_load_can_be_bypassed_is_refused(tmp_path, mo
         load_checkpoint_file(path)
     monkeypatch.setattr(torch, "__version__", "2.10.0")
     assert torch.equal(load_checkpoint_file(path)["w"], torch.ones(2))
+
+
+class _System:
+    """A pickle that calls os.system when loaded: torch's unpickler blocks the module and says so in other words."""
+
+    def __reduce__(self):
+        import os
+
+        return os.system, ("true",)
+
+
+def test_a_call_into_a_module_torch_blocks_is_refused_by_its_name(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    torch.save({"x": _System()}, path)
+    with pytest.raises(UnsafeCheckpointError, match=r"asks to unpickle (posix|nt)\.system"):
+        load_checkpoint_file(path)
