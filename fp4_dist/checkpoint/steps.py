@@ -29,6 +29,7 @@ __all__ = ["StepCheckpoint", "step_folder", "save", "latest_complete_checkpoint"
 
 METADATA = ".metadata"
 _ENTRY = re.compile(r"step_(\d+)|\.step_(\d+)\.(tmp|old)-.+")  # a step folder, or what a save leaves beside it
+_DIGITS = 8  # step_folder's zero padding
 
 
 @dataclass(frozen=True)
@@ -90,12 +91,15 @@ def latest_complete_checkpoint(root) -> Optional[StepCheckpoint]:
     """
     root = Path(root)
     entries: dict[int, dict[str, list[Path]]] = {}
+    skipped, odd = [], []
     for p in sorted(root.iterdir()) if root.is_dir() else []:
         m = _ENTRY.fullmatch(p.name)
         if m and p.is_dir():
             step, kind = (m.group(1), "") if m.group(1) else (m.group(2), m.group(3))
+            if step != f"{int(step):0{_DIGITS}d}":  # step_12: not this module's name, and not read as step 12
+                odd.append(f"{p} (not a name step_folder gives: step_<the step, {_DIGITS} digits>)")
+                continue
             entries.setdefault(int(step), {}).setdefault(kind, []).append(p)
-    skipped = []
     for step in sorted(entries, reverse=True):
         kinds = entries[step]
         skipped += [f"{p} (a save of step {step} that did not finish)" for p in kinds.get("tmp", [])]
@@ -108,10 +112,10 @@ def latest_complete_checkpoint(root) -> Optional[StepCheckpoint]:
                 if found != folder:
                     skipped.append(f"{folder} (missing: a save replacing it was stopped between its renames; "
                                    f"reading its earlier version {found.name})")
-                _note(f"resuming from {found}", skipped)
-                return StepCheckpoint(step, found, skipped)
+                _note(f"resuming from {found}", skipped + odd)
+                return StepCheckpoint(step, found, skipped + odd)
             skipped.append(f"{folder} (no {METADATA}: its save did not finish)")
-    _note(f"no complete checkpoint under {root}", skipped)
+    _note(f"no complete checkpoint under {root}", skipped + odd)
     return None
 
 

@@ -4,6 +4,7 @@ complete step folder is found again, naming what it skips."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import warnings
 
@@ -43,6 +44,11 @@ def test_the_newest_complete_step_is_found_and_newer_unfinished_saves_are_named(
     assert "step_00000006" in str(said[0].message)
     assert torch.equal(loaded(found.path)["w"], state(4)["w"])
     assert latest_complete_checkpoint(tmp_path / "nothing") is None
+    # a folder named by hand (a copy as step_12) is named for what it is, not taken for the missing step_00000012
+    shutil.copytree(step_folder(tmp_path, 4), tmp_path / "step_12")
+    with pytest.warns(UserWarning, match="step_12 .not a name step_folder gives"):
+        found = latest_complete_checkpoint(tmp_path)
+    assert found.step == 4 and not any("step_00000012" in s for s in found.skipped), found.skipped
 
 
 def test_a_save_killed_at_any_point_leaves_the_earlier_checkpoint_or_the_new_one(tmp_path):
