@@ -216,6 +216,16 @@ def load_sharded_state_dict(opt, sd: dict) -> None:
     if len(sd["state"]) != len(opt.params) or len(saved_groups) != len(opt.param_groups):
         raise ValueError(f"the state dict has {len(sd['state'])} parameters in {len(saved_groups)} groups; "
                          f"this optimizer has {len(opt.params)} in {len(opt.param_groups)}")
+    ours = [[opt.param_index(p) for p in g["params"]] for g in opt.param_groups]
+    theirs = [g.get("params") for g in saved_groups]
+    if theirs != ours:  # DCP loads only what this optimizer's state dict asks for: a bigger model's rest is dropped
+        count = sum(len(p) for p in theirs if isinstance(p, list))
+        raise ValueError(f"the checkpoint's optimizer holds {count} parameters in groups of "
+                         f"{[len(p) if isinstance(p, list) else p for p in theirs]}; this one holds {len(opt.params)} "
+                         f"in groups of {[len(p) for p in ours]} (a checkpoint of another model, or the parameters "
+                         "passed in another grouping). DCP loads into this optimizer's own tensors, so its masters "
+                         "and state may hold part of the checkpoint now: build it again (load_checkpoint checks "
+                         "before it loads)")
     saved_keys = info.get("state_keys", {})
     local = _local_pieces(opt)
     inner = opt.optimizer.state
@@ -268,8 +278,13 @@ def load_checkpoint(opt, path, *, trusted: bool = False) -> None:
     reader = dcp.FileSystemReader(path) if trusted else safe_dcp.SafeReader(path)
     meta = reader.read_metadata().state_dict_metadata
     prefix = "optimizer.state."
+    saved = {int(fqn[len(prefix):].split(".", 1)[0]) for fqn in meta if fqn.startswith(prefix)}
+    if saved != set(range(len(opt.params))):  # before anything is loaded: DCP would fill ours and drop the rest
+        raise ValueError(f"{path} holds optimizer state of {len(saved)} parameters; this optimizer has "
+                         f"{len(opt.params)} (a checkpoint of another model?); nothing was loaded")
+    meta_items = meta.items()
     local = _local_pieces(opt)
-    for fqn, md in meta.items():
+    for fqn, md in meta_items:
         if not fqn.startswith(prefix) or not hasattr(md, "size"):
             continue
         index, key = fqn[len(prefix):].split(".", 1)

@@ -561,3 +561,28 @@ def test_a_grad_scaler_is_refused_at_its_first_step():
     with pytest.raises(RuntimeError, match="under torch.amp.GradScaler: the scaler checks each rank's own gradients"):
         scaler.step(opt)
     assert not hasattr(opt, "found_inf") and all(torch.equal(m, i) for m, i in zip(opt.full_masters(), init))
+
+
+def test_a_checkpoint_of_a_bigger_model_is_refused_not_loaded_in_part(tmp_path):
+    # Parameters are saved by index: DCP filled the smaller optimizer's and dropped the rest, without a word.
+    import torch.distributed.checkpoint as dcp
+
+    from fp4_dist.optim.zero1_state import load_checkpoint, save_checkpoint
+
+    def stack(n):
+        net = nn.Sequential(*[nn.Linear(48, 48, bias=False) for _ in range(n)]).to(torch.bfloat16)
+        fp4_dist.convert_linear_weights(net, dtype=torch.bfloat16)
+        return Zero1Optimizer(net.parameters(), adam)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's notes on a process without a group
+        save_checkpoint(stack(4), tmp_path / "ck")
+        small = stack(3)
+        before = [m.clone() for m in small.full_masters()]
+        with pytest.raises(ValueError, match="holds optimizer state of 4 parameters; this optimizer has 3"):
+            load_checkpoint(small, tmp_path / "ck")
+        assert all(torch.equal(a, b) for a, b in zip(small.full_masters(), before)), "loaded in part"
+        sd = {"optimizer": small.state_dict()}  # the standard way: DCP loads in place, the restore refuses
+        dcp.load(sd, checkpoint_id=str(tmp_path / "ck"))
+        with pytest.raises(ValueError, match=r"holds 4 parameters in groups of \[4\]; this one holds 3"):
+            small.load_state_dict(sd["optimizer"])
