@@ -25,7 +25,8 @@ import torch
 import fp4_dist
 from examples.model import TinyLMConfig, build_model
 from fp4_dist.launch import init_distributed, launch_rank, shutdown
-from fp4_dist.optim import Zero1Config, Zero1Optimizer
+from fp4_dist.checkpoint import latest_complete_checkpoint, step_folder
+from fp4_dist.optim import Zero1Config, Zero1Optimizer, load_checkpoint, save_checkpoint
 from fp4_dist.cast import CommStats
 from fp4_dist.cast.collectives import all_reduce_sum_
 from fp4_dist.compute.fp8_copy import fp8_copy_bytes
@@ -82,6 +83,10 @@ def parse_args(argv=None):
     ap.add_argument("--backend", type=_backend, default=None,
                     help="gloo or nccl (None: nccl when CUDA is available, else gloo)")
     ap.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+    ap.add_argument("--save", type=Path, default=None,
+                    help="checkpoint folder: a checkpoint every --save-every steps (DIR/step_<n>, committed whole), "
+                         "and a run started again resumes from the newest complete one, bit for bit")
+    ap.add_argument("--save-every", type=_at_least(1), default=50, help="steps between checkpoints (with --save)")
     ap.add_argument("--fp4-compute", choices=("bf16", "fp8"), default="bf16",
                     help="what the linears' GEMMs read: bf16 values of the NVFP4 weights, or FP8 block copies of them "
                          "with FP8 activations and gradients (Hopper GPUs; emulated on CPU ranks; docs/fp8.md). The "
@@ -109,15 +114,15 @@ def windows(tokens: torch.Tensor, count: int, seq: int, seed: int) -> torch.Tens
 class Progress:
     """A progress bar on rank 0 (redrawn in place on a terminal, one line per `every` steps otherwise)."""
 
-    def __init__(self, total: int, enabled: bool, bar: bool, every: int):
-        self.total, self.enabled, self.bar, self.every = total, enabled, bar, every
+    def __init__(self, total: int, enabled: bool, bar: bool, every: int, start: int = 0):
+        self.total, self.enabled, self.bar, self.every, self.start = total, enabled, bar, every, start
         self.t0 = time.perf_counter()
 
     def update(self, step: int, loss: float, note: str = "") -> None:
         if not self.enabled:
             return
         done = step + 1
-        rate = done / max(time.perf_counter() - self.t0, 1e-9)
+        rate = (done - self.start) / max(time.perf_counter() - self.t0, 1e-9)  # of this run (a resumed one too)
         eta = (self.total - done) / rate
         width = 28
         fill = int(width * done / self.total)
@@ -127,7 +132,7 @@ class Progress:
             print("\r" + line, end="", flush=True)
             if done == self.total:
                 print()
-        elif done % self.every == 0 or done == self.total or step == 0:
+        elif done % self.every == 0 or done == self.total or step == self.start:
             print(line, flush=True)
 
 
@@ -202,15 +207,17 @@ def main(argv=None) -> int:
         f"launcher {info.launcher}")
     say(f"model: {n_params:,} parameters ({sum(p.numel() for p in opt.nvfp4_params):,} in {n_nvfp4} NVFP4 "
         f"weights, GEMMs in {args.fp4_compute}), vocab {len(vocab)}, {len(tokens):,} characters of text")
+    start = resume(args, opt, say)
     val = windows(val_tokens, 32, args.seq, seed=12345).to(info.device)
-    say(f"validation loss before training: {evaluate(model, val):.3f}")
+    say(f"validation loss {'before training' if not start else f'at step {start}'}: {evaluate(model, val):.3f}")
 
     stats.reset()
-    progress = Progress(args.steps, rank0, bar=sys.stdout.isatty() and not args.no_progress, every=args.log_every)
+    progress = Progress(args.steps, rank0, bar=sys.stdout.isatty() and not args.no_progress, every=args.log_every,
+                        start=start)  # fmt: skip
     loss_sum = torch.zeros(1, device=info.device)
     first_loss = last_loss = float("nan")
     t0 = time.perf_counter()
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         for g in opt.param_groups:  # linear warmup, then cosine decay (each step hands them to the inner optimizer)
             g["lr"] = args.lr * min(1.0, (step + 1) / args.warmup) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
         batch = windows(train_tokens, args.batch, args.seq, seed=args.seed * 1_000_003 + step * 997 + info.rank)
@@ -221,14 +228,32 @@ def main(argv=None) -> int:
         loss_sum.copy_(loss.detach())
         all_reduce_sum_(loss_sum)  # mean over ranks for the display (not an optimizer collective)
         last_loss = loss_sum.item() / info.world_size
-        first_loss = last_loss if step == 0 else first_loss
+        first_loss = last_loss if step == start else first_loss
         progress.update(step, last_loss)
+        if args.save is not None and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
+            save_checkpoint(opt, step_folder(args.save, step + 1))  # every rank; committed whole
     seconds = time.perf_counter() - t0
-    report_step(say, opt, stats, args.steps, seconds, first_loss, last_loss, evaluate(model, val),
-                fp8_copy_bytes(model) if args.fp4_compute == "fp8" else None)
+    if start < args.steps:
+        report_step(say, opt, stats, args.steps - start, seconds, first_loss, last_loss, evaluate(model, val),
+                    fp8_copy_bytes(model) if args.fp4_compute == "fp8" else None)  # fmt: skip
     if rank0:
         print("sample:", repr(sample(model, vocab, info.device)))
     return finish(say, model, opt, info)
+
+
+def resume(args, opt: Zero1Optimizer, say) -> int:
+    """The step to start from: the newest complete checkpoint under ``--save`` loaded into `opt` (masters and Adam
+    state; the weights re-cast and gathered), else 0. Batches and the learning rate follow from the step, so a
+    resumed run trains on as the uninterrupted one would."""
+    found = latest_complete_checkpoint(args.save) if args.save is not None else None
+    if found is None:
+        return 0
+    load_checkpoint(opt, found.path)  # refuses another model's checkpoint before loading anything
+    if found.step >= args.steps:
+        say(f"resumed from {found.path}: step {found.step}, at or past --steps {args.steps}; nothing to train")
+    else:
+        say(f"resumed from {found.path}: step {found.step} of {args.steps}")
+    return found.step
 
 
 def report_step(say, opt, stats: CommStats, steps: int, seconds: float, first: float, last: float, val: float,

@@ -221,6 +221,31 @@ def test_train_lm_example_runs_on_two_ranks_and_passes_its_parity_check(tmp_path
     assert ("FP8 copies of the NVFP4 weights" in proc.stdout) == (compute == "fp8"), log[-4000:]
 
 
+def test_the_main_job_resumes_from_its_newest_complete_checkpoint_bit_for_bit(tmp_path):
+    # Its run lost everything when a rank died: it had no checkpoints. A run stopped after step 3 (its step-6 save
+    # removed, as if killed before it) and started again equals the run that never stopped.
+    def train(name: str, *extra: str) -> str:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+               "examples.train_lm", "--steps", "6", "--dim", "32", "--hidden", "64", "--seq", "32", "--backend",
+               "gloo", "--no-progress", *extra]  # fmt: skip
+        proc = subprocess.run(cmd, env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT_S)
+        assert proc.returncode == 0 and "PASS (bit-identical)" in proc.stdout, (name, proc.stdout + proc.stderr[-3000:])
+        return proc.stdout
+
+    def ending(out: str) -> list[str]:  # the last loss, the validation loss and the sample
+        line = next(ln for ln in out.splitlines() if ln.startswith("trained "))
+        return [line.split(" -> ")[1], next(ln for ln in out.splitlines() if ln.startswith("sample:"))]
+
+    whole = train("whole")
+    ckpt = tmp_path / "ckpt"
+    train("first", "--save", str(ckpt), "--save-every", "3")
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_00000003", "step_00000006"]
+    shutil.rmtree(ckpt / "step_00000006")
+    resumed = train("resumed", "--save", str(ckpt), "--save-every", "3")
+    assert "resumed from" in resumed and "step 3 of 6" in resumed and "trained 3 steps" in resumed, resumed[-2000:]
+    assert ending(resumed) == ending(whole), (ending(resumed), ending(whole))
+
+
 def _train_sh(*options: str) -> subprocess.CompletedProcess:
     if not (REPO / ".venv" / "bin" / "python").exists():
         pytest.skip("scripts/train.sh runs in the .venv that scripts/bootstrap.sh makes "
