@@ -249,6 +249,11 @@ def resume(args, opt: Zero1Optimizer, say) -> int:
     if found is None:
         return 0
     load_checkpoint(opt, found.path)  # refuses another model's checkpoint before loading anything
+    # The folder's name gives the step; AdamW's own count says which step the state is of (every weight steps).
+    counted = {int(st["step"]) for st in opt.state.values() if "step" in st}
+    if counted and counted != {found.step}:
+        raise SystemExit(f"train_lm: {found.path} holds the optimizer state of step {max(counted)}, not {found.step}: "
+                         "a folder copied or renamed under another step's name; restore its name or remove it")
     if found.step >= args.steps:
         say(f"resumed from {found.path}: step {found.step}, at or past --steps {args.steps}; nothing to train")
     else:
