@@ -246,9 +246,9 @@ def test_the_main_job_resumes_from_its_newest_complete_checkpoint_bit_for_bit(tm
     assert ending(resumed) == ending(whole), (ending(resumed), ending(whole))
     # a folder copied under a later step's name would resume at that step with the state of step 3
     shutil.copytree(ckpt / "step_00000003", tmp_path / "copied" / "step_00000005")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "examples.train_lm",
-           "--steps", "6", "--dim", "32", "--hidden", "64", "--seq", "32", "--backend", "gloo", "--no-progress",
-           "--save", str(tmp_path / "copied")]  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "examples.train_lm", "--steps", "6", "--dim", "32", "--hidden", "64", "--seq", "32", "--backend", "gloo",
+           "--no-progress", "--save", str(tmp_path / "copied")]  # fmt: skip
     proc = subprocess.run(cmd, env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode != 0 and "holds the optimizer state of step 3, not 5" in proc.stdout + proc.stderr
 
