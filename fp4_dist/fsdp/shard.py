@@ -31,7 +31,7 @@ from ..cast.core import DeferredCheck
 from ..compute.fp8_gemm import require_fp8_gemm
 from ..compute.fp8_param import allocated
 from ..compute.linear import NVFP4Linear
-from ..convert import skipped_linears, warn_shared_amax
+from ..convert import skipped_linears, warn_shared_amax, weight_owners
 from . import dequant_batch, wire
 from .master import NVFP4Master, WeightState, local_master
 from .precompute import ShardCast
@@ -139,12 +139,12 @@ def fully_shard_nvfp4(
     report = FSDPReport(world_size=world)
     patterns = check_patterns(shared_amax) if shared_amax else ()
     states, groups = {}, {}
-    holders = _holders(model)
+    holders = weight_owners(model)
     skip = skipped_linears(model, skip, "fully_shard_nvfp4")
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
             carried = group_of(module.weight)
-            st = _convert(name, module, world, mp_policy, numerics, skip, report, compute, model, holders)
+            st = _convert(name, module, world, mp_policy, numerics, skip, report, compute, holders)
             if st is not None:
                 states[st.fqn] = st
                 if carried is not None:
@@ -202,40 +202,32 @@ def _require_fp8(model: nn.Module, mesh) -> None:
                            "compute='bf16')") from None
 
 
-def _holders(model: nn.Module) -> dict[int, list[str]]:
-    """{id(parameter): the names it has in `model`}: a weight tied to another module's (an embedding's) has
-    several."""
-    out: dict[int, list[str]] = {}
-    for fqn, p in model.named_parameters(remove_duplicate=False):
-        out.setdefault(id(p), []).append(fqn)
-    return out
-
-
-def _keep(model: nn.Module, fqn: str, w: torch.Tensor, holders: dict, report: FSDPReport, why: str) -> None:
+def _keep(fqn: str, w: torch.Tensor, holders: dict, report: FSDPReport, why: str) -> None:
     """Leave weight `fqn` in high precision. One converted before (an NVFP4Tensor, which FSDP2 cannot shard)
-    becomes a plain parameter of its NVFP4 values, in every module that holds it."""
+    becomes a plain parameter of its NVFP4 values, in every module that holds it (`holders`:
+    `convert.weight_owners`, which then knows the new parameter by the same holders)."""
     if isinstance(w, NVFP4Tensor):
         plain = nn.Parameter(w.dequantize(w.dtype), requires_grad=w.requires_grad)
-        for name in holders.get(id(w), [fqn]):
-            owner, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(owner), attr, plain)
+        for owner, attr, _ in holders[id(w)]:
+            setattr(owner, attr, plain)
+        holders[id(plain)] = holders[id(w)]
         why += f"; it was an NVFP4 weight, and computes on its NVFP4 values in {w.dtype} from here on"
     report.kept[fqn] = why
 
 
-def _convert(name, module, world, mp_policy, numerics, skip, report, compute, model,
-             holders) -> Optional[WeightState]:
+def _convert(name, module, world, mp_policy, numerics, skip, report, compute, holders) -> Optional[WeightState]:
     w = module.weight
     fqn = f"{name}.weight" if name else "weight"
     m, k = w.shape
-    others = [n for n in holders.get(id(w), [fqn]) if n != fqn]
+    others = [f"{qual}.{attr}" if qual else attr for owner, attr, qual in holders[id(w)]
+              if not (owner is module and attr == "weight")]  # fmt: skip
     if name in skip:
-        return _keep(model, fqn, w, holders, report, "listed in skip")
+        return _keep(fqn, w, holders, report, "listed in skip")
     if others:
         # FSDP2 shards a shared parameter once for all its holders; an NVFP4 master in place of one holder's
         # parameter would untie them (two weights trained apart), and an embedding cannot read packed bytes.
-        return _keep(model, fqn, w, holders, report, f"shared with {', '.join(others)} (a weight several modules "
-                     "hold stays in high precision, tied)")
+        return _keep(fqn, w, holders, report, f"shared with {', '.join(others)} (a weight several modules hold "
+                     "stays in high precision, tied)")
     if k % TILE:
         report.kept[fqn] = f"in_features = {k} is not a multiple of {TILE}"
         return

@@ -160,3 +160,30 @@ def test_an_evaluation_forward_between_steps_under_reshard_after_forward_false_t
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, "-c", _EVAL_BETWEEN], env=env, capture_output=True, text=True, timeout=120)
     assert "LOSSES True" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+
+
+_TWO_TIED_LINEARS = """
+import warnings, torch, torch.distributed as dist
+from torch import nn
+import fp4_dist
+from fp4_dist.fsdp import fully_shard_nvfp4
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+m = nn.Sequential(nn.Linear(32, 32, bias=False), nn.ReLU(), nn.Linear(32, 32, bias=False))
+m[2].weight = m[0].weight
+fp4_dist.convert_linear_weights(m)
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    report = fully_shard_nvfp4(m)
+print("RESULT", report.nvfp4, sorted(report.kept), m[0].weight is m[2].weight)
+dist.destroy_process_group()
+"""
+
+
+def test_two_linears_sharing_a_converted_weight_both_stay_tied():
+    # Made plain for the first holder, the weight was a new parameter the second holder's check did not know:
+    # the second became an NVFP4 master of its own, untied.
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-c", _TWO_TIED_LINEARS], env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")), proc.stdout + proc.stderr[-3000:])
+    assert line == "RESULT [] ['0.weight', '2.weight'] True", line
