@@ -129,9 +129,10 @@ def convert_linear_weights(
     linears = {name: m.weight for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     skip = skipped_linears(model, skip, "convert_linear_weights")
     kept = {name: _kept_reason(name, w, skip) for name, w in linears.items() if not is_nvfp4_tensor(w)}
-    groups = _amax_groups(linears, kept, check_patterns(shared_amax), dtype) if shared_amax else {}
-    if shared_amax:
-        warn_shared_amax("convert_linear_weights", kept, check_patterns(shared_amax), bool(groups), stacklevel=3)
+    patterns = check_patterns(shared_amax) if shared_amax else ()
+    groups = _amax_groups(linears, kept, patterns, dtype) if patterns else {}
+    if patterns:
+        warn_shared_amax("convert_linear_weights", kept, patterns, bool(groups), stacklevel=3)
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue

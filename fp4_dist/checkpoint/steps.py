@@ -49,7 +49,7 @@ def step_folder(root, step: int) -> Path:
     """``root/step_<step, 8 digits>``: the folder of the checkpoint saved after `step` steps."""
     if step < 0:
         raise ValueError(f"step must be >= 0 (a count of steps trained), got {step}")
-    return Path(root) / f"step_{step:08d}"
+    return Path(root) / f"step_{step:0{_DIGITS}d}"
 
 
 def save(state_dict: dict[str, Any], path, *, process_group=None) -> Path:

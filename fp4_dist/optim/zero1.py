@@ -416,8 +416,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
                           "another backward), so this step reduced them again and uses them unclipped; call "
                           "clip_grad_norm_ after the last backward", UserWarning, stacklevel=user_stacklevel())
         self._grads_reduced, self._reduced_from = False, None
-        self._check.written = [i for i, p in enumerate(self.params) if p._version != self._published[i]]
-        absent = self._check.run()  # the step's read of its gradients' state
+        written = [i for i, p in enumerate(self.params) if p._version != self._published[i]]
+        absent = self._check.run(written)  # the step's read of its gradients' state
         self.last_step_skipped = absent is None
         if absent is None:
             return
@@ -674,8 +674,6 @@ class _GradCheck:
     def __init__(self, opt: "Zero1Optimizer"):
         self.opt = opt
         n, dev = len(opt.params), opt.device
-        self.written: List[int] = []
-        """This rank's parameters written since the optimizer last set them (the step's flag after the presence)."""
         self.flags = torch.zeros(n + 1 + len(opt._sections), dtype=torch.float32, device=dev)
         self.presence = torch.zeros(n + 1, dtype=torch.float32, device=dev)
         self._pattern: Optional[list] = None
@@ -691,11 +689,12 @@ class _GradCheck:
         self.presence.copy_(host, non_blocking=True)
         self._staging, self._pattern = host, list(present)
 
-    def run(self) -> Optional[List[int]]:
+    def run(self, written: List[int]) -> Optional[List[int]]:
         """The parameters to leave out of this step (no rank has a gradient), or None to skip the step; raises
-        for non-finite gradients (the default)."""
+        for non-finite gradients (the default), and when some rank's parameters were `written` since the optimizer
+        last set them (the flag after the presence)."""
         opt, n, sections = self.opt, len(self.opt.params), self.opt._sections
-        self._upload_presence([*opt._present, bool(self.written)])
+        self._upload_presence([*opt._present, bool(written)])
         flags = self.flags
         flags[:n + 1].copy_(self.presence)
         for k, sec in enumerate(sections):
@@ -703,15 +702,15 @@ class _GradCheck:
         all_reduce_max_(flags, opt.group, opt.stats)
         values = flags.tolist()  # the step's read of its gradients' state
         if values[n]:
-            self._written()
+            self._written(written)
         if any(values[n + 1:]):
             return self._nonfinite(self._bad_parameters())
         return [i for i in range(n) if not values[i]]
 
-    def _written(self) -> None:
+    def _written(self, written: List[int]) -> None:
         opt = self.opt
-        names = ", ".join(opt.names[i] for i in self.written[:8]) + (
-            f" and {len(self.written) - 8} more" if len(self.written) > 8 else "")  # fmt: skip
+        names = ", ".join(opt.names[i] for i in written[:8]) + (
+            f" and {len(written) - 8} more" if len(written) > 8 else "")  # fmt: skip
         raise ValueError(
             "Zero1Optimizer.step: the model's parameters were written since the optimizer last set them "
             f"({'here: ' + names if names else 'on another rank'}), e.g. by model.load_state_dict after the optimizer "
