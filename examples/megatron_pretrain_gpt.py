@@ -330,10 +330,9 @@ def build(args: argparse.Namespace, device: torch.device):
     global_vars.set_args(args)  # Megatron's scheduler/config helpers read the global args
     config = argument_utils.core_transformer_config_from_args(args)
     options = options_of(args)
-    if options.compute == "fp8":  # before the model: a GPU without the FP8 GEMMs stops the run here
-        from fp4_dist.megatron.startup import require_fp8_gemm_for_megatron
+    from fp4_dist.megatron.startup import require_compute_mode
 
-        require_fp8_gemm_for_megatron(device)
+    require_compute_mode(options.compute, device)  # before the model: a device the mode does not run on stops here
     model = build_gpt_model(
         config, vocab_size=VOCAB_SIZE, max_sequence_length=args.max_position_embeddings, weights=weight_mode(args),
         numerics=options.numerics, position_embedding_type=args.position_embedding_type,

@@ -30,6 +30,7 @@ from fp4_dist.optim import Zero1Config, Zero1Optimizer, load_checkpoint, save_ch
 from fp4_dist.cast import CommStats
 from fp4_dist.cast.collectives import all_reduce_sum_
 from fp4_dist.compute.fp8_copy import fp8_copy_bytes
+from fp4_dist.compute.modes import DEFAULT, MODES
 
 DATA = Path(__file__).resolve().parent / "data" / "tiny_corpus.txt"
 
@@ -87,7 +88,7 @@ def parse_args(argv=None):
                     help="checkpoint folder: a checkpoint every --save-every steps (DIR/step_<n>, committed whole), "
                          "and a run started again resumes from the newest complete one, bit for bit")
     ap.add_argument("--save-every", type=_at_least(1), default=50, help="steps between checkpoints (with --save)")
-    ap.add_argument("--fp4-compute", choices=("bf16", "fp8"), default="bf16",
+    ap.add_argument("--fp4-compute", choices=MODES, default=DEFAULT,
                     help="what the linears' GEMMs read: bf16 values of the NVFP4 weights, or FP8 block copies of them "
                          "with FP8 activations and gradients (Hopper GPUs; emulated on CPU ranks; docs/fp8.md). The "
                          "NVFP4 bytes and their gather are the same in both")  # fmt: skip
@@ -235,7 +236,7 @@ def main(argv=None) -> int:
     seconds = time.perf_counter() - t0
     if start < args.steps:
         report_step(say, opt, stats, args.steps - start, seconds, first_loss, last_loss, evaluate(model, val),
-                    fp8_copy_bytes(model) if args.fp4_compute == "fp8" else None)  # fmt: skip
+                    fp8_copy_bytes(model) or None)  # fmt: skip
     if rank0:
         print("sample:", repr(sample(model, vocab, info.device)))
     return finish(say, model, opt, info)

@@ -10,8 +10,8 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from .compute.fp8_gemm import require_fp8_gemm
-from .compute.linear import COMPUTE_MODES, NVFP4Linear, ready_for_compile
+from .compute.linear import NVFP4Linear, ready_for_compile
+from .compute.modes import DEFAULT, mode_named, prepare
 from .format import DEFAULT_NUMERICS, MODEL_DTYPES, TILE
 from .quantize import quantize
 from .shared_amax import ATTR as AMAX_GROUP_ATTR
@@ -21,7 +21,8 @@ from .tensor import is_nvfp4_tensor
 
 @dataclass
 class ConversionReport:
-    """Which linear weights became NVFP4 and why the others stayed in high precision."""
+    """Which linear weights became NVFP4 and why the others stayed in high precision, and what their GEMMs read.
+    `fp4_dist.fsdp.FSDPReport` is this report with how each weight is gathered."""
 
     converted: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
@@ -30,12 +31,31 @@ class ConversionReport:
     tied: dict[str, list[str]] = field(default_factory=dict)
     """Converted weights that other modules share (``{linear: [other owners]}``): every owner holds the one NVFP4
     parameter, so the tie survives (an embedding tied to the output head reads the NVFP4 values too)."""
-    compute: str = "bf16"
-    """What the converted layers' GEMMs read (`compute.linear.COMPUTE_MODES`)."""
-    fp8: list[str] = field(default_factory=list)
-    """With ``compute="fp8"``: the linears whose GEMMs read FP8 (every NVFP4Linear, converted now or before)."""
-    not_fp8: dict[str, str] = field(default_factory=dict)
-    """With ``compute="fp8"``: linears holding an NVFP4 weight whose GEMMs read bf16, and why (``{linear: reason}``)."""
+    compute: str = DEFAULT
+    """What the converted layers' GEMMs read (a name in `compute.modes.MODES`)."""
+    in_mode: list[str] = field(default_factory=list)
+    """With a compute mode other than the default: the linears computing in it (every NVFP4Linear)."""
+    not_in_mode: dict[str, str] = field(default_factory=dict)
+    """With a compute mode other than the default: linears holding an NVFP4 weight that compute in the default
+    mode all the same, and why (``{linear: reason}``)."""
+
+    @property
+    def fp8(self) -> list[str]:
+        """`in_mode`, by the name users of ``compute="fp8"`` know."""
+        return self.in_mode
+
+    @property
+    def not_fp8(self) -> dict[str, str]:
+        """`not_in_mode`, by the name users of ``compute="fp8"`` know."""
+        return self.not_in_mode
+
+    def compute_lines(self) -> list[str]:
+        """The report's lines on the compute mode (none in the default mode)."""
+        if self.compute == DEFAULT and not self.in_mode and not self.not_in_mode:
+            return []
+        lines = [f"  {self.compute.upper()} compute: {len(self.in_mode)} linears, {len(self.not_in_mode)} with NVFP4 "
+                 f"weights in {DEFAULT}"]
+        return lines + [f"  {DEFAULT} compute {name}: {why}" for name, why in self.not_in_mode.items()]
 
     def __str__(self) -> str:
         lines = [f"NVFP4 weights: {len(self.converted)} converted, {len(self.skipped)} kept in high precision"]
@@ -43,10 +63,7 @@ class ConversionReport:
         lines += [f"  tied {name}.weight with {', '.join(others)}" for name, others in self.tied.items()]
         groups = list(dict.fromkeys(self.shared_amax.values()))
         lines += [f"  one amax: {g}" for g in groups]
-        if self.compute == "fp8":
-            lines.append(f"  FP8 compute: {len(self.fp8)} linears, {len(self.not_fp8)} with NVFP4 weights in bf16")
-            lines += [f"  bf16 compute {name}: {why}" for name, why in self.not_fp8.items()]
-        return "\n".join(lines)
+        return "\n".join(lines + self.compute_lines())
 
 
 def convert_linear_weights(
@@ -57,7 +74,7 @@ def convert_linear_weights(
     skip: tuple[str, ...] = (),
     compute_copy: bool = False,
     shared_amax: Sequence[Sequence[str]] = (),
-    compute: str = "bf16",
+    compute: str = DEFAULT,
     verbose: bool = False,
 ) -> ConversionReport:
     """Replace every eligible nn.Linear weight (2D, K % 16 == 0) by an NVFP4 parameter, in place.
@@ -113,17 +130,13 @@ def convert_linear_weights(
             "convert_linear_weights: this model is already sharded (its parameters are DTensors, e.g. by torch's "
             "fully_shard); convert the unsharded model, or shard it with fp4_dist.fsdp.fully_shard_nvfp4, which "
             "converts the linear weights itself")
-    if compute not in COMPUTE_MODES:
-        raise ValueError(f"convert_linear_weights: compute must be one of {COMPUTE_MODES}, got {compute!r}")
-    if compute == "fp8":
-        if compute_copy:
-            raise ValueError("convert_linear_weights: compute='fp8' reads each weight's FP8 copy, never a bf16 "
-                             "compute copy: leave compute_copy False")  # fmt: skip
-        for device in {p.device for p in model.parameters() if p.device.type != "meta"}:
-            try:
-                require_fp8_gemm(device)
-            except RuntimeError as e:
-                raise RuntimeError(f"convert_linear_weights: {e}; convert with compute='bf16' (the default)") from None
+    mode = mode_named(compute, "convert_linear_weights")
+    if compute_copy and not mode.kept_copies:
+        raise ValueError(f"convert_linear_weights: compute={compute!r} reads {mode.gemms_read}, never a bf16 "
+                         "compute copy: leave compute_copy False")
+    why = prepare(mode, {p.device for p in model.parameters() if p.device.type != "meta"})
+    if why is not None:
+        raise RuntimeError(f"convert_linear_weights: {why}; convert with compute={DEFAULT!r} (the default)")
     owners = weight_owners(model)
     report, done = ConversionReport(compute=compute), {}
     linears = {name: m.weight for name, m in model.named_modules() if isinstance(m, nn.Linear)}
@@ -160,8 +173,8 @@ def convert_linear_weights(
             # An optimizer built before this call still holds `w`, which no longer gets gradients: let it say so.
             w._fp4_dist_replaced_by = f"{name}.weight"
             report.converted.append(name)
-    if compute == "fp8":
-        _set_fp8_compute(model, report)
+    if compute != DEFAULT:
+        _set_compute(model, report)
     if any(why != "listed in skip" for why in report.skipped.values()):
         warnings.warn(str(report), stacklevel=2)
     if verbose:
@@ -169,21 +182,22 @@ def convert_linear_weights(
     return report
 
 
-def _set_fp8_compute(model: nn.Module, report: ConversionReport) -> None:
-    """Every NVFP4Linear of `model` (converted by this call or before) computes in FP8; `report` lists them, and
-    names each other linear holding an NVFP4 weight, which computes in bf16, with the reason."""
+def _set_compute(model: nn.Module, report: ConversionReport) -> None:
+    """Every NVFP4Linear of `model` (converted by this call or before) computes in `report.compute`; `report` lists
+    them, and names each other linear holding an NVFP4 weight, which computes in the default mode, with the
+    reason."""
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or not is_nvfp4_tensor(module.weight):
             continue
         if type(module) is NVFP4Linear:
-            module.fp4_compute = "fp8"
-            report.fp8.append(name)
+            module.fp4_compute = report.compute
+            report.in_mode.append(name)
         elif type(module) is nn.Linear:
-            report.not_fp8[name] = ("a plain nn.Linear sharing another layer's NVFP4 weight computes through the "
-                                    "weight's dispatch, in bf16")  # fmt: skip
+            report.not_in_mode[name] = ("a plain nn.Linear sharing another layer's NVFP4 weight computes through the "
+                                        f"weight's dispatch, in {DEFAULT}")  # fmt: skip
         else:
-            report.not_fp8[name] = (f"{type(module).__name__} keeps its own forward (a subclass of nn.Linear), "
-                                    "which computes through the weight's dispatch, in bf16")  # fmt: skip
+            report.not_in_mode[name] = (f"{type(module).__name__} keeps its own forward (a subclass of nn.Linear), "
+                                        f"which computes through the weight's dispatch, in {DEFAULT}")  # fmt: skip
 
 
 def model_dtype_of(w: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.dtype:

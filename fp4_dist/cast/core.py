@@ -101,13 +101,6 @@ def plan_for(weights) -> CastPlan:
                           [w.numerics for w in weights], [group_of(w) for w in weights])  # fmt: skip
 
 
-def weight_name(i: int, w) -> str:
-    """How errors name entry i of a list of weights: its index and shape, and its module path when known (the name
-    `fp4_dist.convert_linear_weights` gives a weight)."""
-    name = getattr(w, "fp4_dist_name", None)
-    return f"model_weights[{i}] ({'x'.join(map(str, w.shape))})" + (f" = {name}" if name else "")
-
-
 def shard_bytes(data: torch.Tensor, shard: Optional[torch.Tensor], start: int) -> Optional[torch.Tensor]:
     """The bytes of a weight's flat rowwise `data` that a cast of `shard` (elements from `start`) writes."""
     if shard is None:

@@ -40,7 +40,8 @@ from ..format import DEFAULT_NUMERICS, MASTER_DTYPES, byte_window, check_even_bo
 from ..shared_amax import group_of
 from ..tensor import NVFP4Tensor, is_nvfp4_tensor
 from .master_weights_check import CallAgreement, reject
-from .core import BINDINGS, CastCore, CastPlan, DeferredCheck, make_cast_plan, shard_bytes, weight_name
+from ..tensor.copy import weight_name
+from .core import BINDINGS, CastCore, CastPlan, DeferredCheck, make_cast_plan, shard_bytes
 from .collectives import CommStats, dist_backend, in_distributed_job, rank_and_size
 
 
@@ -69,7 +70,7 @@ def _check_weights(model_weights, master_weights, start_offsets, fsdp_shard_mode
             raise TypeError(f"model_weights[{i}] is a {type(w).__name__} ({getattr(w, 'dtype', '')}); "
                             "cast_master_weights_to_nvfp4 only casts into NVFP4Tensor weights "
                             "(convert them with fp4_dist.convert_linear_weights or fp4_dist.quantize)")
-        check_weight_shape(w.shape, weight_name(i, w))
+        check_weight_shape(w.shape, weight_name(w, i, listed_as="model_weights"))
 
 
 def _shape_plan(model_weights) -> CastPlan:
@@ -94,7 +95,7 @@ def _shape_plan(model_weights) -> CastPlan:
 
 def _check_shard(i: int, w: NVFP4Tensor, master, start, fragment) -> None:
     """One weight's master shard, offset and optional FSDP fragment; raise naming the weight."""
-    name = weight_name(i, w)
+    name = weight_name(w, i, listed_as="model_weights")
     if master is None:
         return
     if not isinstance(master, torch.Tensor) or master.dtype not in MASTER_DTYPES:
@@ -274,7 +275,8 @@ class BoundCast:
         targets = [f if f is not None else shard_bytes(w.rowwise_data, m, s)
                    for w, m, s, f in zip(self.weights, shards, starts, fragments)]  # fmt: skip
         self.core = CastCore(plan, shards, starts, targets, self._bind_scales,
-                             names=[f"{weight_name(i, w)} master" for i, w in enumerate(self.weights)],
+                             names=[weight_name(w, i, listed_as="model_weights") + " master"
+                                    for i, w in enumerate(self.weights)],
                              device=_weight_device(model_weights))  # fmt: skip
         self.agreement = _agreement(plan, self.weights, shards, starts, rank, world_size)
 

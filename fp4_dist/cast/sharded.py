@@ -37,7 +37,8 @@ from ..buffers.layout import BufferLayout
 from ..buffers.tile_owners import TileExchange, tile_exchange
 from ..tensor.copy import BoundRefresh, mark_pending
 from ..tensor import NVFP4Tensor
-from .core import CastCore, CastPlan, plan_for, shard_bytes, weight_name
+from ..tensor.copy import weight_name
+from .core import CastCore, CastPlan, plan_for, shard_bytes
 from .collectives import CommStats, all_gather_inplace
 from .post_gather import bind_columnwise, drop_columnwise
 
@@ -75,7 +76,7 @@ class ShardedCast:
         self.gathered = torch.zeros(layout.dp_size * self.exchange.cap, dtype=torch.uint8, device=dev)
         self._rank, self._compact_off = rank, 0
         starts = [s or 0 for s in starts]
-        names = [f"{weight_name(i, w)} master" for i, w in zip(self._positions, weights)]
+        names = [weight_name(w, i, listed_as="model_weights") + " master" for i, w in zip(self._positions, weights)]
         self.core = CastCore(self.plan, masters, starts,
                              [shard_bytes(w.rowwise_data, m, s) for w, m, s in zip(self.weights, masters, starts)],
                              self._bind_scales, names=names, exchanged=self._exchanged_entries(), device=dev)  # fmt: skip

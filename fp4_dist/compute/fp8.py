@@ -1,18 +1,15 @@
-"""The FP8 compute mode's linear layer: what Hopper's block-scaled FP8 GEMMs read and compute (docs/fp8.md).
+"""The FP8 compute mode (``compute="fp8"``, ``--compute fp8``; its row in `modes.MODES`): the GEMMs read each
+weight's FP8 128 x 128 block copy, made once per weight update (`fp8_copy`), and the activations and output
+gradients in FP8 1 x 128 groups (`fp8_autograd`). cuBLAS's block-scaled GEMMs on Hopper (sm_90), emulated on the
+CPU (`fp8_gemm`); other devices are refused at set-up (`check_device`). docs/fp8.md says what it costs and gains.
 
-Per linear, with W the NVFP4 weight [N, K]:
+What the row names:
 
-    forward   y  = x @ W^T       x: 1 x 128 groups along K;  W: its FP8 block copy (128 x 128)
-    dgrad     dx = dy @ W        dy: 1 x 128 groups along N;  W's copy, transposed (the blocks are symmetric)
-    wgrad     dW = dy^T @ x      dy and x: 1 x 128 groups along the tokens; fp32 result
-
-x is quantized both ways from one read in the forward (`Fp8Operand.both`), and its transpose is what the layer keeps
-for the backward: 1 byte per element instead of the input's 2. dy likewise, both ways at once, in the backward.
-
-The GEMMs are `fp8_gemm.fp8_mm`: cuBLAS on Hopper, and on the CPU an emulation that sums each 128-group of the
-contraction in fp32 and scales the partial sum by both operands' scales of the group, as cuBLAS does, in another
-order of additions. Outputs are the input's dtype (bf16), the weight gradient fp32 then the weight's dtype.
-Attention, norms, embeddings and whatever is not an NVFP4 linear stay in bf16.
+    check_device     the one-time device check (`fp8_gemm.check_device`: the GEMMs agree with the emulation, the
+                     kernels with their references)
+    linear           an NVFP4Linear's forward: the layer's FP8 copy of its weight, `Fp8Linear`
+    parallel_linear  a Megatron parallel linear's: the same, with its tensor-parallel communication
+    FsdpUnsharded    FSDP2's unsharded weight: an `Fp8Param` holding the FP8 copy of the gathered bytes
 """
 
 from __future__ import annotations
@@ -20,99 +17,53 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from ..tensor import NVFP4Tensor
-from .fp8_gemm import Fp8Operand, fp8_mm
-from .lean import raise_changed, stamp
+from . import fp8_copy, fp8_gemm, fp8_param
+from .fp8_autograd import Fp8Linear, fp8_linear
+from .fp8_gemm import Fp8Operand
 
-__all__ = ["Fp8Operand", "Fp8BlockLinear", "fp8_linear", "output", "saved_weight", "weight_from_saved",
-           "weight_gradient"]
+__all__ = ["check_device", "linear", "parallel_linear", "FsdpUnsharded", "Fp8Operand", "fp8_linear"]
 
 
-class Fp8BlockLinear(torch.autograd.Function):
-    """y = x @ W^T + bias with FP8 block-scaled GEMMs (module docstring); W an NVFP4 weight and `operand` its FP8
-    block copy (made here when None). The backward reads the same copy; it raises if the weight's bytes changed
-    since the forward, as autograd does for a parameter changed in place."""
+def check_device(device: torch.device) -> Optional[str]:
+    """None where the FP8 GEMMs run on `device` and agree there with the emulation, else why not (checked once)."""
+    return fp8_gemm.check_device(device).refusal
+
+
+def linear(module: torch.nn.Module, input: torch.Tensor, compiling: bool = False) -> torch.Tensor:
+    """An NVFP4Linear's forward in this mode (the same inside a torch.compile'd model: `compiling`)."""
+    w = module.weight
+    if type(w) is fp8_param.Fp8Param:  # FSDP2's unsharded weight in this mode: the copy itself, through its
+        return F.linear(input, w, module.bias)  # F.linear (dtype and freed-memory checks included)
+    if type(w) is not NVFP4Tensor:  # never bf16 in its place without a word
+        raise RuntimeError(
+            f"NVFP4Linear computes in FP8 (convert_linear_weights(compute='fp8')) but its weight is now a "
+            f"{type(w).__name__}, not an NVFP4Tensor: the FP8 mode reads the FP8 copy of an NVFP4 weight; convert "
+            "with compute='bf16', or set the layer's fp4_compute to 'bf16'")
+    return fp8_linear(input, w, module.bias, fp8_copy.weight_operand(module, w))
+
+
+def parallel_linear(layer, input: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tensor],
+                    allreduce_dgrad: bool, sequence_parallel: bool, tp_group) -> torch.Tensor:  # fmt: skip
+    """A Megatron parallel linear's GEMMs in this mode, on the layer's FP8 copy of its weight."""
+    operand = fp8_copy.weight_operand(layer, weight)
+    return Fp8Linear.apply(input, weight, bias, operand, allreduce_dgrad, sequence_parallel, tp_group)
+
+
+class FsdpUnsharded:
+    """FSDP2's unsharded weight in this mode (`fp4_dist.fsdp.master`): the FP8 block copy of the gathered bytes,
+    in tensors of the weight's own that FSDP2 frees and allocates around each gather (`fp8_param.own`)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight, bias: Optional[torch.Tensor], operand: Optional[Fp8Operand] = None):
-        k = x.shape[-1]
-        x2 = x.reshape(-1, k)
-        w = operand if operand is not None else Fp8Operand.weight(weight)
-        if ctx.needs_input_grad[1]:  # the weight gradient's operand too, from the same read: kept in FP8
-            xq, xtq = Fp8Operand.both(x2)
-        else:
-            xq, xtq = Fp8Operand.rows(x2), Fp8Operand(x2.new_empty(0, dtype=torch.uint8), x2.new_empty(0), False)
-        y = fp8_mm(xq, w, x.dtype)
-        if bias is not None:
-            y = y + bias
-        ctx.save_for_backward(xtq.bits, xtq.scales, *saved_weight(w))
-        ctx.has_bias, ctx.weight, ctx.stamp = bias is not None, weight, _stamp(weight)
-        return output(y, x.shape)
+    def make(fields: tuple, dtype: torch.dtype) -> tuple:
+        """(what the weight holds, the unsharded parameter, its tensors FSDP2 manages) at the first gather."""
+        held = fp8_param.own(Fp8Operand.block_copy(*fields))
+        tensors = tuple(t for t in held if isinstance(t, torch.Tensor))
+        return held, fp8_param.Fp8Param(held, dtype), tensors
 
     @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        xt_bits, xt_scales, *kept_weight = ctx.saved_tensors
-        weight = ctx.weight
-        if _stamp(weight) != ctx.stamp:
-            raise_changed(weight)
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        w = weight_from_saved(kept_weight)
-        want_dx, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if want_dx and want_dw:
-            dyq, dytq = Fp8Operand.both(dy2)
-        else:
-            dyq = Fp8Operand.rows(dy2) if want_dx else None
-            dytq = Fp8Operand.rows(dy2.t()) if want_dw else None
-        dx = fp8_mm(dyq, w.t(), dy.dtype) if want_dx else None
-        dw = weight_gradient(dytq, Fp8Operand(xt_bits, xt_scales, False), weight.dtype) if want_dw else None
-        db = dy2.sum(dim=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return (dx.view(*dy.shape[:-1], dx.shape[-1]) if dx is not None else None), dw, db, None
-
-
-def saved_weight(w: Fp8Operand) -> tuple:
-    """What a linear's forward saves of its weight's FP8 block copy for the backward (`save_for_backward` takes
-    tensors or None): the copy and its scales, in both layouts."""
-    return w.bits, w.scales, w.cublas_scales, w.cublas_scales_t
-
-
-def weight_from_saved(saved) -> Fp8Operand:
-    """The block operand `saved_weight` saved."""
-    bits, scales, cublas_scales, cublas_scales_t = saved
-    return Fp8Operand(bits, scales, True, cublas_scales, cublas_scales_t)
-
-
-def output(y: torch.Tensor, input_shape) -> torch.Tensor:
-    """The GEMM's result y [tokens, N] as a linear's output for an input of `input_shape` ([..., K]), a tensor that
-    autograd does not take for a view of y (``aten._unsafe_view``, as ``torch.matmul`` returns its products): a view
-    of a tensor made inside an autograd Function may not be modified in place, and callers do so (Megatron's MoE
-    experts add their bias to their linear's output). y is a slice of cuBLAS's padded result where tokens were
-    padded."""
-    return torch.ops.aten._unsafe_view(y, (*input_shape[:-1], y.shape[-1]))
-
-
-def weight_gradient(dyt: Fp8Operand, xt: Fp8Operand, dtype: torch.dtype) -> torch.Tensor:
-    """dW = dy^T @ x from the output gradients' and the inputs' transposes, dy^T [N, T] and x^T [K, T], quantized in
-    1 x 128 groups along the tokens: fp32 sums rounded once to `dtype`, straight out of the GEMM for bf16 and fp32."""
-    out = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
-    dw = fp8_mm(dyt, xt, out)
-    return dw if out == dtype else dw.to(dtype)
-
-
-def _stamp(w) -> Optional[tuple]:
-    """What must not change between the forward and the backward of an NVFP4 weight (`lean.stamp`); None for an
-    inference tensor (no version counter, and no backward either) and for a weight that is not NVFP4 (FSDP2's
-    unsharded `Fp8Param`, which FSDP2 writes again, with the same values, when it gathers for the backward)."""
-    if type(w) is not NVFP4Tensor:
-        return None
-    try:
-        return stamp(w)
-    except RuntimeError:
-        return None
-
-
-def fp8_linear(x: torch.Tensor, weight, bias: Optional[torch.Tensor] = None,
-               operand: Optional[Fp8Operand] = None) -> torch.Tensor:  # fmt: skip
-    """`F.linear(x, weight, bias)` with the FP8 block-scaled GEMMs, for an NVFP4 weight; `operand`: its FP8 block
-    copy where the caller keeps one (`fp8_copy.weight_operand`). cuBLAS on Hopper, emulated on the CPU."""
-    return Fp8BlockLinear.apply(x, weight, bias, operand)
+    def write(held: Fp8Operand, fields: tuple) -> None:
+        """Write the copy of a later gather's bytes into the tensors `make` gave."""
+        fp8_param.write(held, Fp8Operand.block_copy(*fields))

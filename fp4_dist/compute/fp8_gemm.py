@@ -1,13 +1,13 @@
 """The FP8 compute mode's GEMMs: `fp8_mm(a, b)` = a @ b^T for two block-scaled operands (`Fp8Operand`), by
 cuBLAS on Hopper (``torch.nn.functional.scaled_mm``, sm_90) and emulated in fp32 on the CPU; any other device is
-refused (`require_fp8_gemm`), never served by a slower stand-in.
+refused (`check_device`), never served by a slower stand-in.
 
 cuBLAS reads the operands as its block-scaled recipes want them (1 x 128 scales outer-dim-major, 128 x 128 scales
 with their K blocks padded to a multiple of 4, K a multiple of 128, both operands' rows a multiple of 16): the
 operands are padded with zeros, which add nothing to any sum, and the padding is cut off the result. Its sums differ
-from the emulation's only in the order of the additions; `require_fp8_gemm` checks the two agree on a device before
-the first GEMM there, so a recipe this torch or cuBLAS reads otherwise stops the run instead of training on wrong
-values.
+from the emulation's only in the order of the additions; `check_device` checks the two agree on a device at
+set-up, before the first GEMM there, so a recipe this torch or cuBLAS reads otherwise stops the run instead of
+training on wrong values.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from ..kernels import reference as nvfp4_reference
 from ..kernels.fp8_block_reference import fp8_block_copy, pow2
 from ..kernels.fp8_rows_reference import quantize_rows_1x128
 
-__all__ = ["Fp8Operand", "fp8_mm", "emulated_mm", "cublas_mm", "require_fp8_gemm", "fp8_gemm_missing"]
+__all__ = ["Fp8Operand", "fp8_mm", "emulated_mm", "cublas_mm", "require_fp8_gemm", "check_device", "device_report",
+           "DeviceReport", "DEVICES", "fp8_gemm_missing"]
 
 
 class Fp8Operand(NamedTuple):
@@ -43,11 +44,9 @@ class Fp8Operand(NamedTuple):
     @classmethod
     def rows(cls, x: torch.Tensor) -> Fp8Operand:
         """x [rows, K] quantized in 1 x 128 groups along K: by the CUDA kernel on a GPU where it gave the
-        reference's bits (`require_fp8_gemm`), else by the PyTorch reference (the same bits)."""
-        if x.is_cuda:
-            require_fp8_gemm(x.device)  # checks the kernels once per device (a lookup after that)
-            if _ROWS_KERNEL.get(x.device) and x.dtype in fp8_rows.DTYPES:  # a CUDA tensor's device has its index
-                return cls(*fp8_rows.quantize_rows_1x128(x), blocks=False)
+        reference's bits (`DEVICES`), else by the PyTorch reference (the same bits)."""
+        if x.is_cuda and device_report(x.device).rows_kernel and x.dtype in fp8_rows.DTYPES:
+            return cls(*fp8_rows.quantize_rows_1x128(x), blocks=False)
         return cls(*quantize_rows_1x128(x), blocks=False)
 
     @classmethod
@@ -55,11 +54,9 @@ class Fp8Operand(NamedTuple):
         """(`rows(x)`, `rows(x.t())`), the same bits: on a GPU where the kernels gave the reference's bits, a bf16
         or fp16 x is read once for both (an activation's forward and weight-gradient operands, an output
         gradient's dgrad and weight-gradient ones)."""
-        if x.is_cuda:
-            require_fp8_gemm(x.device)
-            if _ROWS_KERNEL.get(x.device) and x.dtype in fp8_rows.DTYPES:
-                (a, sa), (b, sb) = fp8_rows.quantize_both(x)
-                return cls(a, sa, blocks=False), cls(b, sb, blocks=False)
+        if x.is_cuda and device_report(x.device).rows_kernel and x.dtype in fp8_rows.DTYPES:
+            (a, sa), (b, sb) = fp8_rows.quantize_both(x)
+            return cls(a, sa, blocks=False), cls(b, sb, blocks=False)
         return cls.rows(x), cls.rows(x.t())
 
     @classmethod
@@ -71,12 +68,11 @@ class Fp8Operand(NamedTuple):
     def block_copy(cls, rowwise_data: torch.Tensor, scale_inv: torch.Tensor, amax: torch.Tensor) -> Fp8Operand:
         """The FP8 block copy of the NVFP4 weight [N, K] these fields hold (packed codes, E4M3 tile scales
         row-expanded or as the tile grid, fp32 amax): by the CUDA kernel on a GPU where it gave the reference's bits
-        (`require_fp8_gemm`), else by the PyTorch reference (the same bits); on a GPU with its scales laid out for
-        cuBLAS too."""
+        (`DEVICES`), else by the PyTorch reference (the same bits); on a GPU with its scales laid out for cuBLAS
+        too."""
         fields = (rowwise_data, scale_inv, amax)
         if rowwise_data.is_cuda:
-            require_fp8_gemm(rowwise_data.device)  # checks the kernels once per device (a lookup after that)
-            if _BLOCK_KERNEL.get(_device_key(rowwise_data.device)) and fp8_block.can_copy(*fields[:2]):
+            if device_report(rowwise_data.device).block_kernel and fp8_block.can_copy(*fields[:2]):
                 return cls(*fp8_block.fp8_block_copy(*fields), blocks=True).with_cublas_scales()
             return cls(*fp8_block_copy(*fields), blocks=True).with_cublas_scales()
         return cls(*fp8_block_copy(*fields), blocks=True)
@@ -105,10 +101,23 @@ class Fp8Operand(NamedTuple):
 # torch's scaled_mm wants the right operand's rows (the output's columns) in 16s, the left's (the 1 x 128 scales'
 # leading dimension) in 4s: both are padded to 16.
 _ROWS_ALIGN = 16
-_CHECKED: dict = {}  # device -> None (the GEMM agrees with the emulation there) or the sentence that refuses it
-_CHECKING: set = set()  # devices whose check is running (its operands are made by the references)
-_ROWS_KERNEL: dict = {}  # device -> whether the CUDA 1 x 128 quantization gave the reference's bits there
-_BLOCK_KERNEL: dict = {}  # device -> whether the CUDA weight copy gave the reference's bits there
+
+
+class DeviceReport(NamedTuple):
+    """What the one-time check of a device found (`check_device`): why the FP8 GEMMs are refused there (None: they
+    run and agree with the emulation), and whether the CUDA 1 x 128 quantization and weight copy gave the
+    references' bits there (else the references serve, the same bits, slower)."""
+
+    refusal: Optional[str]
+    rows_kernel: bool = False
+    block_kernel: bool = False
+
+
+DEVICES: dict = {}
+"""torch.device (with its index) -> its `DeviceReport`: written once per device by `check_device`, at set-up
+(`convert_linear_weights`, `fully_shard_nvfp4`, the Megatron adapter: `fp4_dist.compute.modes.prepare`); the data
+path only reads it."""
+_CPU = DeviceReport(None)
 
 
 def _device_key(device) -> torch.device:
@@ -116,6 +125,13 @@ def _device_key(device) -> torch.device:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def device_report(device: torch.device) -> DeviceReport:
+    """`DEVICES`' entry for a tensor's device (which names its index): a lookup, or the check itself where a
+    tensor reached a device that set-up never saw (a model moved after its conversion)."""
+    report = DEVICES.get(device)
+    return report if report is not None else check_device(device)
 
 
 def emulated_mm(a: Fp8Operand, b: Fp8Operand) -> torch.Tensor:
@@ -202,14 +218,16 @@ def cublas_mm(a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype) -> torch.Ten
 
 
 def fp8_mm(a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype) -> torch.Tensor:
-    """a @ b^T in `out_dtype`: cuBLAS on a CUDA device (checked once there, `require_fp8_gemm`), emulated on CPU."""
+    """a @ b^T in `out_dtype`: cuBLAS on a CUDA device (checked once there, `check_device`), emulated on CPU."""
     device = a.bits.device
     m, n, k = a.bits.shape[0], b.bits.shape[0], _common_k(a, b)
     if not (m and n and k):  # an MoE expert that got no tokens: an empty product, or a sum of nothing
         return torch.zeros(m, n, dtype=out_dtype, device=device)
     if device.type == "cpu":
         return emulated_mm(a, b).to(out_dtype)
-    require_fp8_gemm(device)
+    refusal = device_report(device).refusal
+    if refusal is not None:
+        raise RuntimeError(refusal)
     return cublas_mm(a, b, out_dtype)
 
 
@@ -235,32 +253,45 @@ def fp8_gemm_missing(device_type: str, capability: Optional[tuple[int, int]], ha
 
 def require_fp8_gemm(device) -> None:
     """Raise RuntimeError, with a sentence saying what is missing, unless the FP8 GEMMs run on `device` and agree
-    there with the emulation (checked once per device, on small ragged products whose every scale differs from its
-    neighbours': a scale read from the wrong place gives wrong values, not a slightly different order of
-    additions). Callers add which of their options to change."""
-    if type(device) is torch.device and device.index is not None and _CHECKED.get(device, False) is None:
-        return  # checked, and it runs here: every GEMM and quantization asks
+    there with the emulation (`check_device`). Callers add which of their options to change."""
+    refusal = check_device(device).refusal
+    if refusal is not None:
+        raise RuntimeError(refusal)
+
+
+def check_device(device) -> DeviceReport:
+    """`device`'s `DeviceReport`, checked once per device (a lookup after that): whether the FP8 GEMMs run there and
+    agree with the emulation on small ragged products whose every scale differs from its neighbours' (a scale read
+    from the wrong place gives wrong values, not a slightly different order of additions), and whether the CUDA
+    kernels give the references' bits."""
     device = _device_key(device)
-    if device in _CHECKED:
-        if _CHECKED[device] is not None:
-            raise RuntimeError(_CHECKED[device])
-        return
-    if device in _CHECKING:  # the check's own operands: by the references, the kernels not yet trusted
-        return
+    report = DEVICES.get(device)
+    if report is not None:
+        return report
+    if device.type == "cpu":
+        DEVICES[device] = _CPU
+        return _CPU
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     why = fp8_gemm_missing(device.type, capability, hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"))
-    if why is None and device.type == "cuda":
-        _CHECKING.add(device)
+    if why is not None or device.type != "cuda":
+        report = DeviceReport(why)
+    else:
+        # The check's own operands are made with the references: the table has no entry for the device yet, so the
+        # operands it makes must not ask it (`_REFERENCES_ONLY`).
+        DEVICES[device] = _REFERENCES_ONLY
         try:
             with torch.autocast("cuda", enabled=False):
                 why = _disagreement(device)
-                _ROWS_KERNEL[device] = why is None and _rows_kernel_agrees(device)
-                _BLOCK_KERNEL[device] = why is None and _block_kernel_agrees(device)
+                report = DeviceReport(why, why is None and _rows_kernel_agrees(device),
+                                      why is None and _block_kernel_agrees(device))  # fmt: skip
         finally:
-            _CHECKING.discard(device)
-    _CHECKED[device] = why
-    if why is not None:
-        raise RuntimeError(why)
+            DEVICES.pop(device, None)
+    DEVICES[device] = report
+    return report
+
+
+_REFERENCES_ONLY = DeviceReport(None)
+"""A device's entry while its check runs: the GEMMs run (the check's products), the kernels are not yet trusted."""
 
 
 def _disagreement(device: torch.device) -> Optional[str]:

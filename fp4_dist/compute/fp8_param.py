@@ -4,9 +4,9 @@ With ``fully_shard_nvfp4(..., compute="fp8")`` the weight FSDP2 unshards for a l
 `Fp8Param` instead of a bf16 value: the FP8 block copy of the gathered NVFP4 bytes (E4M3 bits [M, K] and one fp32
 scale per 128 x 128 block, 1 byte per weight against bf16's 2), written at every gather into tensors that FSDP2
 frees when it reshards and allocates again before the next gather, as it does with its own unsharded parameters
-(`own`, `write`). ``F.linear`` on it runs the FP8 block-scaled GEMMs (`fp8.fp8_linear`: cuBLAS on Hopper, emulated
-on the CPU) and its weight gradient comes back as a plain [M, K] tensor in the model dtype, which FSDP2
-reduce-scatters as usual. Any other op that reads it computes on the copy's values (E4M3 times its block scale,
+(`own`, `write`). ``F.linear`` on it runs the FP8 block-scaled GEMMs (`fp8_autograd.fp8_linear`: cuBLAS on
+Hopper, emulated on the CPU) and its weight gradient comes back as a plain [M, K] tensor in the model dtype, which
+FSDP2 reduce-scatters as usual. Any other op that reads it computes on the copy's values (E4M3 times its block scale,
 in the model dtype): what the GEMMs read. An op that writes it raises (the next gather would undo the write), as
 does any use once FSDP2 has freed the copy's memory (a weight kept past its layer's reshard).
 """
@@ -17,7 +17,7 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from ..kernels.fp8_block_reference import fp8_block_values
-from .fp8 import fp8_linear
+from .fp8_autograd import fp8_linear
 from .fp8_gemm import Fp8Operand
 
 __all__ = ["Fp8Param", "allocated", "own", "write"]

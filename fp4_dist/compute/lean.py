@@ -41,7 +41,7 @@ import torch
 from .. import kernels
 from ..tensor import NVFP4Tensor
 from .alias import alias_onto
-from ..tensor.copy import bound, rowwise_fields, version_key
+from ..tensor.copy import bound, raise_changed, stamp
 from .lean_order import BWD, FWD, ORDER, Batch
 from .pool import POOL, Buffer, copy_token, use_count
 
@@ -170,13 +170,6 @@ class _Note:
         self.stamp = stamp(weight)
 
 
-def stamp(w: NVFP4Tensor) -> tuple:
-    """Which rowwise fields `w` holds and their freshness key: what must not change between a layer's forward and
-    its backward."""
-    fields = rowwise_fields(w)
-    return tuple(map(id, fields)) + version_key(fields)
-
-
 def lean_call(module: torch.nn.Module, weight: NVFP4Tensor, op: Callable[[torch.Tensor], torch.Tensor],
               fresh_tensor: bool = True):
     """``op(copy)`` for `module`'s use of its lean weight `weight`: `copy` holds the weight's values (linked to it
@@ -198,18 +191,6 @@ def lean_call(module: torch.nn.Module, weight: NVFP4Tensor, op: Callable[[torch.
 
     with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
         return op(value)
-
-
-def weight_name(w: NVFP4Tensor) -> str:
-    """How an error names a weight: its module path where a conversion recorded one, else its shape."""
-    return str(getattr(w, "fp4_dist_name", None) or list(w.shape))
-
-
-def raise_changed(w: NVFP4Tensor) -> None:
-    raise RuntimeError(
-        f"one of the variables needed for gradient computation has been modified by an inplace operation: the "
-        f"NVFP4 weight {weight_name(w)} changed between the forward and the backward of its layer (an optimizer step "
-        "or a load in between?)")
 
 
 def _unpack(saved):

@@ -1,23 +1,14 @@
-"""NVFP4Linear: the nn.Linear that `convert_linear_weights` makes of a plain one, computing with the cached view of
-its NVFP4 weight (`view.compute_view`), for a weight that keeps no copy a lean copy (`lean.lean_call`), or in the
-FP8 compute mode (``fp4_compute = "fp8"``) with block-scaled FP8 GEMMs on the weight's FP8 copy (`fp8_copy`)."""
+"""NVFP4Linear: the nn.Linear that `convert_linear_weights` makes of a plain one, computing as its compute mode says
+(``fp4_compute``, a name in `modes.MODES`: the bf16 values of its weight by default, `bf16.py`)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..tensor import NVFP4Tensor
 from . import fp8_copy
-from .fp8 import fp8_linear
-from .fp8_param import Fp8Param
-from .lean import is_lean, lean_call
-from .view import compute_view, forget
-
-COMPUTE_MODES = ("bf16", "fp8")
-"""What an NVFP4Linear's GEMMs read: "bf16", the weight's values in its compute dtype (bf16 unless the model is
-fp16 or fp32); "fp8", its FP8 block copy, with the activations and gradients in FP8 (`fp8`)."""
+from .modes import DEFAULT, MODES
+from .view import forget
 
 
 def _linear_eagerly(module: nn.Module, input: torch.Tensor) -> torch.Tensor:
@@ -28,21 +19,7 @@ def _linear_eagerly(module: nn.Module, input: torch.Tensor) -> torch.Tensor:
     limit). Kept out, the compiled graphs are the code between the linears, and each resumes at its own place in
     the caller (a block's forward resumes after its q/k/v projection with that projection's shape, in every
     block alike). The GEMM is an extern kernel under inductor anyway."""
-    if module.fp4_compute == "fp8":
-        return _fp8_forward(module, input)
-    return F.linear(input, compute_view(module, module.weight), module.bias)
-
-
-def _fp8_forward(module: nn.Module, input: torch.Tensor) -> torch.Tensor:
-    w = module.weight
-    if type(w) is Fp8Param:  # FSDP2's unsharded weight in the FP8 mode (fully_shard_nvfp4): the copy itself,
-        return F.linear(input, w, module.bias)  # through its F.linear (dtype and freed-memory checks included)
-    if type(w) is not NVFP4Tensor:  # never bf16 in its place without a word
-        raise RuntimeError(
-            f"NVFP4Linear computes in FP8 (convert_linear_weights(compute='fp8')) but its weight is now a "
-            f"{type(w).__name__}, not an NVFP4Tensor: the FP8 mode reads the FP8 copy of an NVFP4 weight; convert "
-            "with compute='bf16', or set the layer's fp4_compute to 'bf16'")
-    return fp8_linear(input, w, module.bias, fp8_copy.weight_operand(module, w))
+    return MODES[module.fp4_compute].linear(module, input, compiling=True)
 
 
 _OUTSIDE_THE_GRAPH = None
@@ -60,14 +37,14 @@ def ready_for_compile() -> None:
 
 
 class NVFP4Linear(nn.Linear):
-    """nn.Linear whose forward computes with the cached view of an NVFP4 weight (`compute_view`).
+    """nn.Linear whose forward computes as its compute mode says (`fp4_compute`, a name in `modes.MODES`).
 
     `convert_linear_weights` turns the plain nn.Linear layers it converts into this class (subclasses of nn.Linear
     keep their class and their own forward: they take the dispatch path, with the same values). With a weight that
-    is not NVFP4 it is nn.Linear. `fp4_compute` ("bf16" or "fp8", `COMPUTE_MODES`) says what its GEMMs read.
+    is not NVFP4 it is nn.Linear.
     """
 
-    fp4_compute = "bf16"
+    fp4_compute = DEFAULT
 
     def __init__(self, *args, **kwargs):
         ready_for_compile()
@@ -80,12 +57,7 @@ class NVFP4Linear(nn.Linear):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # constant-folded by dynamo; a quarter of a microsecond in eager mode
             return _OUTSIDE_THE_GRAPH(self, input)
-        w = self.weight
-        if self.fp4_compute == "fp8":
-            return _fp8_forward(self, input)
-        if is_lean(w):
-            return lean_call(self, w, lambda value: F.linear(input, value, self.bias), fresh_tensor=False)
-        return F.linear(input, compute_view(self, w), self.bias)
+        return MODES[self.fp4_compute].linear(self, input)
 
     def _apply(self, fn, *args, **kwargs):
         forget(self)

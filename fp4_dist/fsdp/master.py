@@ -30,8 +30,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import kernels
-from ..compute import fp8_param
-from ..compute.fp8_gemm import Fp8Operand
+from ..compute.modes import DEFAULT, MODES
 from ..format import DEFAULT_NUMERICS, is_tile_grid, rowwise_data_shape, rowwise_scale_shape, tile_grid
 from ..tensor import NVFP4Tensor
 from . import wire
@@ -39,7 +38,7 @@ from .dequant_batch import DequantBatch
 
 aten = torch.ops.aten
 
-MODES = ("nvfp4", "bf16")
+GATHER_MODES = ("nvfp4", "bf16")
 
 
 @dataclass(eq=False)
@@ -80,11 +79,11 @@ class WeightState:
     """(mesh, its size) of the last gather: FSDP2 passes the same mesh every time, and asking it costs."""
     batch: DequantBatch = field(default_factory=DequantBatch)
     """The dequantize launch this weight's gathers join (`dequant_batch`: one per FSDP2 parameter group)."""
-    compute: str = "bf16"
-    """What the GEMMs read of the unsharded weight: "bf16", its dequantized values (`value`); "fp8", its FP8 block
-    copy (`fp8`)."""
-    fp8: Any = None
-    """The weight's tensors for its FP8 block copy ("fp8" compute), valid while unsharded (`fp8_param.own`)."""
+    compute: str = DEFAULT
+    """What the GEMMs read of the unsharded weight (a name in `compute.modes.MODES`): the dequantized values
+    (`value`), or what the mode's ``fsdp_unsharded`` makes (`held`)."""
+    held: Any = None
+    """What a mode with an unsharded weight of its own holds of it (the FP8 block copy), valid while unsharded."""
 
     def __post_init__(self):
         self.grid = tile_grid(*self.shape)
@@ -192,13 +191,13 @@ class NVFP4Master(torch.Tensor):
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out: Optional[torch.Tensor] = None):
         state = self._state
         m, k = state.shape
-        fp8 = state.compute == "fp8"
-        first = (state.fp8 if fp8 else state.value) is None or out is None
+        unsharded = MODES[state.compute].fsdp_unsharded  # None: the dequantized values
+        first = (state.held if unsharded is not None else state.value) is None or out is None
         if first:
             # normal tensors even under inference mode: later gathers write them
             with torch.inference_mode(False):
                 state.buffers = _gather_buffers(state, self.device)
-                if not fp8:
+                if unsharded is None:
                     state.value = torch.empty((m, k), dtype=state.model_dtype, device=self.device)
         b = state.buffers
         if state.mode == "nvfp4":
@@ -211,13 +210,11 @@ class NVFP4Master(torch.Tensor):
                                      numerics=state.numerics, rowwise_data=data, scale_inv=scale_inv,
                                      amax=amax, name=state.fqn)  # fmt: skip
         state.gathered_fields = (data, scale_inv, amax)
-        if fp8:
-            fresh = Fp8Operand.block_copy(data, scale_inv, amax)
+        if unsharded is not None:
             if first:
-                state.fp8 = fp8_param.own(fresh)
-                inner = tuple(t for t in state.fp8 if isinstance(t, torch.Tensor))
-                return fp8_param.Fp8Param(state.fp8, state.model_dtype), (*inner, *b.values())
-            fp8_param.write(state.fp8, fresh)
+                state.held, param, tensors = unsharded.make(state.gathered_fields, state.model_dtype)
+                return param, (*tensors, *b.values())
+            unsharded.write(state.held, state.gathered_fields)
             return None
         state.batch.add(state, data, scale_inv, amax, state.value)  # launches when its parameter group is complete
         if first:

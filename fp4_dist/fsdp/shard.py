@@ -28,31 +28,34 @@ from ..cast.collectives import reduce_scatter_ordered
 from ..shared_amax import check_patterns, group_of, sibling_groups
 from ..tensor import NVFP4Tensor
 from ..cast.core import DeferredCheck
-from ..compute.fp8_gemm import require_fp8_gemm
 from ..compute.fp8_param import allocated
 from ..compute.linear import NVFP4Linear
-from ..convert import skipped_linears, warn_shared_amax, weight_owners
+from ..compute.modes import DEFAULT, MODES, ComputeMode, mode_named, prepare
+from ..convert import ConversionReport, skipped_linears, warn_shared_amax, weight_owners
 from . import dequant_batch, wire
 from .master import NVFP4Master, WeightState, local_master
 from .precompute import ShardCast
 
 
 @dataclass
-class FSDPReport:
-    """How each linear weight of the model is all-gathered."""
+class FSDPReport(ConversionReport):
+    """The conversion report (`fp4_dist.ConversionReport`: converted, kept in high precision, what the GEMMs read)
+    with how each linear weight of the model is all-gathered."""
 
-    nvfp4: list[str] = field(default_factory=list)
-    """Gathered as packed E2M1 bytes + tile scales (0.504 B per element)."""
     bf16_gather: dict[str, str] = field(default_factory=dict)
     """NVFP4 weights whose shards are not whole 16-row tile bands: gathered in bf16, quantized after the gather
     (same bytes, 2 B per element on the wire), with the reason."""
-    kept: dict[str, str] = field(default_factory=dict)
-    """Linear weights left in high precision, with the reason."""
-    fp8: list[str] = field(default_factory=list)
-    """NVFP4 weights whose GEMMs read their FP8 block copy (the FP8 compute mode); the others read bf16."""
-    not_fp8: dict[str, str] = field(default_factory=dict)
-    """With ``compute="fp8"``: NVFP4 weights computed in bf16 all the same, with the reason."""
     world_size: int = 1
+
+    @property
+    def nvfp4(self) -> list[str]:
+        """Weights gathered as packed E2M1 bytes + tile scales (0.504 B per element)."""
+        return [f for f in self.converted if f not in self.bf16_gather]
+
+    @property
+    def kept(self) -> dict[str, str]:
+        """Linear weights left in high precision, with the reason (`skipped`)."""
+        return self.skipped
 
     def gathered_bytes_per_element(self, model: nn.Module) -> dict[str, float]:
         """All-gather bytes per weight element: {"nvfp4": the weights gathered as NVFP4 (packed data + tile
@@ -70,9 +73,7 @@ class FSDPReport:
     def __str__(self) -> str:
         lines = [f"fp4_dist.fsdp: {len(self.nvfp4)} weights gathered as NVFP4, {len(self.bf16_gather)} NVFP4 weights "
                  f"gathered in bf16, {len(self.kept)} kept in high precision (FSDP world size {self.world_size})"]
-        if self.fp8 or self.not_fp8:
-            lines.append(f"  FP8 compute: {len(self.fp8)} of the NVFP4 weights' GEMMs read their FP8 block copy")
-            lines += [f"  bf16 compute {n}: {why}" for n, why in self.not_fp8.items()]
+        lines += self.compute_lines()
         lines += [f"  bf16 gather {n}: {why}" for n, why in self.bf16_gather.items()]
         lines += [f"  kept {n}: {why}" for n, why in self.kept.items()]
         return "\n".join(lines)
@@ -89,7 +90,7 @@ def fully_shard_nvfp4(
     skip: Sequence[str] = (),
     ordered_grad_reduction: bool = False,
     shared_amax: Sequence[Sequence[str]] = (),
-    compute: str = "bf16",
+    compute: str = DEFAULT,
     verbose: bool = False,
 ) -> FSDPReport:
     """Shard `model` with FSDP2, its linear weights all-gathered as NVFP4 (see the module docstring).
@@ -124,10 +125,9 @@ def fully_shard_nvfp4(
         whose FP8 block-scaled GEMMs torch does not reach (the FP8 mode needs a Hopper GPU, sm_90), saying so.
     """
     check_numerics(numerics)
-    if compute not in ("bf16", "fp8"):
-        raise ValueError(f"fully_shard_nvfp4: compute is 'bf16' or 'fp8', got {compute!r}")
-    if compute == "fp8" or any(getattr(m, "fp4_compute", "bf16") == "fp8" for m in model.modules()):
-        _require_fp8(model, mesh)
+    mode_named(compute, "fully_shard_nvfp4")
+    for name in {compute} | {getattr(m, "fp4_compute", DEFAULT) for m in model.modules()}:
+        _prepare(MODES[name], model, mesh)
     if isinstance(model, FSDPModule) or any(isinstance(p, DTensor) for p in model.parameters()):
         raise ValueError("fully_shard_nvfp4: this model is already sharded (DTensor parameters); call "
                          "fp4_dist.fsdp.fully_shard_nvfp4 on the unsharded model instead of torch's fully_shard")
@@ -136,7 +136,7 @@ def fully_shard_nvfp4(
         # environment), done first: the NVFP4 layout needs the world size the weights are sharded over.
         dist.init_process_group()
     world = mesh.size(mesh.ndim - 1) if mesh is not None else dist.get_world_size()
-    report = FSDPReport(world_size=world)
+    report = FSDPReport(world_size=world, compute=compute)
     patterns = check_patterns(shared_amax) if shared_amax else ()
     states, groups = {}, {}
     holders = weight_owners(model)
@@ -184,22 +184,21 @@ def _set_amax_groups(states: dict, groups: dict) -> None:
         states[fqn].amax_group = g
 
 
-def _require_fp8(model: nn.Module, mesh) -> None:
-    """Raise RuntimeError, saying what is missing, unless the FP8 GEMMs run where `model`'s weights will compute:
-    the mesh's device type (fully_shard moves the parameters there), or without a mesh the one fully_shard's
-    default mesh takes (CUDA where present), at the current device."""
+def _prepare(mode: ComputeMode, model: nn.Module, mesh) -> None:
+    """Run `mode`'s device check where `model`'s weights will compute (`modes.prepare`), raising RuntimeError with
+    its sentence if it does not run there: the mesh's device type (fully_shard moves the parameters there), or
+    without a mesh the one fully_shard's default mesh takes (CUDA where present), at the current device."""
     if mesh is not None:
         kind = mesh.device_type
     else:
         kind = "cuda" if torch.cuda.is_available() else next((p.device.type for p in model.parameters()), "cpu")
-    if kind == "cpu" or kind == "meta":
-        return  # emulated on the CPU
+    if kind == "meta":
+        return
     device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
-    try:
-        require_fp8_gemm(device)
-    except RuntimeError as e:
-        raise RuntimeError(f"fully_shard_nvfp4: {e}; use compute='bf16' (and layers converted with "
-                           "compute='bf16')") from None
+    why = prepare(mode, [device])
+    if why is not None:
+        raise RuntimeError(f"fully_shard_nvfp4: {why}; use compute={DEFAULT!r} (and layers converted with "
+                           f"compute={DEFAULT!r})")
 
 
 def _keep(fqn: str, w: torch.Tensor, holders: dict, report: FSDPReport, why: str) -> None:
@@ -237,26 +236,30 @@ def _convert(name, module, world, mp_policy, numerics, skip, report, compute, ho
         master = w.detach().clone()
     model_dtype = mp_policy.param_dtype or master.dtype
     rows, rem = divmod(m, world)
+    report.converted.append(fqn)
     if rem == 0 and whole_bands(0, rows):
         mode = "nvfp4"
-        report.nvfp4.append(fqn)
     else:
         mode = "bf16"
         report.bf16_gather[fqn] = (f"M = {m} rows over {world} ranks is not a multiple of {TILE} rows per rank, "
                                    "so a 16x16 tile would span two ranks")
-    fp8 = getattr(module, "fp4_compute", "bf16") == "fp8"
-    if compute == "fp8" and not fp8:
-        # A layer with a forward of its own may use its weight other than through F.linear: that would compute on
-        # a bf16 copy of the FP8 values that autograd keeps until the backward, not freed at the reshard.
-        fp8 = type(module) is nn.Linear or type(module) is NVFP4Linear
-        if not fp8:
-            report.not_fp8[fqn] = (f"{type(module).__name__} keeps its own forward (a subclass of nn.Linear), "
-                                   "which may use its weight other than through F.linear: it computes in bf16")
-    state = WeightState(fqn, (m, k), mode, model_dtype, numerics, compute="fp8" if fp8 else "bf16")
-    if fp8:
-        report.fp8.append(fqn)
+    layer_mode = getattr(module, "fp4_compute", DEFAULT)
+    if compute != DEFAULT and layer_mode == DEFAULT:
+        # A layer with a forward of its own may use its weight other than through F.linear: in a mode whose
+        # unsharded weight is not the values, that would compute on a copy of them that autograd keeps until the
+        # backward, not freed at the reshard.
+        if type(module) is nn.Linear or type(module) is NVFP4Linear:
+            layer_mode = compute
+        else:
+            report.not_in_mode[fqn] = (f"{type(module).__name__} keeps its own forward (a subclass of nn.Linear), "
+                                       "which may use its weight other than through F.linear: it computes in "
+                                       f"{DEFAULT}")  # fmt: skip
+    state = WeightState(fqn, (m, k), mode, model_dtype, numerics, compute=layer_mode)
+    if layer_mode != DEFAULT:
+        report.compute = layer_mode
+        report.in_mode.append(fqn)
         if hasattr(module, "fp4_compute"):  # an NVFP4Linear says what its GEMMs read
-            module.fp4_compute = "fp8"
+            module.fp4_compute = layer_mode
     module.weight = nn.Parameter(NVFP4Master(master, state), requires_grad=w.requires_grad)
     return state
 
@@ -333,7 +336,7 @@ def _dequantized_state(p) -> Optional[WeightState]:
     """The state of NVFP4 weight `p` if its gathers are dequantized into a bf16 value (`dequant_batch`), else None
     (another parameter, or a weight whose GEMMs read its FP8 copy)."""
     state = getattr(local_master(p), "state", None)
-    return state if state is not None and state.compute != "fp8" else None
+    return state if state is not None and MODES[state.compute].fsdp_unsharded is None else None
 
 
 def _weight_owners(model: nn.Module):

@@ -1,19 +1,21 @@
-"""Layer rows: Megatron's parallel linears compute on the NVFP4 weight's compute copy (kept or lean), or in the FP8
-compute mode on its FP8 copy (`fp8_linear`)."""
+"""Layer rows: Megatron's parallel linears compute on the NVFP4 weight's compute copy (kept or lean), or in a compute
+mode with GEMMs of its own (``--compute fp8``) through that mode's function (`mode_linear`)."""
 
 from __future__ import annotations
 
 from .. import tensor as _tensor
 from ..compute.view import compute_view, forget
 from ..compute.lean import is_lean
-from .fp8_linear import fp8_forward_impl
+from ..compute.modes import DEFAULT, MODES
+from .mode_linear import mode_forward_impl
 from .lean_claim import claim, lean_call_refilled
 
 
 def make_forward_impl(original):
     def _forward_impl(self, input, weight, *args, **kwargs):
-        if getattr(self, "fp4_compute", "bf16") == "fp8" and type(weight) is _tensor.NVFP4Tensor:
-            return fp8_forward_impl(self, input, weight, *args, **kwargs)
+        mode = MODES[getattr(self, "fp4_compute", DEFAULT)]
+        if mode.parallel_linear is not None and type(weight) is _tensor.NVFP4Tensor:
+            return mode_forward_impl(mode, self, input, weight, *args, **kwargs)
         # Megatron's linear function reads `weight.main_grad` with gradient_accumulation_fusion and calls the
         # weight's own gather with gtp_remat_size > 1: the parameter itself is passed then (the dispatch path).
         if (type(weight) is _tensor.NVFP4Tensor and not kwargs.get("gradient_accumulation_fusion")

@@ -15,8 +15,8 @@ import torch
 
 from ..tensor import NVFP4Tensor
 from ..compute.alias import alias_onto
-from ..tensor.copy import bound
-from ..compute.lean import LeanView, lean_call, lean_view, raise_changed, stamp, weight_name
+from ..tensor.copy import bound, raise_changed, stamp, weight_name
+from ..compute.lean import LeanView, lean_call, lean_view
 from ..compute.lean_order import BWD
 from ..compute.pool import POOL, copy_token
 

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from ..compute.modes import DEFAULT, mode_named
 from ..format import DEFAULT_NUMERICS, TILE
 from ..quantize import quantize
 from ..tensor import is_nvfp4_tensor
@@ -52,7 +53,7 @@ def build_gpt_model(
     share_embeddings_and_output_weights: bool = True,
     device: Optional[torch.device] = None,
     compute_copy: bool = False,
-    compute: str = "bf16",
+    compute: str = DEFAULT,
 ) -> nn.Module:
     """GPTModel with the local layer spec, wrapped in Megatron's Float16Module when ``config.bf16``.
 
@@ -63,7 +64,7 @@ def build_gpt_model(
             parameter afterwards would rebuild it without Megatron's parameter attributes).
         compute_copy: NVFP4 weights keep a model-dtype compute copy between updates (default False, lean: a copy
             around each use; `fp4_dist.NVFP4Tensor.compute_copy`).
-        compute: what the NVFP4 layers' GEMMs read: "bf16" or "fp8" (`convert_to_nvfp4`).
+        compute: what the NVFP4 layers' GEMMs read, a name in `fp4_dist.compute.modes.MODES` (`convert_to_nvfp4`).
     Raises:
         ValueError naming every linear weight whose K (in_features) is not a multiple of 16, before any
         weight is converted.
@@ -214,7 +215,7 @@ def release_init_values(params) -> int:
 
 def convert_to_nvfp4(model: nn.Module, config: TransformerConfig, *, numerics: str = DEFAULT_NUMERICS,
                      compute_copy: bool = False, device: Optional[torch.device] = None,
-                     compute: str = "bf16") -> list[str]:  # fmt: skip
+                     compute: str = DEFAULT) -> list[str]:  # fmt: skip
     """Replace the NVFP4-eligible linear weights by ``nn.Parameter(NVFP4Tensor)`` in place; returns names.
 
     Call it after ``.cuda()`` and Float16Module and before DistributedDataParallel (a DDP-wrapped model is
@@ -230,14 +231,16 @@ def convert_to_nvfp4(model: nn.Module, config: TransformerConfig, *, numerics: s
         device: where the NVFP4 weights are made (default: where each weight is). Megatron's
             ``--use-cpu-initialization`` leaves the model on the host until DDP moves every parameter into its
             device buffers; NVFP4 weights are made on that device at once.
-        compute: what the converted layers' GEMMs read, "bf16" or "fp8" (`fp4_dist.megatron.fp8_linear`); a
-            layer's choice, made here, so that models of both modes can train in one process.
+        compute: what the converted layers' GEMMs read, a name in `fp4_dist.compute.modes.MODES`
+            (`fp4_dist.megatron.mode_linear`); a layer's choice, made here, so that models of several modes can
+            train in one process.
     Raises for models and layers fp4_dist does not convert (not a GPTModel, grouped-GEMM experts,
     TransformerEngine linears) and for shapes NVFP4 cannot tile, before any weight is converted.
     """
-    if compute not in ("bf16", "fp8") or (compute == "fp8" and compute_copy):
-        raise ValueError(f"convert_to_nvfp4: compute must be 'bf16' or 'fp8' (the latter without compute_copy), got "
-                         f"compute={compute!r}, compute_copy={compute_copy}")  # fmt: skip
+    mode = mode_named(compute, "convert_to_nvfp4")
+    if compute_copy and not mode.kept_copies:
+        raise ValueError(f"convert_to_nvfp4: the {mode.name} compute mode keeps no bf16 compute copy; leave "
+                         "compute_copy False")
     _check_supported(_gpt(model), config)
     named = [(n, m) for n, m in _linear_modules(model, config) if not is_nvfp4_tensor(m.weight)]
     _check_k(named)

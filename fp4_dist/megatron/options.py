@@ -13,6 +13,7 @@ import argparse
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
+from ..compute.modes import DEFAULT, MODES, mode_named
 from ..compute.pool import set_pool_depth
 from ..format import DEFAULT_NUMERICS, NUMERICS
 
@@ -42,10 +43,10 @@ class AdapterOptions:
                               "times per micro-batch instead of 2 (layers - 1), for N layers' copies of memory; the "
                               "same values at every N (process-wide: fp4_dist.compute.set_pool_depth)",
                               metavar="N", type=int)
-    compute: str = _option("bf16", "what the NVFP4 linears' GEMMs read: bf16 values of the weights, or (fp8) each "
+    compute: str = _option(DEFAULT, "what the NVFP4 linears' GEMMs read: bf16 values of the weights, or (fp8) each "
                            "weight's FP8 block copy, 1 byte per weight made once per update, with FP8 activations "
                            "and gradients: cuBLAS's block-scaled GEMMs on Hopper (sm_90), emulated on CPU ranks, "
-                           "refused elsewhere (docs/fp8.md)", choices=("bf16", "fp8"))  # fmt: skip
+                           "refused elsewhere (docs/fp8.md)", choices=MODES)  # fmt: skip
     columnwise: bool = _option(False, "also build the columnwise NVFP4 copies after every param all-gather, as "
                                "TransformerEngine does (nothing in fp4_dist's compute path reads them)")
     check_every: int = _option(0, "every N iterations, check on every rank that the gathered NVFP4 weights equal "
@@ -59,19 +60,18 @@ class AdapterOptions:
     def __post_init__(self):
         if self.numerics not in NUMERICS:
             raise ValueError(f"numerics must be one of {list(NUMERICS)}, got {self.numerics!r}")
-        if self.compute not in ("bf16", "fp8"):
-            raise ValueError(f"compute must be 'bf16' or 'fp8', got {self.compute!r}")
-        if self.compute == "fp8" and self.compute_copy:
-            raise ValueError("the FP8 compute mode reads each weight's FP8 copy, never a bf16 compute copy: drop "
-                             "--compute-copy (--fp4-compute-copy in the example trainer) or --compute fp8 "
-                             "(--fp4-compute fp8)")  # fmt: skip
+        mode = mode_named(self.compute, "AdapterOptions")
+        if self.compute_copy and not mode.kept_copies:
+            raise ValueError(f"the {mode.name} compute mode's GEMMs read {mode.gemms_read}, never a bf16 compute "
+                             f"copy: drop --compute-copy (--fp4-compute-copy in the example trainer) or "
+                             f"{mode.flags()}")  # fmt: skip
         if isinstance(self.lean_depth, bool) or not isinstance(self.lean_depth, int) or self.lean_depth < 1:
             raise ValueError(f"lean_depth must be an int >= 1 (layers whose copies are held at once), got "
                              f"{self.lean_depth!r}")
-        if self.lean_depth != 1 and (self.compute_copy or self.compute == "fp8"):
+        if self.lean_depth != 1 and (self.compute_copy or not mode.lean_depth):
+            other = "--compute-copy every copy is kept" if self.compute_copy else f"{mode.flags()} no lean copy is made"
             raise ValueError("--lean-depth (--fp4-lean-depth in the example trainer) sets how many layers' copies the "
-                             "lean compute mode holds; with --compute-copy every copy is kept and with --compute fp8 "
-                             "the GEMMs read FP8 copies: drop one of them")  # fmt: skip
+                             f"lean compute mode holds; with {other}: drop one of them")
         if isinstance(self.check_every, bool) or not isinstance(self.check_every, int) or self.check_every < 0:
             raise ValueError(f"check_every must be an int >= 0 (iterations; 0: off), got {self.check_every!r}")
 

@@ -12,6 +12,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import tensor as _tensor
+from ..compute.modes import DEFAULT, MODES, prepare
 from .buffers import is_any_nvfp4
 from .options import current_options
 from .parallel import collective_device
@@ -117,12 +118,13 @@ def refuse_unsupported_args(args) -> None:
         ]
         problems += [f"--fp4-param-gather with {what} is not supported by fp4_dist" for bad, what in unsupported
                      if bad]  # fmt: skip
-    if current_options().compute == "fp8":
+    mode = MODES[current_options().compute]
+    if mode.name != DEFAULT:
         if not getattr(args, "fp4_param_gather", False):
-            problems.append(f"{FP8_FLAGS} without --fp4-param-gather: the FP8 compute mode reads FP8 copies of the "
+            problems.append(f"{mode.flags()} without --fp4-param-gather: the {mode.name} compute mode computes with "
                             "NVFP4 weights, and this run has none")
-        elif getattr(args, "gradient_accumulation_fusion", False):
-            problems.append(f"{FP8_FLAGS} with gradient-accumulation fusion (Megatron's default where Apex is "
+        elif mode.parallel_linear is not None and getattr(args, "gradient_accumulation_fusion", False):
+            problems.append(f"{mode.flags()} with gradient-accumulation fusion (Megatron's default where Apex is "
                             "installed; its kernel writes main_grad itself): add --no-gradient-accumulation-fusion")
     if problems:
         raise ValueError("fp4_dist.megatron: " + "; ".join(problems))
@@ -245,8 +247,7 @@ def _convert_before_ddp(chunks, ddp_config, data_parallel: str) -> None:
     # --use-cpu-initialization leaves the model on the host until DDP moves each parameter into its device buffer;
     # NVFP4 weights are made on that device at once (their bytes alias the buffer).
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    if options.compute == "fp8":  # on every rank before anything is converted: a GPU without the FP8 GEMMs stops here
-        require_fp8_gemm_for_megatron(device)
+    require_compute_mode(options.compute, device)  # on every rank before anything is converted
     converted = 0
     for chunk in chunks:
         converted += len(convert_to_nvfp4(chunk, get_model_config(chunk), numerics=options.numerics,
@@ -266,17 +267,13 @@ def _convert_before_ddp(chunks, ddp_config, data_parallel: str) -> None:
               f"start from the bf16 init; GEMMs in {options.compute})", flush=True)
 
 
-FP8_FLAGS = "--compute fp8 (--fp4-compute fp8 in the example trainer)"
-
-
-def require_fp8_gemm_for_megatron(device) -> None:
-    """`require_fp8_gemm` with the flags to drop named: a GPU without the FP8 GEMMs stops the run at start-up."""
-    from ..compute.fp8_gemm import require_fp8_gemm
-
-    try:
-        require_fp8_gemm(device or "cpu")
-    except RuntimeError as e:
-        raise RuntimeError(f"fp4_dist.megatron: {e}; drop {FP8_FLAGS}") from None
+def require_compute_mode(compute: str, device: Optional[torch.device]) -> None:
+    """Run the compute mode's one-time device check (`fp4_dist.compute.modes.prepare`) on this rank's device (None:
+    the CPU); a device it does not run on stops the run at start-up, with the flag to drop named."""
+    mode = MODES[compute]
+    why = prepare(mode, [device or torch.device("cpu")])
+    if why is not None:
+        raise RuntimeError(f"fp4_dist.megatron: {why}; drop {mode.flags()}")
 
 
 def _pipeline_stages() -> int:

@@ -37,6 +37,7 @@ from .._user import user_stacklevel
 from ..buffers import ShardBuffer, build_layout
 from ..shared_amax import group_of
 from ..tensor import FIELDS, is_nvfp4_tensor
+from ..tensor.copy import weight_name
 from ..cast.agreement import check_same_on_every_rank
 from ..cast.sharded import ShardedCast
 from ..cast.collectives import (
@@ -160,12 +161,6 @@ def _structure(params, groups: List[dict], config: Zero1Config) -> dict:
     }
 
 
-def _name(i: int, p, given: Optional[str]) -> str:
-    """How messages name parameter i: its module path when known."""
-    name = given or getattr(p, "fp4_dist_name", None)
-    return name if name else f"parameter {i} {list(p.shape)} ({p.dtype})"
-
-
 class Zero1Optimizer(torch.optim.Optimizer):
     """ZeRO-1 over any ``torch.optim`` optimizer, gathering NVFP4 weights as packed 4-bit bytes.
 
@@ -199,7 +194,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         groups = _normalise_groups(params)
         given_names = _split_names(groups)
         self.params = [p for g in groups for p in g["params"]]
-        self.names = [_name(i, p, n) for i, (p, n) in enumerate(zip(self.params, given_names))]
+        self.names = [weight_name(p, i, n) for i, (p, n) in enumerate(zip(self.params, given_names))]
         if len({id(p) for p in self.params}) != len(self.params):
             raise ValueError("a parameter is listed more than once (tied weights?); pass each parameter once, e.g. "
                              "list(dict.fromkeys(model.parameters())) — a shared tensor must own one shard slot")

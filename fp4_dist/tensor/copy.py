@@ -150,6 +150,37 @@ def bound(fields: tuple, w) -> bool:
     return fields[0] is w.rowwise_data and fields[1] is w.rowwise_scale_inv and fields[2] is w.amax
 
 
+def stamp(w) -> tuple:
+    """Which rowwise fields NVFP4 weight `w` holds and their freshness key (`version_key`): what must not change
+    between a layer's forward and its backward, whatever the layer computes with (a lean copy, an FP8 copy)."""
+    fields = rowwise_fields(w)
+    return tuple(map(id, fields)) + version_key(fields)
+
+
+def raise_changed(w) -> None:
+    """The error of a backward whose weight changed since its forward (`stamp` differs), as autograd words it for a
+    parameter changed in place."""
+    raise RuntimeError(
+        f"one of the variables needed for gradient computation has been modified by an inplace operation: the "
+        f"NVFP4 weight {weight_name(w)} changed between the forward and the backward of its layer (an optimizer step "
+        "or a load in between?)")
+
+
+def weight_name(w, index: Optional[int] = None, given: Optional[str] = None, listed_as: Optional[str] = None) -> str:
+    """How an error names a weight or parameter: `given`, else the module path a conversion recorded
+    (``fp4_dist_name``). `listed_as`: an entry of a list the caller passed, by that list's name, `index` and shape
+    (and its path when known); otherwise, with no path, its `index` among parameters with shape and dtype, or its
+    shape alone."""
+    name = given or getattr(w, "fp4_dist_name", None)
+    if listed_as is not None:
+        return f"{listed_as}[{index}] ({'x'.join(map(str, w.shape))})" + (f" = {name}" if name else "")
+    if name:
+        return str(name)
+    if index is not None:
+        return f"parameter {index} {list(w.shape)} ({w.dtype})"
+    return str(list(w.shape))
+
+
 def _versions(w, value) -> Optional[tuple]:
     try:
         return version_key(rowwise_fields(w), value, w)

@@ -3,7 +3,7 @@ CPU ranks where the FP8 GEMMs are emulated: ``megatron.training.pretrain()`` (`e
 data-parallel and tensor-parallel layouts (the all-reduce of the input gradient around the FP8 GEMMs), its gathered
 NVFP4 bytes checked against quantize(full fp32 master) after every iteration, its losses within `LOSS_RTOL` of the
 bf16 run's. The sequence-parallel communication (all-gather of the input, reduce-scatter of its gradient) is checked
-on `Fp8ParallelLinear` itself on 2 ranks against the same GEMMs on the whole sequence."""
+on `Fp8Linear` itself on 2 ranks against the same GEMMs on the whole sequence."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ SEQUENCE_PARALLEL = textwrap.dedent("""
     from torch import nn
     import fp4_dist
     from fp4_dist.compute.fp8_gemm import Fp8Operand, emulated_mm
-    from fp4_dist.megatron.fp8_linear import Fp8ParallelLinear
+    from fp4_dist.compute.fp8_autograd import Fp8Linear
 
     dist.init_process_group("gloo")
     rank, group = dist.get_rank(), dist.group.WORLD
@@ -71,7 +71,7 @@ SEQUENCE_PARALLEL = textwrap.dedent("""
     w = lins[rank].weight
     op = Fp8Operand.weight(w)
     mine = x[3 * rank:3 * rank + 3].clone().requires_grad_()
-    y = Fp8ParallelLinear.apply(mine, w, None, op, False, True, group)
+    y = Fp8Linear.apply(mine, w, None, op, False, True, group)
     y.backward(dy[:, :, rank])
     x2, dy2 = x.reshape(-1, 272), dy[:, :, rank].reshape(-1, 96)
     assert torch.equal(y.reshape(-1, 96), emulated_mm(Fp8Operand.rows(x2), op).to(torch.bfloat16))
@@ -99,4 +99,4 @@ def test_the_fp8_mode_without_nvfp4_weights_is_refused_on_every_rank(tmp_path, d
     proc = launch(2, ["--data-path", data, *COMMON], runner=FP8, check=False, refused=True)
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert log.count("without --fp4-param-gather: the FP8 compute mode reads FP8 copies") == 2, log[-3000:]
+    assert log.count("without --fp4-param-gather: the fp8 compute mode computes with NVFP4 weights") == 2, log[-3000:]

@@ -51,7 +51,8 @@ def test_cublas_block_scaled_gemms_equal_the_emulation_on_ragged_shapes(seed):
 def test_a_converted_layer_on_hopper_computes_what_the_cpu_emulation_does(k, n, tokens):
     require_fp8_gemm("cuda")
     here = torch.device("cuda", torch.cuda.current_device())
-    assert fp8_gemm._ROWS_KERNEL[here] and fp8_gemm._BLOCK_KERNEL[here]  # the kernels quantize and copy here
+    report = fp8_gemm.DEVICES[here]
+    assert report.rows_kernel and report.block_kernel  # the kernels quantize and copy here
     torch.manual_seed(0)
     cpu = nn.Linear(k, n).to(torch.bfloat16)
     gpu = nn.Linear(k, n).to(torch.bfloat16)

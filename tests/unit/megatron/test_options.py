@@ -36,7 +36,7 @@ def test_every_field_is_chosen_away_from_its_default_here():
     assert all(any(getattr(default, k) != chosen[k] for chosen in MODES.values()) for k in CHOSEN)
     with pytest.raises(ValueError, match="never a bf16 compute copy"):
         AdapterOptions(compute="fp8", compute_copy=True)
-    with pytest.raises(ValueError, match="compute must be 'bf16' or 'fp8'"):
+    with pytest.raises(ValueError, match="compute must be one of"):
         AdapterOptions(compute="fp4")
     for other in (dict(compute_copy=True), dict(compute="fp8")):
         with pytest.raises(ValueError, match="--lean-depth"):

@@ -1,0 +1,105 @@
+"""The compute modes: what an NVFP4 layer's GEMMs read, one row each in `MODES`.
+
+A mode is one module of this package holding its `ComputeMode` row and the code the row names (`bf16.py`,
+`fp8.py`). Everything that offers a choice of mode reads this table and nothing else: `convert_linear_weights`
+(``compute=``), `fully_shard_nvfp4` (``compute=``), the Megatron options (``--compute``), the example trainer
+(``--fp4-compute``), Zero1Optimizer (through the converted layers). Adding a mode is a module and a row here.
+
+    mode   GEMMs read                          per weight update           per use                  bytes/weight
+    bf16   the weight's bf16 values            nothing (lean), or a bf16   a bf16 copy in the lean  0.5 (lean),
+                                               copy (kept copies)          pool (lean only)         2.5 (kept)
+    fp8    its FP8 128 x 128 block copy; x     the FP8 block copy          the activation's and     1.5
+           and dy in FP8 1 x 128 groups        (at its first use)          gradient's FP8 groups
+
+`prepare` runs a mode's one-time device check at set-up, into a per-device table the data path only reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from . import bf16, fp8
+
+__all__ = ["ComputeMode", "MODES", "DEFAULT", "mode_named", "prepare"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ComputeMode:
+    """One way of computing with NVFP4 weights (module docstring). The descriptive fields are what the docs and
+    error messages say of it; the callables are what the layers run."""
+
+    name: str
+    """How users choose it (``compute=NAME``, ``--compute NAME``)."""
+    gemms_read: str
+    """What its GEMMs read, in a phrase."""
+    per_update: str
+    """What it makes from the packed bytes once per weight update."""
+    per_use: str
+    """What it makes at each use of a weight (a layer's forward or backward)."""
+    devices: str
+    """Where it runs, in a phrase (`check_device` decides)."""
+    bytes_per_weight: str
+    """Memory per weight between steps, the packed 0.5 bytes included."""
+    kept_copies: bool
+    """Whether ``compute_copy=True`` (``--compute-copy``: a bf16 copy kept between updates) applies to it."""
+    lean_depth: bool
+    """Whether ``--lean-depth`` (layers of bf16 copies held at once in the lean pool) applies to it."""
+    check_device: Callable[[torch.device], Optional[str]]
+    """The one-time check of a device: None where the mode runs there, else the sentence that refuses it."""
+    linear: Callable
+    """``linear(module, input, compiling=False)``: an `NVFP4Linear`'s forward (`compiling`: eagerly inside a
+    torch.compile'd model)."""
+    parallel_linear: Optional[Callable] = None
+    """``parallel_linear(layer, input, weight, bias, allreduce_dgrad, sequence_parallel, tp_group)``: a Megatron
+    parallel linear's GEMMs and tensor-parallel communication in this mode; None: Megatron's own linear function on
+    the weight's values."""
+    fsdp_unsharded: Optional[object] = None
+    """FSDP2's unsharded weight in this mode, an object with ``make(fields, dtype) -> (held, parameter, tensors)``
+    and ``write(held, fields)`` (the gathered ``(rowwise_data, scale_inv, amax)``); None: the dequantized values."""
+
+    def flags(self) -> str:
+        """The command-line spelling of this mode, for messages that name the flag to drop."""
+        return f"--compute {self.name} (--fp4-compute {self.name} in the example trainer)"
+
+
+MODES: dict[str, ComputeMode] = {
+    m.name: m
+    for m in (
+        ComputeMode(name="bf16", gemms_read="the weight's values in its compute dtype (bf16 unless the model is fp16 "
+                    "or fp32)", per_update="nothing (lean), or a bf16 copy of each weight (kept copies)",
+                    per_use="a bf16 copy in the lean pool (lean only)", devices="CUDA GPUs (sm_80+) and the CPU",
+                    bytes_per_weight="0.5 (lean), 2.5 (kept copies)", kept_copies=True, lean_depth=True,
+                    check_device=bf16.check_device, linear=bf16.linear),
+        ComputeMode(name="fp8", gemms_read="the weight's FP8 128 x 128 block copy, with the activations and "
+                    "gradients in FP8 1 x 128 groups", per_update="the FP8 block copy (1 byte per weight)",
+                    per_use="the FP8 1 x 128 groups of the activation and of the output gradient",
+                    devices="Hopper GPUs (sm_90, cuBLAS's block-scaled GEMMs) and the CPU (emulated)",
+                    bytes_per_weight="1.5", kept_copies=False, lean_depth=False, check_device=fp8.check_device,
+                    linear=fp8.linear, parallel_linear=fp8.parallel_linear, fsdp_unsharded=fp8.FsdpUnsharded),
+    )
+}  # fmt: skip
+"""Every compute mode by name: the one definition (module docstring)."""
+
+DEFAULT = "bf16"
+"""The mode a layer computes in unless told otherwise."""
+
+
+def mode_named(name, who: str) -> ComputeMode:
+    """The mode called `name`; ValueError naming `who` (the function or flag that took it) and the choices."""
+    mode = MODES.get(name) if isinstance(name, str) else None
+    if mode is None:
+        raise ValueError(f"{who}: compute must be one of {tuple(MODES)}, got {name!r}")
+    return mode
+
+
+def prepare(mode: ComputeMode, devices) -> Optional[str]:
+    """Run `mode`'s one-time check on each of `devices` (set-up: before any weight computes there); None where it
+    runs on all of them, else the first refusal."""
+    for device in devices:
+        why = mode.check_device(torch.device(device))
+        if why is not None:
+            return why
+    return None
