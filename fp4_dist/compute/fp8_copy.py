@@ -9,13 +9,15 @@ each use makes one of its own (not kept).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..tensor.copy import bound, rowwise_fields
 from .fp8_gemm import Fp8Operand
 from .pool import copy_token
 
-__all__ = ["weight_operand", "forget", "fp8_copy_bytes"]
+__all__ = ["weight_operand", "kept_operand", "forget", "fp8_copy_bytes"]
 
 _ATTR = "_fp4_fp8_copy"
 
@@ -45,6 +47,15 @@ def weight_operand(module: torch.nn.Module, w) -> Fp8Operand:
     # Not kept when nothing proves it current: the next use makes its own, and the old copy's memory goes now.
     module.__dict__[_ATTR] = Fp8Copy(rowwise_fields(w), token, operand) if token is not None else None
     return operand
+
+
+def kept_operand(module: torch.nn.Module, w) -> Optional[Fp8Operand]:
+    """The copy `module` keeps of `w` if it proves itself current (what its next use reads as it is), else None."""
+    kept = module.__dict__.get(_ATTR)
+    if kept is None:
+        return None
+    token = copy_token(w.copy_state, rowwise_fields(w), w)
+    return kept.operand if token is not None and kept.token == token and bound(kept.fields, w) else None
 
 
 def forget(module: torch.nn.Module) -> None:

@@ -4,7 +4,9 @@ The DistributedOptimizer holds each weight's fp32 master as disjoint shards (``p
 rank that owns elements ``[start, end)``). Each rank writes its shard into a zero [M*K] tensor and a SUM
 all-reduce over the data-parallel group rebuilds the full master exactly (x + 0 is exact). Quantizing that
 in one piece is the reference the gathered bytes must match bit for bit: ``rowwise_data``, the whole
-``rowwise_scale_inv`` (padding included), ``amax``, and the columnwise copy when it exists.
+``rowwise_scale_inv`` (padding included), ``amax``, and the columnwise copy when it exists. What the GEMMs will
+read of each weight without remaking it (a kept bf16 copy, a layer's FP8 copy: `fp4_dist.compute.consumed`) must
+equal the same copy of the reference, bit for bit.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from ..format import TILE, ceil_div, packed_bytes
 from ..quantize import quantize
 from ..tensor import is_nvfp4_tensor
 from ..compare import bytes_mismatch
+from ..compute.consumed import consumed_pairs, holders_of
 from .parallel import is_expert, tensor_parallel_group
 
 
@@ -115,6 +118,7 @@ def check_nvfp4_weights(model: torch.nn.Module, optimizer, group=None, tp_group=
     `parallel.tensor_parallel_group`: expert weights follow the expert groups)."""
     report = ParityReport()
     optimizers = _distributed_optimizers(optimizer)
+    holders = holders_of(model)
     for name, p in model.named_parameters():
         if not is_nvfp4_tensor(p):
             continue
@@ -127,8 +131,10 @@ def check_nvfp4_weights(model: torch.nn.Module, optimizer, group=None, tp_group=
             ref.make_columnwise()
             pairs += [("columnwise_data", p.columnwise_data, ref.columnwise_data),
                       ("columnwise_scale_inv", p.columnwise_scale_inv, ref.columnwise_scale_inv)]
-        for field_name, got, want in pairs:
-            msg = bytes_mismatch(got, want, f"{name}.{field_name}")
+        pairs = [(f"{name}.{field_name}", got, want) for field_name, got, want in pairs]
+        pairs += consumed_pairs(name, p, holders.get(id(p), ()), ref)
+        for label, got, want in pairs:
+            msg = bytes_mismatch(got, want, label)
             report.bytes_checked += want.numel() * want.element_size()
             if msg:
                 report.mismatches.append(msg)

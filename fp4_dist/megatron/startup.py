@@ -115,6 +115,10 @@ def refuse_unsupported_args(args) -> None:
             (getattr(args, "data_parallel_random_init", False), "--data-parallel-random-init"),
             (getattr(args, "overlap_param_gather_with_optimizer_step", False),
              "--overlap-param-gather-with-optimizer-step"),
+            (_cuda_graphs(args) is not None,
+             f"{_cuda_graphs(args)} (CUDA graphs replay the linears' kernels without the Python that decides, at "
+             "each use, whether a weight's copy is current and which buffer holds it, so a replayed step could read "
+             "another step's or another layer's weights; run without CUDA graphs)"),
         ]
         problems += [f"--fp4-param-gather with {what} is not supported by fp4_dist" for bad, what in unsupported
                      if bad]  # fmt: skip
@@ -128,6 +132,18 @@ def refuse_unsupported_args(args) -> None:
                             "installed; its kernel writes main_grad itself): add --no-gradient-accumulation-fusion")
     if problems:
         raise ValueError("fp4_dist.megatron: " + "; ".join(problems))
+
+
+def _cuda_graphs(args) -> Optional[str]:
+    """How `args` turn Megatron's CUDA graphs on (the flag as spelled), or None: ``--cuda-graph-impl`` and its
+    older spellings, which Megatron's own checks map onto it after these run."""
+    impl = getattr(args, "cuda_graph_impl", None)
+    if impl not in (None, "none"):
+        return f"--cuda-graph-impl {impl}"
+    for flag in ("enable_cuda_graph", "external_cuda_graph"):
+        if getattr(args, flag, False):
+            return "--" + flag.replace("_", "-")
+    return None
 
 
 def _is_distributed_checkpoint(path: str) -> bool:

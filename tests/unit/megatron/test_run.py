@@ -124,11 +124,16 @@ def _args(**kw):
     (dict(use_distributed_optimizer=False), "without --use-distributed-optimizer"),
     (dict(data_parallel_random_init=True), "--data-parallel-random-init"),
     (dict(bf16=False), "an fp32 model"),
+    (dict(cuda_graph_impl="local"), "--cuda-graph-impl local (CUDA graphs replay"),
+    (dict(cuda_graph_impl="full_iteration"), "--cuda-graph-impl full_iteration"),
+    (dict(cuda_graph_impl="transformer_engine"), "--cuda-graph-impl transformer_engine"),
+    (dict(enable_cuda_graph=True), "--enable-cuda-graph"),
+    (dict(external_cuda_graph=True), "--external-cuda-graph"),
 ])
 def test_each_unsupported_fp4_run_is_refused_naming_the_flag(change, named):
     pytest.importorskip("megatron.core")
     refuse_unsupported_args(_args())  # the supported run passes
-    with pytest.raises(ValueError, match=named.replace("-", r"\-")):
+    with pytest.raises(ValueError, match=named.replace("-", r"\-").replace("(", r"\(")):
         refuse_unsupported_args(_args(**change))
     refuse_unsupported_args(_args(**change, fp4_param_gather=False))  # bf16 runs are not fp4_dist's to refuse
 
@@ -136,6 +141,7 @@ def test_each_unsupported_fp4_run_is_refused_naming_the_flag(change, named):
 def test_pipeline_and_expert_parallel_runs_pass_the_start_up_checks():
     pytest.importorskip("megatron.core")
     refuse_unsupported_args(_args(pipeline_model_parallel_size=2, num_experts=4, moe_grouped_gemm=False))
+    refuse_unsupported_args(_args(cuda_graph_impl="none", enable_cuda_graph=False))
 
 
 def test_a_tracker_file_left_empty_by_a_killed_save_is_refused_naming_it(tmp_path):
