@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from typing import Optional
@@ -67,7 +68,9 @@ def _backend(name: str) -> str:
 
 
 def parse_args(argv=None):
-    ap = _Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # allow_abbrev=False: an option is its whole word (--step is no --steps)
+    ap = _Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                 allow_abbrev=False)
     ap.add_argument("--steps", type=_at_least(1), default=300, help="optimizer steps")
     ap.add_argument("--batch", type=_at_least(1), default=16, help="sequences per rank per step")
     ap.add_argument("--seq", type=_at_least(1), default=64, help="tokens per sequence")
@@ -87,12 +90,29 @@ def parse_args(argv=None):
     ap.add_argument("--save", type=Path, default=None,
                     help="checkpoint folder: a checkpoint every --save-every steps (DIR/step_<n>, committed whole), "
                          "and a run started again resumes from the newest complete one, bit for bit")
-    ap.add_argument("--save-every", type=_at_least(1), default=50, help="steps between checkpoints (with --save)")
+    ap.add_argument("--save-every", type=_at_least(1), default=None,
+                    help=f"steps between checkpoints (with --save; {SAVE_EVERY} when not given)")
     ap.add_argument("--fp4-compute", choices=MODES, default=DEFAULT,
                     help="what the linears' GEMMs read: bf16 values of the NVFP4 weights, or FP8 block copies of them "
                          "with FP8 activations and gradients (Hopper GPUs; emulated on CPU ranks; docs/fp8.md). The "
                          "NVFP4 bytes and their gather are the same in both")  # fmt: skip
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.save_every is not None and args.save is None:
+        ap.error("--save-every needs --save DIR (the folder the checkpoints go to)")
+    args.save_every = args.save_every or SAVE_EVERY
+    args.data, args.save = _callers(args.data), _callers(args.save) if args.save is not None else None
+    if not args.data.is_file():
+        ap.error(f"--data {args.data}: no such file (a UTF-8 text file, one token per character)")
+    return args
+
+
+SAVE_EVERY = 50
+
+
+def _callers(path: Path) -> Path:
+    """`path` as the caller meant it: a relative one against the folder `scripts/train.sh` was started from
+    (FP4_DIST_CALLER_DIR; it runs from the repository root), else against the working folder."""
+    return Path(os.environ.get("FP4_DIST_CALLER_DIR", ".")) / path if not path.is_absolute() else path
 
 
 # --------------------------------------------------------------------------------------------------- data
@@ -232,7 +252,9 @@ def main(argv=None) -> int:
         first_loss = last_loss if step == start else first_loss
         progress.update(step, last_loss)
         if args.save is not None and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
-            save_checkpoint(opt, step_folder(args.save, step + 1))  # every rank; committed whole
+            folder = step_folder(args.save, step + 1)
+            save_checkpoint(opt, folder)  # every rank; committed whole
+            say(f"saved step {step + 1} to {folder}")
     seconds = time.perf_counter() - t0
     if start < args.steps:
         report_step(say, opt, stats, args.steps - start, seconds, first_loss, last_loss, evaluate(model, val),

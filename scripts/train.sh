@@ -3,6 +3,8 @@
 # 2 CPU ranks (gloo) by default; one rank per GPU (NCCL) when CUDA devices are present.
 # Options go to the training script (--help lists them); NPROC overrides the number of ranks.
 set -euo pipefail
+# Relative --data and --save paths are the caller's: the trainer resolves them against this folder.
+export FP4_DIST_CALLER_DIR=${FP4_DIST_CALLER_DIR:-$PWD}
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONUNBUFFERED=1

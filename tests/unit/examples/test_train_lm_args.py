@@ -31,6 +31,9 @@ def test_a_single_process_prints_the_mistake(monkeypatch, capsys):
     (["--warmup", "0"], "argument --warmup: must be at least 1, got 0"),
     (["--log-every", "-3"], "argument --log-every: must be at least 1, got -3"),
     (["--backend", "bogus"], "argument --backend: gloo or nccl, got 'bogus'"),
+    (["--step", "5"], "unrecognized arguments: --step 5"),  # a prefix of --steps is no --steps
+    (["--save-every", "5"], "--save-every needs --save DIR"),
+    (["--data", "no/such/corpus.txt"], "--data no/such/corpus.txt: no such file"),
 ])
 def test_values_that_stopped_every_rank_deep_in_the_run_are_usage_errors(monkeypatch, capsys, argv, said):
     # Each ended in a ZeroDivisionError or a torch assertion on every rank (and --steps -1 "trained -1 steps").
@@ -52,3 +55,11 @@ def test_the_learning_rate_schedule_reaches_the_optimizer(monkeypatch, capsys):
         first, last = (float(x) for x in line.split("train loss ")[1].split(";")[0].split(" -> "))
         finals[warmup] = first - last
     assert finals["1"] > 0.5 and abs(finals["100000"]) < 0.1, finals
+
+
+def test_relative_paths_are_the_callers(monkeypatch, tmp_path):
+    # scripts/train.sh runs from the repository root and names the folder it was started from
+    (tmp_path / "text.txt").write_text("abc")
+    monkeypatch.setenv("FP4_DIST_CALLER_DIR", str(tmp_path))
+    args = train_lm.parse_args(["--data", "text.txt", "--save", "ckpt"])
+    assert args.data == tmp_path / "text.txt" and args.save == tmp_path / "ckpt" and args.save_every == 50
