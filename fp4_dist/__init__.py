@@ -14,6 +14,18 @@ Entry points (everything else is internal and may change)::
     processes       fp4_dist.launch.init_distributed / shutdown (torchrun, mpirun or a single process)
 
 The numeric contract is the spec (docs/); `format.DEFAULT_NUMERICS` is the block-scale formula used unless told.
+
+Modules of the root (each subpackage's docstring maps its own files)::
+
+    format.py       the format in numbers: constants, dtypes, shape arithmetic, byte rules
+    quantize.py     quantize(x): a whole tensor to an NVFP4Tensor
+    convert.py      convert_linear_weights: a model's nn.Linear weights swapped for NVFP4 parameters
+    shared_amax.py  weights that share one amax (vLLM's fused layers), honoured by every cast
+    launch.py       init_distributed / shutdown, from torchrun, mpirun or nothing
+    compare.py      byte comparison that says where (the run-time parity checks and the tests)
+    testing.py      pytest-free helpers for bitwise tests
+    _user.py        where the user's code is on the stack (warnings point at the user's line)
+    _moved.py       the entry points that moved out of the package with the examples
 """
 
 from __future__ import annotations

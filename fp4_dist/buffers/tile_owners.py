@@ -81,10 +81,6 @@ class TileExchange:
     sources: Tuple[Tuple[Tuple[int, int], ...], ...]
     order: Tuple[int, ...]
 
-    @property
-    def cut_count(self) -> int:
-        return sum(len(c) for c in self.cut)
-
 
 def tile_exchange(layout: BufferLayout, shapes: Sequence[Shape], order: Optional[Sequence[int]] = None) -> TileExchange:
     """The `TileExchange` of weights `shapes` (element counts must match ``layout.numels``).

@@ -5,16 +5,16 @@ One call, for any number of weights (spec section 4)::
     validate everything            (nothing written yet; errors name the weight)
     agreement header               one MAX all-reduce of a few floats and one read: same weights on every
                                    rank, shards covering each weight once, no rank rejected its arguments
-                                   (`cast_agreement`; only inside a distributed job)
+                                   (`master_weights_check.CallAgreement`; only in a distributed job)
     partial_amax   -> amax buffer  [group 0: n0 tensor amaxes | tiles][group 1: ...]
     ONE MAX all-reduce of that buffer over the data-parallel group
     one scalar read: all tensor amaxes finite? (or, with defer_check, a DeferredCheck read later)
     fused_scale    -> every weight's rowwise_scale_inv + amax (identical on every rank), encode multipliers
     partial_cast   -> the owned nibbles of each weight's rowwise_data (or of its FSDP shard)
 
-The stages, the amax exchange and the check are `cast_core.CastCore`'s; this module adds TransformerEngine's
+The stages, the amax exchange and the check are `core.CastCore`'s; this module adds TransformerEngine's
 signature, the per-call checks and the agreement header. `BoundCast` binds a call's tensors once; a call with
-the same tensors as a recent one (`cast_core.BINDINGS`) skips the per-weight checks and list building (the
+the same tensors as a recent one (`core.BINDINGS`) skips the per-weight checks and list building (the
 header still runs every call: the binding cache is per rank, and a rank whose list changed must still meet the
 others' collectives).
 
@@ -255,7 +255,8 @@ def _agreement(plan, model_weights, shards, starts, rank, size) -> Optional[Call
 
 class BoundCast:
     """The TE-signature cast bound to one set of tensors: a `CastCore` that exchanges the whole amax buffer (every
-    tile amax) and writes every scale with fused_scale, after the ranks' agreement check (`cast_agreement`).
+    tile amax) and writes every scale with fused_scale, after the ranks' agreement check
+    (`master_weights_check.CallAgreement`).
 
     An optimizer whose weights, master shards and fragments stay the same tensors from step to step (as a loop
     calling `cast_master_weights_to_nvfp4` with the same lists) builds this once; each step is then `run()`: a

@@ -178,11 +178,6 @@ class ShardedCast:
         if not self._columnwise:
             drop_columnwise(self.weights)
 
-    def launches_per_step(self) -> int:
-        """Stage kernel launches of `cast` + `after_gather` (torch's index ops and the collectives aside)."""
-        refresh = any(w.compute_copy for w in self.weights)
-        return self.core.launches + 1 + len(self._columnwise) + refresh
-
     # ------------------------------------------------------------------------------------------ reporting
     def message_bytes(self) -> int:
         """Bytes of the step's amax all-reduce (tensor amaxes + cut-tile amaxes, fp32)."""

@@ -5,6 +5,14 @@
     load_compressed_tensors(model, folder)           back into NVFP4 weights, the same bytes
     VLLM_FUSED                                       the sibling groups to train with one amax for vLLM
 
+Modules::
+
+    save.py          the exports (a model, FSDP2 shards, DCP or Megatron checkpoints) and their report
+    load.py          the load back into NVFP4 weights, and its report
+    ct_format.py     compressed-tensors' format as written and read: names, config, safetensors files
+    global_scale.py  the exported global scale that lets compressed-tensors decode our bytes as we do
+    __main__.py      ``python -m fp4_dist.export megatron SAVE_DIR OUT_DIR``
+
 docs/export.md has the commands and the exactness bound.
 """
 

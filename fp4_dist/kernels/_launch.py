@@ -74,8 +74,9 @@ CAST_E2M1 = "E2M1Min"
 # Launch grid per stage. "resident": min(units, blocks that fit on the device at once), each block looping over
 # units (partial_amax needs it: one atomic merge of the tensor amax per block). "units": one block per unit,
 # the hardware refills SMs as blocks finish (no per-block serial chain of load -> compute -> store). Measured on
-# an H200 (bench/kernels.py --variants, bench/RESULTS.md): "units" takes partial_cast from 80/86/87% to
-# 86/93/95% of copy bandwidth at 2^26/2^28/2^30 elements, the 128x256 nibble transpose from 64/80/78% to 66/81/84%.
+# an H200 (bench/kernels.py --variants at 09b821d; the table is in `git log -p bench/RESULTS.md`): "units" takes
+# partial_cast from 80/86/87% to 86/93/95% of copy bandwidth at 2^26/2^28/2^30 elements, the 128x256 nibble
+# transpose from 64/80/78% to 66/81/84%.
 GRID = {"partial_amax": "resident", "fused_scale": "resident", "partial_cast": "units",
         "owner_scales": "resident", "expand_scales": "resident", "nibble_transpose": "units",
         "scale_transpose": "resident", "dequantize": "units", "e2m1_codes": "resident",

@@ -15,6 +15,29 @@ Your own script::
 Importing this package does not import megatron; `enable()` does. On a machine without CUDA, `enable()`
 also installs the small CPU/gloo compatibility layer (`cpu_compat`), so the same Megatron code runs on CPU
 ranks (docs/megatron.md).
+
+Modules::
+
+    run.py           the launcher: ``python -m fp4_dist.megatron.run SCRIPT ...``
+    options.py       AdapterOptions: what a run chooses, its flags, the choice in force
+    defaults.py      the Megatron flags a machine needs and a command line may leave out
+    adapter.py       the hook table: every patch fp4_dist makes to megatron-core, one row each
+    patching.py      the patch engine under it (`Hook`, `patch`, `unpatch`)
+    startup.py       start-up rows: argument checks, refusals, the conversion before DDP, initialization
+    buffers.py       the byte path's rows: tensor test, storage alias, shard cast, post-all-gather, packed layout
+    layers.py        layer rows: the parallel linears compute on the weight's copy (or in the FP8 mode)
+    lean_claim.py    the lean uses Megatron's linear function claims, refilled before its backward reads them
+    fp8_linear.py    the FP8 compute mode's parallel linear
+    gradnorm.py      the distributed optimizer's gradient norm, summed by parameter name, read once
+    checkpoint.py    checkpoint rows: the distributed optimizer's own checkpoints load without apex or TE
+    safe_globals.py  what a ``--ckpt-format torch`` checkpoint may hold beyond tensors
+    model.py         GPTModel with NVFP4 linear weights from init (`convert_to_nvfp4`)
+    parallel.py      which of Megatron's process groups a weight's NVFP4 scales and masters follow
+    parity.py        the check that the gathered weights equal ``quantize(full master)`` on every rank
+    monitor.py       the parity check and the run record inside ``megatron.training``'s loop
+    cpu_compat.py    the CPU/gloo layer: Megatron-Core's DDP, optimizer and GPTModel on CPU ranks
+    pretrain_gpt.py  deprecated: ``python -m fp4_dist.megatron.pretrain_gpt`` runs
+                     ``python -m examples.megatron_pretrain_gpt`` (one release of grace)
 """
 
 from __future__ import annotations

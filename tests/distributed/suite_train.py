@@ -103,7 +103,7 @@ def expected_calls(opt, world_size: int, grad_reduction: str) -> Counter:
         return Counter()
     buckets = sum(len(s.buf.layout.buckets) for s in opt._sections)
     reduce_name = "all_to_all_single" if grad_reduction == "ordered" else "reduce_scatter_single"
-    # + 1 all-gather: the compact NVFP4 tile scales (optim/sharded_cast.py); 2 all-reduces: the gradient check
+    # + 1 all-gather: the compact NVFP4 tile scales (cast/sharded.py); 2 all-reduces: the gradient check
     # (presence and finiteness flags, before the inner step) and the cast's amaxes
     return Counter({reduce_name: buckets, "all_gather_single": buckets + 1, "all_reduce": 2})
 
