@@ -183,7 +183,7 @@ def convert_linear_weights(
 
 
 def _set_compute(model: nn.Module, report: ConversionReport) -> None:
-    """Every NVFP4Linear of `model` (converted by this call or before) computes in `report.compute`; `report` lists
+    """Every NVFP4Linear of `model` (converted by this call or before) computes in the report's mode; `report` lists
     them, and names each other linear holding an NVFP4 weight, which computes in the default mode, with the
     reason."""
     for name, module in model.named_modules():

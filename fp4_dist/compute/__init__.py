@@ -26,6 +26,7 @@ What the FP8 mode computes with:
 And the layer:
 
     linear.py        NVFP4Linear (what `convert_linear_weights` makes of nn.Linear): computes as its mode says
+    consumed.py      what the GEMMs will read of a weight without remaking it, for the parity checks
 
 The copies themselves (`ComputeCopy`, `refresh_compute_copies`, `compute_copy_bytes`) belong to the weight:
 `fp4_dist.tensor.copy`. Megatron's linear function claims its lean uses through `fp4_dist.megatron.lean_claim`.

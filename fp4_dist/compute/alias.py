@@ -3,7 +3,7 @@
 A layer computes with such an alias instead of the weight: a plain tensor skips the subclass's Python dispatch at
 every use. It must still be linked to the weight by autograd, so that the weight gradient reaches the parameter's
 grad accumulator and every hook on it (Megatron's DDP), through one C++ node whose backward passes the gradient
-through: clone's. ``clone`` of a weight with `tensor_ops.ALIAS_FORMAT` returns a placeholder made under that node,
+through: clone's. ``clone`` of a weight with `ops.ALIAS_FORMAT` returns a placeholder made under that node,
 and the placeholder is then bound to the memory (``set_`` under no_grad: the node stays, the storage changes).
 
 The alias is not an autograd view of the weight: it has a version counter of its own, so a refresh of the weight's

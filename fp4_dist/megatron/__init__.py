@@ -27,7 +27,7 @@ Modules::
     buffers.py       the byte path's rows: tensor test, storage alias, shard cast, post-all-gather, packed layout
     layers.py        layer rows: the parallel linears compute on the weight's copy (or in the FP8 mode)
     lean_claim.py    the lean uses Megatron's linear function claims, refilled before its backward reads them
-    fp8_linear.py    the FP8 compute mode's parallel linear
+    mode_linear.py   the parallel linear of a compute mode with GEMMs of its own (--compute fp8)
     gradnorm.py      the distributed optimizer's gradient norm, summed by parameter name, read once
     checkpoint.py    checkpoint rows: the distributed optimizer's own checkpoints load without apex or TE
     safe_globals.py  what a ``--ckpt-format torch`` checkpoint may hold beyond tensors

@@ -11,7 +11,7 @@ One `step()`::
     inner.step()                    any torch.optim optimizer, over views of the fp32 master shard
     ShardedCast.cast                amax + ONE small MAX all-reduce (tensor and cut-tile amaxes only) + the
                                     scales of the tiles this rank owns + cast of the owned nibbles, written
-                                    straight into the packed all-gather buffer (`sharded_cast`)
+                                    straight into the packed all-gather buffer (`fp4_dist.cast.sharded`)
     all-gather per bucket           packed NVFP4 bytes (0.5 B/element) and dense params (model dtype),
                                     plus one all-gather of the compact tile scales (1 B per 16x16 tile)
     ShardedCast.after_gather        rowwise scales from the gathered bytes, columnwise copies

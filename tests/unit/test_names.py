@@ -51,13 +51,6 @@ ROLE_FILES = {"__init__.py", "__main__.py"}
 # Backticked prefixes that are no module of ours: torch.distributed.checkpoint's usual alias, and a variable
 # holding a cast's DeferredCheck (`check.resolve()`).
 NOT_STEMS = {"dcp", "check"}
-# Stale names in files another change is rewriting now (the compute modes, issue 63): fixed there, after which
-# this set is emptied. Each entry: (file, the name as written).
-BEING_REWRITTEN = {
-    ("fp4_dist/compute/alias.py", "tensor_ops.ALIAS_FORMAT"),  # ops.ALIAS_FORMAT (fp4_dist.tensor.ops)
-}
-
-
 def _sources() -> list[Path]:
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     return [ROOT / f for f in tracked if f.endswith(SUFFIXES) and (ROOT / f).is_file()
@@ -208,8 +201,7 @@ def test_every_path_relative_to_the_package_exists(sources):
 
 def test_every_backticked_module_stem_holds_the_name_it_qualifies(sources):
     wrong = [f"{path.relative_to(ROOT)}:{line}  {name} -> {instead}" for path in sources
-             for line, name, instead in stale_stems(path.read_text())
-             if (str(path.relative_to(ROOT)), name) not in BEING_REWRITTEN]
+             for line, name, instead in stale_stems(path.read_text())]
     assert not wrong, _report(wrong, "backticked module.Name whose module does not hold Name")
 
 
@@ -218,13 +210,6 @@ def test_every_bare_module_file_name_names_one_file(sources):
     wrong = [f"{path.relative_to(ROOT)}:{line}  {name}: {why}" for path in package_and_docs
              for line, name, why in unresolved_bare_names(path.read_text(), path)]
     assert not wrong, _report(wrong, "bare module file names that name no file, or several")
-
-
-def test_the_names_being_rewritten_elsewhere_are_still_stale_there():
-    """An entry of BEING_REWRITTEN whose name is gone from its file is done: drop it."""
-    done = [f"{file}: {name}" for file, name in sorted(BEING_REWRITTEN)
-            if name not in {n for _, n, _ in stale_stems((ROOT / file).read_text())}]
-    assert not done, _report(done, "fixed: remove from BEING_REWRITTEN")
 
 
 # The checks themselves, each fed a stale name of its shape.

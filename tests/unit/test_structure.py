@@ -125,11 +125,6 @@ def test_the_package_root_holds_at_most_ten_modules():
     assert len(root) <= 10, f"{len(root)} modules in fp4_dist/ (at most 10: give new ones a package): {root}"
 
 
-# Packages whose map another change in flight rewrites: the compute-mode change (issue 63) adds fp8_copy.py and
-# fp8_gemm.py to fp4_dist.compute's. Empty this set once that change lands.
-MAP_BEING_REWRITTEN = {"fp4_dist.compute"}
-
-
 def _unmapped() -> dict[str, list[str]]:
     """Each package (the root included) -> its module files that its __init__'s docstring does not name."""
     out = {}
@@ -143,14 +138,9 @@ def _unmapped() -> dict[str, list[str]]:
 
 
 def test_every_package_docstring_maps_every_file_of_the_package():
-    wrong = {p: m for p, m in _unmapped().items() if p not in MAP_BEING_REWRITTEN}
+    wrong = _unmapped()
     assert not wrong, "packages whose __init__ docstring leaves out files (a line `name.py  what it holds` each):\n" + \
         "\n".join(f"{p}: {', '.join(m)}" for p, m in sorted(wrong.items()))
-
-
-def test_the_maps_being_rewritten_elsewhere_still_leave_files_out():
-    done = sorted(MAP_BEING_REWRITTEN - set(_unmapped()))
-    assert not done, f"these maps name every file now: remove them from MAP_BEING_REWRITTEN: {done}"
 
 
 def test_the_map_check_sees_a_file_left_out(tmp_path, monkeypatch):
