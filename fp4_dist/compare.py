@@ -10,10 +10,34 @@ def bytes_mismatch(got: torch.Tensor, ref: torch.Tensor, label: str = "") -> str
     """None when `got` and `ref` have the same shape and bits, else 'label: k/n bytes differ at first index i'."""
     if tuple(got.shape) != tuple(ref.shape):
         return f"{label}: shape {list(got.shape)} != expected {list(ref.shape)}"
-    g = got.detach().contiguous().view(torch.uint8).reshape(-1).cpu()
-    r = ref.detach().contiguous().view(torch.uint8).reshape(-1).cpu()
+    g = _flat_bytes(got).cpu()
+    r = _flat_bytes(ref).cpu()
     diff = (g != r).nonzero()
     if diff.numel() == 0:
         return None
     i = int(diff[0])
     return f"{label}: {diff.numel()}/{g.numel()} bytes differ, first at byte {i} (got {int(g[i]):#04x}, want {int(r[i]):#04x})"
+
+
+def mismatches(pairs) -> list[str]:
+    """`bytes_mismatch` of each (label, got, ref) in `pairs`, for the pairs that differ. The bytes are compared
+    where they live, and one host read of all the verdicts follows (a GPU's tensors are not copied to the host
+    unless they differ, and then only to say where)."""
+    pairs = list(pairs)
+    verdicts, shaped = [], []
+    for label, got, ref in pairs:
+        if tuple(got.shape) != tuple(ref.shape):
+            verdicts.append(None)
+            continue
+        g = _flat_bytes(got)
+        r = _flat_bytes(ref).to(g.device)
+        shaped.append(torch.ne(g, r).any())
+        verdicts.append(len(shaped) - 1)
+    differ = torch.stack(shaped).tolist() if shaped else []
+    return [bytes_mismatch(got, ref, label) for (label, got, ref), v in zip(pairs, verdicts)
+            if v is None or differ[v]]
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s bytes in element order, flat (a size-1 last dimension may carry any stride, which a byte view refuses)."""
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)

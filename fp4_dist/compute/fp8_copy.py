@@ -1,5 +1,11 @@
-"""A layer's FP8 block copy of its NVFP4 weight (the FP8 compute mode): made at the first use after the weight's
-bytes change, then read by every forward and backward until they change again (once per optimizer step).
+"""A layer's FP8 block copy of its NVFP4 weight (the FP8 compute mode): remade right after each all-gather of the
+weight's bytes (`post_all_gather_processing` calls `Fp8Copy.remake` through the weight's `ComputeCopy.derived`),
+and at a use that finds it out of date (bytes changed some other way: copy_, load_state_dict), then read by every
+forward and backward until the bytes change again (once per optimizer step).
+
+The copy is remade in place: its tensors keep their addresses for the layer's life. A CUDA graph that captured a
+GEMM reading them (Megatron's ``--cuda-graph-impl local`` / ``full_iteration``) then reads each step's copy on
+replay, with no Python deciding anything at the use: the decision is made once per gather, outside the graph.
 
 1 byte per weight and one fp32 per 128 x 128 block, beside the packed 0.5 bytes: 1.5 bytes per weight against bf16's
 2. The copy proves itself current as the lean copies do (`pool.copy_token`: the weight's cast count and the
@@ -9,6 +15,7 @@ each use makes one of its own (not kept).
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -23,12 +30,37 @@ _ATTR = "_fp4_fp8_copy"
 
 
 class Fp8Copy:
-    """The copy a layer keeps: the weight fields it was made from, what proved them current then, the operand."""
+    """The copy a layer keeps: the weight fields it was made from, what proved them current then, the operand, and
+    the weight (weakly: the layer holds the weight already)."""
 
-    __slots__ = ("fields", "token", "operand")
+    __slots__ = ("fields", "token", "operand", "weight", "__weakref__")
 
-    def __init__(self, fields: tuple, token: tuple, operand: Fp8Operand):
-        self.fields, self.token, self.operand = fields, token, operand
+    def __init__(self, w, token: tuple, operand: Fp8Operand):
+        self.fields, self.token, self.operand = rowwise_fields(w), token, operand
+        self.weight = weakref.ref(w)
+
+    def current(self, w, token) -> bool:
+        return token is not None and self.token == token and bound(self.fields, w)
+
+    def remake(self) -> None:
+        """Write the copy of the weight's current bytes into the operand's tensors (their addresses stay), unless it
+        holds them already or nothing proves what the bytes are (between a cast and its gather's processing)."""
+        w = self.weight()
+        if w is None or not bound(self.fields, w):
+            return
+        token = copy_token(w.copy_state, self.fields, w)
+        if token is not None and token != self.token:
+            self._write(w, token)
+
+    def _write(self, w, token) -> None:
+        fresh = Fp8Operand.weight(w)
+        # A forward saved these tensors for its backward: the write bumps their version counters, so a backward
+        # through a graph recorded before it raises, as for a parameter changed in place.
+        with torch.no_grad():
+            for dst, src in zip(self.operand, fresh):
+                if isinstance(dst, torch.Tensor):
+                    dst.copy_(src)
+        self.token = token
 
     def __deepcopy__(self, memo):  # a copied layer makes its own from its own weight
         return None
@@ -38,14 +70,19 @@ class Fp8Copy:
 
 
 def weight_operand(module: torch.nn.Module, w) -> Fp8Operand:
-    """The FP8 block copy of `module`'s NVFP4 weight `w`, made now unless the one the layer keeps is current."""
+    """The FP8 block copy of `module`'s NVFP4 weight `w`: the one the layer keeps, remade in place first if it is
+    out of date, or a new one."""
     kept = module.__dict__.get(_ATTR)
     token = copy_token(w.copy_state, rowwise_fields(w), w)
-    if kept is not None and token is not None and kept.token == token and bound(kept.fields, w):
+    if kept is not None and bound(kept.fields, w) and token is not None:
+        if kept.token != token:
+            kept._write(w, token)
         return kept.operand
     operand = Fp8Operand.weight(w)
     # Not kept when nothing proves it current: the next use makes its own, and the old copy's memory goes now.
-    module.__dict__[_ATTR] = Fp8Copy(rowwise_fields(w), token, operand) if token is not None else None
+    kept = module.__dict__[_ATTR] = Fp8Copy(w, token, operand) if token is not None else None
+    if kept is not None:
+        w.copy_state.derived.add(kept)
     return operand
 
 
@@ -54,8 +91,7 @@ def kept_operand(module: torch.nn.Module, w) -> Optional[Fp8Operand]:
     kept = module.__dict__.get(_ATTR)
     if kept is None:
         return None
-    token = copy_token(w.copy_state, rowwise_fields(w), w)
-    return kept.operand if token is not None and kept.token == token and bound(kept.fields, w) else None
+    return kept.operand if kept.current(w, copy_token(w.copy_state, rowwise_fields(w), w)) else None
 
 
 def forget(module: torch.nn.Module) -> None:

@@ -43,7 +43,7 @@ from ..tensor import NVFP4Tensor
 from .alias import alias_onto
 from ..tensor.copy import bound, raise_changed, stamp
 from .lean_order import BWD, FWD, ORDER, Batch
-from .pool import POOL, Buffer, copy_token, use_count
+from .pool import AUDIT, POOL, Buffer, copy_token, use_count
 
 _ATTR = "_fp4_lean_view"
 
@@ -81,22 +81,50 @@ class LeanView:
         then records what proved the values (`buffer.token`: `pool.copy_token`, None where nothing did)."""
         if w is not self.weight or self.buffer.retired or not bound(self.fields, w):
             self._bind(w)
+        if kernels.capturing():
+            self.graphed_fill()
+        else:
+            self._fill_unless_held(w, d)
+            if AUDIT.on:
+                AUDIT.note(self.buffer.tensor, w)
+        buf = self.buffer
+        # A new tensor object per use (a view: no copy, one C++ call), never one the pool or the layer keeps: a
+        # holder of it then shows in the buffer's reference count at the next write.
+        if not grad:
+            return buf.tensor.view(self.key[0])
+        if kernels.capturing():
+            # An alias of its own: the kept one's autograd node was recorded on an eager stream, which a captured
+            # backward may not wait on (`fp4_dist.compute.view` says more).
+            before = use_count(buf.tensor)
+            alias = alias_onto(w, buf.tensor)
+            buf.adopt(alias, before)
+            return alias
+        if self.alias is None:
+            before = use_count(buf.tensor)
+            self.alias = alias_onto(w, buf.tensor)
+            buf.adopt(self.alias, before)
+        return self.alias.view(self.key[0]) if fresh_tensor else self.alias
+
+    def _fill_unless_held(self, w: NVFP4Tensor, d: int) -> None:
         token = copy_token(self.cc, self.fields, w)
         if not self.note_use(d, token):
             # Only a write needs the buffer free: one that holds these values serves its holder and this use alike.
             if not self.buffer.free():
                 self._bind(w)
             self.fill_now(d, token)
-        buf = self.buffer
-        # A new tensor object per use (a view: no copy, one C++ call), never one the pool or the layer keeps: a
-        # holder of it then shows in the buffer's reference count at the next write.
-        if not grad:
-            return buf.tensor.view(self.key[0])
-        if self.alias is None:
-            before = use_count(buf.tensor)
-            self.alias = alias_onto(w, buf.tensor)
-            buf.adopt(self.alias, before)
-        return self.alias.view(self.key[0]) if fresh_tensor else self.alias
+
+    def graphed_fill(self) -> None:
+        """A use inside a CUDA graph capture: write the copy into the bound buffer unconditionally, alone (no batch:
+        the learned order and the tokens are host state a replay never consults), and mark the buffer as one a
+        graph writes (`pool.Buffer.graphed`). Every replay then writes the copy from the weight's bytes of that
+        step right before its GEMM reads it, whatever ran in between."""
+        # No test of holders here: a holder inside the graph (a saved alias) reads the buffer only after its own
+        # use writes it again (`lean_claim.Use.refill`), in the stream order every replay keeps.
+        POOL.uses += 1
+        POOL.launched()
+        self.buffer.graphed = True
+        self.fill()
+        self.buffer.mark(None, None)
 
     def note_use(self, d: int, token) -> bool:
         """Note the use in the learned order; whether the bound buffer holds the weight's values as `token`

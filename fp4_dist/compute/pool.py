@@ -14,6 +14,12 @@ warned about once, so no copy is ever overwritten under a reader.
 Each buffer records whose values it holds and what proved them current then (`token`: the weight's cast count and
 the version counters of its bytes and of itself, as for a kept copy; nothing while a cast's bytes await their
 all-gather). A use that finds its values there launches nothing.
+
+Under CUDA graph capture (Megatron's ``--cuda-graph-impl local`` / ``full_iteration``) that decision would be taken
+once, at capture, and replayed for every later step and microbatch: a use being captured always writes its copy
+(`lean.LeanView.value`), and the buffer it writes never again proves what it holds (`Buffer.graphed`), since a
+replay writes it without the host knowing. The values are the same either way (a copy is a pure function of the
+weight's bytes); a graphed buffer only costs the launches that finding a copy made would save.
 """
 
 from __future__ import annotations
@@ -45,16 +51,20 @@ class Buffer:
     whose values it holds: the bound fields of the layer that wrote it last and `token` of their weight then
     (None: nothing proves what it holds)."""
 
-    __slots__ = ("tensor", "expected", "fields", "token", "version", "retired", "__weakref__")
+    __slots__ = ("tensor", "expected", "fields", "token", "version", "retired", "graphed", "__weakref__")
 
     def __init__(self, shape, dtype, device):
         self.tensor = torch.empty(shape, dtype=dtype, device=device)
         self.expected = use_count(self.tensor)
         self.retired = False  # the pool let go of it (replaced or released): layers bound to it bind again
+        self.graphed = False  # a captured CUDA graph writes it (`graphed_fill`): what it holds is never known
         self.mark(None, None)
 
     def mark(self, fields, token) -> None:
-        """The buffer was just written with the values of `fields` as `token` says they are (None: unknown)."""
+        """The buffer was just written with the values of `fields` as `token` says they are (None: unknown). A
+        buffer a CUDA graph writes records nothing: a replay writes it without telling the host."""
+        if self.graphed:
+            fields = token = None
         self.fields, self.token, self.version = fields, token, self.tensor._version
 
     def free(self) -> bool:
@@ -122,6 +132,44 @@ class _Pool:
 
 
 POOL = _Pool()
+
+
+class _Audit:
+    """While on (`audit_uses`), each lean use outside a CUDA graph capture compares what its GEMM is about to read
+    (the pool buffer, once written or found holding the copy) with a fresh dequantization of the weight's bytes, on
+    the weight's device; `audit_verdicts` reads every verdict at once. The Megatron launcher turns it on for the
+    steps that its parity check follows (``--check-every``), so a misplaced or stale lean copy fails the check. A use
+    inside a captured graph is not audited: it writes its copy unconditionally (`Buffer.graphed`)."""
+
+    __slots__ = ("on", "flags")
+
+    def __init__(self):
+        self.on, self.flags = False, []
+
+    def note(self, value: torch.Tensor, w) -> None:
+        fresh = w.dequantize(value.dtype).view(value.shape)
+        self.flags.append((w, torch.ne(value.view(torch.int16), fresh.view(torch.int16)).any()
+                           if value.element_size() == 2 else torch.ne(value, fresh).any()))
+
+
+AUDIT = _Audit()
+
+
+def audit_uses(on: bool = True) -> None:
+    """Start (or stop) auditing lean uses (`_Audit`); starting drops the verdicts not read yet."""
+    AUDIT.on = bool(on)
+    if on:
+        AUDIT.flags = []
+
+
+def audit_verdicts() -> tuple[int, list]:
+    """(uses audited, the weights of the uses that read other values than their bytes') since `audit_uses`; one
+    host read for all of them. Stops the audit."""
+    flags, AUDIT.flags, AUDIT.on = AUDIT.flags, [], False
+    if not flags:
+        return 0, []
+    bad = torch.stack([f.to(flags[0][1].device) for _, f in flags]).tolist()
+    return len(flags), [w for (w, _), b in zip(flags, bad) if b]
 
 
 def pool_bytes() -> int:

@@ -16,6 +16,10 @@ of the copy, one plain tensor that
   an autograd view of the parameter: were it one, the bump of the parameter's counter at each refresh would make
   autograd rebuild its node by replaying the view op through the Python dispatch, once per weight per step.
 
+Under CUDA graph capture a use gets an alias of its own instead of the cached one: autograd runs a node's backward
+on the stream its forward ran on, and the cached alias's node was recorded on an eager stream, which a captured
+backward may not wait on. Its values are the same copy (`compute_alias`).
+
 Per use the layer checks that the copy is current (`ComputeCopy.fresh_for`, a few attribute reads) and passes the
 view where it passed the weight: a training step (cast, all-gather, one refresh of every copy) keeps the same view
 and node, and so do uses under no_grad (evaluation, the no_grad forward of reentrant activation checkpointing). When the copy is not current at a use (bytes changed by copy_, quantize_, load_state_dict, ...), the
@@ -37,6 +41,7 @@ import torch
 from torch import nn
 
 from ..tensor import NVFP4Tensor
+from .. import kernels
 from . import lean
 from .alias import alias_onto
 from ..tensor.copy import refresh_compute_copies, version_key
@@ -69,8 +74,9 @@ class ComputeView:
             src, stamp = cc.sources, cc.stamp
             if (stamp is not None and src[0] is w.rowwise_data and src[1] is w.rowwise_scale_inv
                     and src[2] is w.amax and stamp == version_key(src, self.value, w)):  # fmt: skip
-                return self.view
-        return self._make(w, grad)
+                return compute_alias(w) if grad and kernels.capturing() else self.view
+        view = self._make(w, grad)
+        return compute_alias(w) if grad and view is not w and kernels.capturing() else view
 
     def _make(self, w: NVFP4Tensor, grad: bool) -> torch.Tensor:
         self.clear()

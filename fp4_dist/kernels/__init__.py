@@ -16,6 +16,7 @@ Modules, and the one way a call travels through them::
 """
 
 from . import reference
+from .cuda_plans import capturing
 from .stages import (
     AmaxLayout,
     Bound,
@@ -41,7 +42,7 @@ from .stages import (
 )
 
 __all__ = [
-    "reference",
+    "reference", "capturing",
     "AmaxLayout", "amax_layout", "signature", "Bound", "quantize_rowwise",
     "partial_amax", "bind_partial_amax", "fused_scale", "bind_fused_scale", "partial_cast", "bind_partial_cast",
     "owner_scales", "bind_owner_scales", "expand_scales", "bind_expand_scales",

@@ -58,6 +58,11 @@ current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
     lambda index: torch.cuda.current_stream(index).cuda_stream)
 
 
+def capturing() -> bool:
+    """Whether torch's current CUDA stream is capturing a CUDA graph (False where CUDA never started: a CPU run)."""
+    return torch.cuda.is_initialized() and torch._C._cuda_isCurrentStreamCapturing()
+
+
 class Plan:
     """A descriptor table and unit prefix sum on one device, ready to be read by one stage kernel."""
 
@@ -74,27 +79,49 @@ class Plan:
         stream = torch.cuda.current_stream(device)
         self.device, self.n, self.units = device, n, int(arr[n * fields + n])
         self.variant = None  # kernel variant the table was laid out for, where a stage has several
-        self._host = host  # kept alive: the copy below reads it asynchronously
+        self._host = host  # kept alive: the copy below reads it asynchronously (and a captured copy at each replay)
         self._dev = host.to(torch.device("cuda", device), non_blocking=True)
         # Kept zero between launches by the kernel itself (amax.cu); zeroed once here.
         self.scratch = torch.zeros(max(scratch_words, 1), dtype=torch.int32, device=self._dev.device)
         self.table = self._dev.data_ptr()
         self.unit_begin = self.table + 8 * n * fields
         self.extra = self.unit_begin + 8 * (n + 1)  # side table (expand_scales: tile segments)
-        self._ready = torch.cuda.Event()
-        self._ready.record(stream)
+        # Built inside a CUDA graph capture, the upload and the zeroing above are nodes of the graph: nothing has
+        # run yet, so a use outside the graph uploads again first (`on_current_stream`).
+        self._in_graph = capturing()
+        self._ready = None if self._in_graph else torch.cuda.Event()
+        if self._ready is not None:
+            self._ready.record(stream)
+        else:
+            GRAPHED.append(self)
         self._streams = {stream.cuda_stream}
         self.bound = None  # the launch bound once, for a stage that reads nothing but the plan (stages.py)
 
     def on_current_stream(self) -> "Plan":
-        """Order the upload before this stream's work, the first time the plan is used on another stream."""
+        """Order the upload before this stream's work, the first time the plan is used on another stream.
+
+        Under CUDA graph capture nothing waits: an event recorded outside the capture cannot be waited on inside
+        it, and none is needed, because torch.cuda.graph (which Megatron's graphs use) synchronizes the device
+        before it begins a capture, so the upload of a plan built before the capture has completed. A plan a
+        captured graph reads is kept for the life of the process (`GRAPHED`): the graph replays its addresses."""
         if current_raw_stream(self.device) not in self._streams:
             stream = torch.cuda.current_stream(self.device)
-            stream.wait_event(self._ready)
-            self._dev.record_stream(stream)
-            self.scratch.record_stream(stream)
+            if capturing():
+                GRAPHED.append(self)
+            elif self._in_graph:  # first use outside the graph it was built in: the table holds nothing yet
+                self._dev.copy_(self._host, non_blocking=True)
+                self.scratch.zero_()
+                self._in_graph, self._ready = False, torch.cuda.Event()
+                self._ready.record(stream)
+            else:
+                stream.wait_event(self._ready)
+                self._dev.record_stream(stream)
+                self.scratch.record_stream(stream)
             self._streams.add(stream.cuda_stream)
         return self
+
+
+GRAPHED: list = []  # plans read by captured CUDA graphs: never freed, as a replay reads them at any time
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -13,12 +13,13 @@ from typing import Callable
 
 import torch
 
+from .. import kernels
 from ..tensor import NVFP4Tensor
 from ..compute.alias import alias_onto
 from ..tensor.copy import bound, raise_changed, stamp, weight_name
 from ..compute.lean import LeanView, lean_call, lean_view
 from ..compute.lean_order import BWD
-from ..compute.pool import POOL, copy_token
+from ..compute.pool import AUDIT, POOL, copy_token
 
 # The id of the backward pass this thread runs in, -1 outside one.
 _graph_task_id = torch._C._current_graph_task_id
@@ -58,7 +59,9 @@ class Use:
         elif stamp(w) != self.stamp:
             raise_changed(w)
         view = self.view
-        if view.fill is self.fill:  # the layer is bound as at the forward: the same buffer and fields
+        if view.fill is self.fill and kernels.capturing():  # a backward being captured
+            view.graphed_fill()
+        elif view.fill is self.fill:  # the layer is bound as at the forward: the same buffer and fields
             if not view.note_use(BWD, token):
                 view.fill_now(BWD, token)
         else:
@@ -66,6 +69,8 @@ class Use:
             POOL.launched()
             self.fill()
             self.buffer.mark(None, None)
+        if AUDIT.on and not kernels.capturing():
+            AUDIT.note(self.buffer.tensor, w)
 
 
 _CLAIM = threading.local()

@@ -23,7 +23,9 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import atomic
+from ..compute.pool import audit_uses, audit_verdicts
 from ..tensor import is_nvfp4_tensor
+from ..tensor.copy import weight_name
 from . import parity
 from .options import current_options
 from .parallel import collective_device
@@ -36,6 +38,7 @@ class Monitor:
         self.model: Optional[list] = None
         self.optimizer: Any = None
         self.record: dict[str, Any] = {"iterations": []}
+        self.audited: tuple = (0, [])  # the lean uses of the last step, audited when a check follows it
 
     def reset(self) -> None:
         self.__init__()
@@ -66,14 +69,19 @@ class Monitor:
 
     def wrap_train_step(self, original):
         def train_step(*args, **kwargs):
-            out = original(*args, **kwargs)
             options = current_options()
             if not (options.check_every or options.log_json) or self.optimizer is None:
-                return out
+                return original(*args, **kwargs)
             from megatron.training.global_vars import get_args
 
             iteration = kwargs.get("iteration")
-            iteration = (get_args().curr_iteration if iteration is None else iteration) + 1  # the one just done
+            iteration = (get_args().curr_iteration if iteration is None else iteration) + 1  # the one this step does
+            # A step that a check follows: its lean uses compare what each GEMM reads with the weight's bytes.
+            audit_uses(bool(options.check_every and iteration % options.check_every == 0))
+            try:
+                out = original(*args, **kwargs)
+            finally:
+                self.audited = audit_verdicts()
             entry: dict[str, Any] = {"iteration": iteration, "loss": _last_stage_loss(out[0]),
                                      "skipped": bool(out[1]), "grad_norm": _float(out[5])}  # fmt: skip
             if options.check_every and iteration % options.check_every == 0:
@@ -86,6 +94,7 @@ class Monitor:
                 if last:
                     self.record["master_digest_final"] = self.master_digest()
                     self.record["peak_allocated_mib"] = peak_allocated_mib()
+                    self.record["peak_reserved_mib"] = peak_allocated_mib(reserved=True)
                 self._write(options.log_json)
             return out
 
@@ -98,6 +107,10 @@ class Monitor:
 
         force_param_sync(self.model, self.optimizer)  # an overlapped all-gather must have landed
         report = parity.ParityReport()
+        uses, stale = self.audited if iteration else (0, [])
+        self.audited = (0, [])
+        report.mismatches += [f"the lean copy {weight_name(w)} read at a use in iteration {iteration} differs from "
+                              "its bytes' dequantization" for w in stale]
         for chunk in self.model:
             part = parity.check_nvfp4_weights(chunk, self.optimizer)
             report.weights += part.weights
@@ -108,7 +121,8 @@ class Monitor:
             mine = "; ".join(report.mismatches[:3]) or "this rank matched; see the other ranks"
             raise RuntimeError(f"fp4_dist: {when}: the gathered NVFP4 weights differ from quantize(full fp32 master) "
                                f"on some rank (rank {dist.get_rank()}: {mine})")
-        summary = f"ok ({report.weights} weights, {report.bytes_checked} bytes on rank {dist.get_rank()})"
+        summary = f"ok ({report.weights} weights, {report.bytes_checked} bytes on rank {dist.get_rank()}"
+        summary += f", {uses} lean uses)" if uses else ")"
         if dist.get_rank() == 0:
             print(f"fp4_dist: {when}: gathered NVFP4 weights == quantize(master) on every rank: {summary}", flush=True)
         return summary
@@ -134,12 +148,14 @@ class Monitor:
         atomic.write_file_atomically(path, json.dumps(self.record, indent=1))
 
 
-def peak_allocated_mib() -> Optional[float]:
-    """The most memory torch's allocator held on any rank's GPU so far, in MiB (a collective over the whole job);
-    None on CPU ranks."""
+def peak_allocated_mib(reserved: bool = False) -> Optional[float]:
+    """The most memory torch's allocator held on any rank's GPU so far, in MiB (a collective over the whole job),
+    allocated to tensors or (`reserved`) reserved from the device, CUDA graphs' private pools included; None on
+    CPU ranks."""
     if not torch.cuda.is_available():
         return None
-    peak = torch.tensor([float(torch.cuda.max_memory_allocated())], device=collective_device())
+    most = torch.cuda.max_memory_reserved() if reserved else torch.cuda.max_memory_allocated()
+    peak = torch.tensor([float(most)], device=collective_device())
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return float(peak) / 2**20
 

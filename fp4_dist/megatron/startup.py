@@ -115,10 +115,7 @@ def refuse_unsupported_args(args) -> None:
             (getattr(args, "data_parallel_random_init", False), "--data-parallel-random-init"),
             (getattr(args, "overlap_param_gather_with_optimizer_step", False),
              "--overlap-param-gather-with-optimizer-step"),
-            (_cuda_graphs(args) is not None,
-             f"{_cuda_graphs(args)} (CUDA graphs replay the linears' kernels without the Python that decides, at "
-             "each use, whether a weight's copy is current and which buffer holds it, so a replayed step could read "
-             "another step's or another layer's weights; run without CUDA graphs)"),
+            *_graph_refusals(args),
         ]
         problems += [f"--fp4-param-gather with {what} is not supported by fp4_dist" for bad, what in unsupported
                      if bad]  # fmt: skip
@@ -132,6 +129,27 @@ def refuse_unsupported_args(args) -> None:
                             "installed; its kernel writes main_grad itself): add --no-gradient-accumulation-fusion")
     if problems:
         raise ValueError("fp4_dist.megatron: " + "; ".join(problems))
+
+
+def _graph_refusals(args) -> list:
+    """(refused, what) rows of the CUDA-graph options that --fp4-param-gather does not take. Megatron's own graphs
+    (``--cuda-graph-impl local`` and ``full_iteration``) run every compute mode as it runs eagerly: what a replay
+    reads is decided outside the captured region (`fp4_dist.compute.fp8_copy`, `pool.Buffer.graphed`)."""
+    flag = _cuda_graphs(args)
+    if flag is None:
+        return []
+    import torch
+
+    return [
+        (not torch.cuda.is_available(), f"{flag} on CPU ranks (CUDA graphs need CUDA; run without them)"),
+        (getattr(args, "cuda_graph_impl", None) == "transformer_engine" or getattr(args, "external_cuda_graph", False),
+         f"{flag} (TransformerEngine's graphs; use --cuda-graph-impl local or full_iteration)"),
+        # The overlapped gather runs in the forward's pre-hooks, inside the captured region: its processing (the
+        # FP8 copies' remake, the cast's verdicts) would be decided once, at capture. Not run on a GPU yet.
+        (getattr(args, "overlap_param_gather", False),
+         f"{flag} and --overlap-param-gather (the overlapped all-gather and its processing would run inside the "
+         "captured graph; drop --overlap-param-gather, --overlap-grad-reduce stays)"),
+    ]
 
 
 def _cuda_graphs(args) -> Optional[str]:

@@ -36,6 +36,17 @@ from .. import kernels
 from .._user import user_stacklevel
 
 
+class Derived(weakref.WeakSet):
+    """The copies derived from one weight's bytes (`ComputeCopy.derived`). A deep copy or a pickle of the weight
+    starts with none: each copy belongs to a layer, which makes its own from its own weight."""
+
+    def __deepcopy__(self, memo) -> "Derived":
+        return Derived()
+
+    def __reduce__(self):
+        return Derived, ()
+
+
 class ComputeCopy:
     """State of one weight's compute copy, shared by all aliases of the weight (nn.Parameter, detach, ...).
 
@@ -46,7 +57,7 @@ class ComputeCopy:
     """
 
     __slots__ = ("enabled", "value", "pending", "auto_refresh", "epoch", "views", "aliases", "sources", "stamp",
-                 "pending_uses", "casts")
+                 "pending_uses", "casts", "derived")
 
     def __init__(self, enabled: bool = True):
         self.enabled = bool(enabled)
@@ -74,6 +85,10 @@ class ComputeCopy:
         self.casts = 0
         """Bumped by every cast (`mark_pending`): bytes an all-gather writes bump no version counter of this
         rank's, so a lean copy (`fp4_dist.compute.lean`) proves itself current by this count with the versions."""
+        self.derived = Derived()
+        """Other copies made from the weight's bytes that are remade in place by every refresh (an all-gather's
+        processing), each an object with a ``remake()`` (`fp4_dist.compute.fp8_copy.Fp8Copy`): made there, outside
+        any CUDA graph, they are current when a replayed GEMM reads them."""
 
     def fresh_for(self, w) -> bool:
         """True when `value` holds the values of `w`'s current bytes."""
@@ -206,20 +221,29 @@ def refresh_compute_copies(weights: Sequence) -> None:
     of many weights changed at once (an all-gather); a single changed weight refreshes itself on its next use.
     For the same list every step, `BoundRefresh` skips the per-call plan lookup.
     """
-    todo = []
+    todo, ccs = [], []
     for w in weights:
         if not _has_copy(w):
             continue
         cc = w.copy_state
         cc.pending = cc.auto_refresh = False
+        ccs.append(cc)
         if cc.enabled:
             todo.append(w)
-    if not todo:
-        return
-    values = [_allocate(w) for w in todo]
-    kernels.dequantize([w.rowwise_data for w in todo], [w.rowwise_scale_inv for w in todo],
-                       [w.amax for w in todo], values)  # fmt: skip
-    _mark_refreshed(todo, _fields(todo))
+    if todo:
+        values = [_allocate(w) for w in todo]
+        kernels.dequantize([w.rowwise_data for w in todo], [w.rowwise_scale_inv for w in todo],
+                           [w.amax for w in todo], values)  # fmt: skip
+        _mark_refreshed(todo, _fields(todo))
+    remake_derived(ccs)
+
+
+def remake_derived(ccs) -> None:
+    """Remake the derived copies (`ComputeCopy.derived`) of the weights whose `ComputeCopy` states are `ccs`."""
+    for cc in ccs:
+        if cc.derived:
+            for d in list(cc.derived):
+                d.remake()
 
 
 def _fields(weights) -> list:
@@ -275,6 +299,7 @@ class BoundRefresh:
         if self._todo:
             self._run()
             _mark_refreshed(self._todo, self._bound, self._counted)
+        remake_derived(self._ccs)
 
 
 def mark_pending(weights: Sequence, *, auto_refresh: bool = False) -> None:

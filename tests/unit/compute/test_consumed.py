@@ -60,3 +60,22 @@ def test_a_lean_weight_keeps_no_copy_to_compare_and_a_stale_copy_is_remade_not_r
     kept = _model(compute_copy=True)
     kept[0].weight.copy_state.value.add_(1.0)  # a recorded write: the copy no longer proves itself current
     assert _mismatches(kept) == []  # its next use remakes it, so nothing stale is read
+
+
+def test_a_lean_copy_changed_behind_its_version_counter_fails_the_audit_of_its_next_use():
+    from fp4_dist.compute.lean import lean_view
+    from fp4_dist.compute.pool import audit_uses, audit_verdicts
+
+    model = _model()
+    x = torch.randn(4, model[0].weight.shape[1], dtype=torch.bfloat16)
+    audit_uses()
+    model(x)
+    assert audit_verdicts() == (2, [])  # both linears' uses read their weights' values
+    buf = lean_view(model[-1]).buffer
+    assert buf.token is not None, "the last layer's copy stays in its buffer, proven current"
+    with torch.autograd._unsafe_preserve_version_counter(buf.tensor):
+        buf.tensor.view(-1)[0] += 1  # a copy that still claims to be current, as a replay that never rewrote it
+    audit_uses()
+    model[-1](torch.randn(4, model[-1].weight.shape[1], dtype=torch.bfloat16))
+    uses, stale = audit_verdicts()
+    assert uses == 1 and stale == [model[-1].weight]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import torch
 
 from fp4_dist.megatron import run
 from fp4_dist.megatron.adapter import refuse_unsupported_args
@@ -124,11 +125,15 @@ def _args(**kw):
     (dict(use_distributed_optimizer=False), "without --use-distributed-optimizer"),
     (dict(data_parallel_random_init=True), "--data-parallel-random-init"),
     (dict(bf16=False), "an fp32 model"),
-    (dict(cuda_graph_impl="local"), "--cuda-graph-impl local (CUDA graphs replay"),
-    (dict(cuda_graph_impl="full_iteration"), "--cuda-graph-impl full_iteration"),
-    (dict(cuda_graph_impl="transformer_engine"), "--cuda-graph-impl transformer_engine"),
-    (dict(enable_cuda_graph=True), "--enable-cuda-graph"),
-    (dict(external_cuda_graph=True), "--external-cuda-graph"),
+    (dict(cuda_graph_impl="transformer_engine"), "--cuda-graph-impl transformer_engine (TransformerEngine's graphs"),
+    (dict(external_cuda_graph=True), "--external-cuda-graph (TransformerEngine's graphs"),
+    (dict(cuda_graph_impl="full_iteration", overlap_param_gather=True),
+     "--cuda-graph-impl full_iteration and --overlap-param-gather"),
+    # Megatron's own graphs run on GPUs (tests/distributed/test_megatron_graphs.py); CPU ranks refuse them
+    *[pytest.param(change, named, marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CPU ranks only"))
+      for change, named in [(dict(cuda_graph_impl="local"), "--cuda-graph-impl local on CPU ranks"),
+                            (dict(cuda_graph_impl="full_iteration"), "--cuda-graph-impl full_iteration on CPU ranks"),
+                            (dict(enable_cuda_graph=True), "--enable-cuda-graph on CPU ranks")]],
 ])
 def test_each_unsupported_fp4_run_is_refused_naming_the_flag(change, named):
     pytest.importorskip("megatron.core")

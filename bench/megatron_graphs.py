@@ -1,0 +1,127 @@
+"""Step time and peak memory of Megatron's own training loop with CUDA graphs, per compute mode, on one GPU.
+
+    python bench/megatron_graphs.py [--graphs full_iteration] [--rounds 3] [--iters 16] [--shape llama|tiny]
+        [--modes bf16,lean,kept,fp8] [--out bench/out/graphs]
+
+One process per run (`examples/pretrain_gpt.py` through ``python -m fp4_dist.megatron.run``), the modes taking turns
+(bf16, lean, kept, fp8, then again, --rounds times), so a slowdown that lasts a run lands on one mode only:
+
+    bf16   plain bf16 weights, no --fp4-param-gather
+    lean   --fp4-param-gather, the default compute (a copy made around each use)
+    kept   --fp4-param-gather --compute-copy (a bf16 copy per weight, made once per step)
+    fp8    --fp4-param-gather --compute fp8 (FP8 block-scaled GEMMs on the weights' FP8 copies)
+
+The llama shape is the one of the CUDA-graphs issue: hidden 4096 x 6 layers, ffn 11,008, GQA 8 groups, RMSNorm,
+SwiGLU, RoPE, untied embeddings, vocab 32,000, seq 2,048, micro-batch 1, global batch 4 (four microbatches a step),
+``--transformer-impl local --bf16 --use-distributed-optimizer``. A step's time is Megatron's own log line ("elapsed
+time per iteration"), the median over the iterations after the capture (``--cuda-graph-warmup-steps`` + 1) of every
+round; peak memory (allocated and reserved, the graph pools included) is the run record's. The table gives each
+mode's median and its ratio to bf16's, and the spread of the per-round medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+STEP = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*elapsed time per iteration \(ms\): ([0-9.]+)")
+WARMUP = 2  # --cuda-graph-warmup-steps: eager steps before the capture
+SHAPES = {
+    "llama": ("--num-layers 6 --hidden-size 4096 --ffn-hidden-size 11008 --num-attention-heads 32 "
+              "--group-query-attention --num-query-groups 8 --normalization RMSNorm --swiglu "
+              "--position-embedding-type rope --untie-embeddings-and-output-weights --disable-bias-linear "
+              "--vocab-size 32000 --seq-length 2048 --max-position-embeddings 2048 --micro-batch-size 1 "
+              "--global-batch-size 4"),
+    "tiny": ("--num-layers 2 --hidden-size 256 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 "
+             "--micro-batch-size 2 --global-batch-size 8 --vocab-size 512"),
+}
+COMMON = ("--transformer-impl local --bf16 --use-distributed-optimizer --lr 1e-4 --tokenizer-type NullTokenizer "
+          "--split 100,0,0 --log-interval 1 --eval-interval 100000 --eval-iters 0 --seed 1234 --num-workers 0 "
+          "--no-gradient-accumulation-fusion --no-check-for-nan-in-loss-and-grad")
+MODES = {"bf16": ([], False), "lean": ([], True), "kept": (["--compute-copy"], True),
+         "fp8": (["--compute", "fp8"], True)}
+
+
+def run(out: Path, name: str, mode: str, a) -> dict:
+    runner, fp4 = MODES[mode]
+    log, record = out / f"{name}.log", out / f"{name}.json"
+    graphs = [] if a.graphs == "none" else ["--cuda-graph-impl", a.graphs, "--cuda-graph-warmup-steps", str(WARMUP)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+           "-m", "fp4_dist.megatron.run", "--log-json", str(record), *runner, str(REPO / "examples" / "pretrain_gpt.py"),
+           *SHAPES[a.shape].split(), *COMMON.split(), "--train-iters", str(a.iters), "--data-path", a.data,
+           *graphs, *(["--fp4-param-gather"] if fp4 else [])]  # fmt: skip
+    env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+    text = log.read_text()
+    if rc != 0:
+        print(f"{name}: exit {rc}\n{text[-4000:]}", flush=True)
+        return {"rc": rc}
+    steps = {int(m.group(1)): float(m.group(2)) for m in STEP.finditer(text)}
+    kept = [t for i, t in steps.items() if i > WARMUP + 1]
+    rec = json.loads(record.read_text())
+    result = {"rc": 0, "median_ms": statistics.median(kept), "steps": steps,
+              "allocated_mib": rec.get("peak_allocated_mib"), "reserved_mib": rec.get("peak_reserved_mib"),
+              "losses": [it["loss"] for it in rec["iterations"]]}
+    print(f"{name}: median {result['median_ms']:.1f} ms over {len(kept)} steps, peak allocated "
+          f"{result['allocated_mib']:.0f} MiB, reserved {result['reserved_mib']:.0f} MiB", flush=True)
+    return result
+
+
+def table(results: dict, a, rounds: int) -> None:
+    """The markdown table of the runs so far."""
+    modes = list(results)
+    ok = {m: [x for x in rs if x["rc"] == 0] for m, rs in results.items()}
+    base = statistics.median([s for x in ok.get("bf16", []) for i, s in x["steps"].items() if i > WARMUP + 1] or [0])
+    print(f"\n{a.shape}, --cuda-graph-impl {a.graphs}, {rounds} rounds of {a.iters} iterations (median step over "
+          f"iterations > {WARMUP + 1} of every round)")
+    print("| mode | step (ms) | / bf16 | per-round medians | peak allocated (MiB) | peak reserved (MiB) |")
+    print("|---|---:|---:|---|---:|---:|")
+    for m in modes:
+        if not ok[m]:
+            print(f"| {m} | failed | | | | |")
+            continue
+        med = statistics.median([s for x in ok[m] for i, s in x["steps"].items() if i > WARMUP + 1])
+        per_round = ", ".join(f"{x['median_ms']:.1f}" for x in ok[m])
+        ratio = f"{med / base:.3f}x" if base else ""
+        print(f"| {m} | {med:.1f} | {ratio} | {per_round} | {max(x['allocated_mib'] for x in ok[m]):.0f} | "
+              f"{max(x['reserved_mib'] for x in ok[m]):.0f} |")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--graphs", default="full_iteration", choices=["none", "local", "full_iteration"])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--iters", type=int, default=16)
+    p.add_argument("--shape", default="llama", choices=list(SHAPES))
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "graphs")
+    a = p.parse_args(argv)
+    modes = a.modes.split(",")
+    if unknown := set(modes) - set(MODES):
+        p.error(f"--modes: unknown {sorted(unknown)}; choose from {list(MODES)}")
+    a.out.mkdir(parents=True, exist_ok=True)
+    a.data = str(a.out / "data" / "corpus")
+    subprocess.run([sys.executable, "-m", "examples.megatron_preprocess", "--input",
+                    str(REPO / "examples" / "data" / "tiny_corpus.txt"), "--output-prefix", a.data],
+                   cwd=REPO, check=True, capture_output=True)  # fmt: skip
+    results = {m: [] for m in modes}
+    for r in range(a.rounds):
+        for m in modes if r % 2 == 0 else modes[::-1]:  # ABBA: neither end of a round always goes first
+            print(f"[round {r + 1}/{a.rounds}] {m}", flush=True)
+            results[m].append(run(a.out, f"{m}-{r}", m, a))
+        table(results, a, rounds=r + 1)  # after each round: a run cut short still leaves its table
+    (a.out / "results.json").write_text(json.dumps(results, indent=1))
+    return 0 if all(x["rc"] == 0 for rs in results.values() for x in rs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
