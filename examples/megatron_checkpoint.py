@@ -24,7 +24,7 @@ An iteration's folder is written whole into a temporary folder beside it and the
 at any instant of a save leaves every complete checkpoint as it was, also one of the same iteration being written
 again (a load reads the earlier version while a rename is under way). A save refuses an iteration folder holding
 files of anything else, since it replaces the folder whole, and names the temporary folders of killed saves that
-it could not delete. The folder holds a manifest (``fp4_dist.manifest.json``: a digest of every file, each hashed by
+it could not delete. The folder holds a manifest (``fp4_dist_manifest.json``: a digest of every file, each hashed by
 the rank that wrote it), and a load checks every file against it before it reads one; the first save takes the
 ``--save`` folder's lock (`fp4_dist.checkpoint.lock`), so a second job saving there is refused.
 

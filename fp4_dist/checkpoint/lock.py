@@ -1,6 +1,6 @@
 """One writer per checkpoint root: a lock file naming the job that saves there, taken before its first save.
 
-    <root>/.fp4_dist.lock      {"host": ..., "pid": ..., "start_ticks": ..., "started": "2026-12-08T10:31:02"}
+    <root>/.fp4_dist_lock      {"host": ..., "pid": ..., "start_ticks": ..., "started": "2026-12-08T10:31:02"}
 
 Two jobs saving into one root interleave their step folders (a scheduler's retry while the first still runs, the
 same command started twice). Rank 0 of a job takes the lock at its first save (`fp4_dist.checkpoint.save`), or at
@@ -41,7 +41,7 @@ from . import atomic
 
 __all__ = ["LOCK", "Holder", "RootLockedError", "lock_root", "release_root", "remove_leftovers"]
 
-LOCK = ".fp4_dist.lock"
+LOCK = ".fp4_dist_lock"
 TAKE_OVER_REMEDY = ("if that job is gone (its host down or rebooted), pass take_over_other_host=True "
                     "(--take-over-lock on the command lines that save)")  # fmt: skip
 # What an interrupted atomic write leaves beside its target: .<name>.<tmp|del|old>-<host>-<pid>-<8 hex>

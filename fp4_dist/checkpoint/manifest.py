@@ -1,6 +1,6 @@
 """A digest of every file of a committed folder (a training checkpoint, an export), checked before a load reads it.
 
-    <folder>/fp4_dist.manifest.json     {"format": ..., "hash": "xxh3_64", "chunk_bytes": 4194304,
+    <folder>/fp4_dist_manifest.json     {"format": ..., "hash": "xxh3_64", "chunk_bytes": 4194304,
                                          "files": {"<relative path>": {"size": n, "chunks": ["<16 hex>", ...]}},
                                          "digest": "<xxh3_64 of the rest of this object, canonical JSON>"}
 
@@ -33,8 +33,8 @@ from .._user import user_stacklevel
 __all__ = ["MANIFEST", "CHUNK_BYTES", "FileDigest", "DamagedCheckpointError", "file_digest", "write_manifest",
            "check_folder", "verify_folder", "verify_folder_collective"]
 
-MANIFEST = "fp4_dist.manifest.json"
-FORMAT = "fp4_dist.manifest/1"
+MANIFEST = "fp4_dist_manifest.json"
+FORMAT = "fp4_dist_manifest/1"
 HASH = "xxh3_64"
 CHUNK_BYTES = 4 << 20
 """4 MiB: a 1 GB shard has 239 digests (4 KB of JSON), and a mismatch is placed within 4 MiB of the bad byte."""

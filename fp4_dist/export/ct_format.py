@@ -13,7 +13,7 @@ tensor keeps its name and dtype. fp4_dist also writes each NVFP4 weight's fp32 a
 metadata (``fp4_dist.amax``: {name: float.hex}), which loaders ignore and `read_checkpoint` uses to give back the
 same amax bytes.
 
-The folder also holds ``fp4_dist.manifest.json`` (a digest of every file, `fp4_dist.checkpoint.manifest`), which
+The folder also holds ``fp4_dist_manifest.json`` (a digest of every file, `fp4_dist.checkpoint.manifest`), which
 loaders ignore and `read_checkpoint` checks before it reads a tensor.
 """
 
