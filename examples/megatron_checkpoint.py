@@ -24,7 +24,9 @@ An iteration's folder is written whole into a temporary folder beside it and the
 at any instant of a save leaves every complete checkpoint as it was, also one of the same iteration being written
 again (a load reads the earlier version while a rename is under way). A save refuses an iteration folder holding
 files of anything else, since it replaces the folder whole, and names the temporary folders of killed saves that
-it could not delete.
+it could not delete. The folder holds a manifest (``fp4_dist_manifest.json``: a digest of every file, each hashed by
+the rank that wrote it), and a load checks every file against it before it reads one; the first save takes the
+``--save`` folder's lock (`fp4_dist.checkpoint.lock`), so a second job saving there is refused.
 
 The fp32 masters are the source of truth. Loading restores them and then re-casts every NVFP4 weight from
 them and all-gathers (the same path as an optimizer step), so the bytes equal those of the run that saved;
@@ -44,7 +46,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fp4_dist.checkpoint import atomic
+from fp4_dist.checkpoint import atomic, lock_root, manifest
 from fp4_dist.tensor import is_nvfp4_tensor
 from fp4_dist.compare import bytes_mismatch
 from fp4_dist.checkpoint.safe_load import load_checkpoint_file
@@ -132,6 +134,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, run_
     """
     from megatron.core import parallel_state
 
+    lock_root(root)  # at the first save; the entry point takes it at start-up already
     rank = dist.get_rank()
     folder = iteration_dir(root, iteration)
     # Every writer writes into rank 0's temporary folder; rank 0 renames it into place once all have. The folder
@@ -164,9 +167,12 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, run_
                   "scheduler": scheduler.state_dict()}
         _save(common, tmp / "common.pt")
         _save({"world_size": len(rng), "states": rng}, tmp / "rng.pt")
-    dist.barrier()
+    # Each writer hashes its own files (still in its page cache; on another host rank 0 would read them remotely).
+    written = [slices / name for name in sorted(_SLICE_FILES)] if writes_slices else []
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, {p.relative_to(tmp).as_posix(): manifest.file_digest(p) for p in written})
     if rank == 0:  # after every rank wrote: a process killed mid-save leaves the previous checkpoints as they were
-        atomic.swap_in(tmp, folder)
+        atomic.swap_in(tmp, folder, digests={k: v for d in digests for k, v in d.items()})
         atomic.write_file_atomically(Path(root) / LATEST, str(iteration))
         _warn_leftovers(Path(root))
     dist.barrier()
@@ -174,7 +180,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, run_
 
 
 _SLICE_FILES = {"model.pt", "distrib_optim.pt"}  # per tensor-parallel rank
-_FILES = _SLICE_FILES | {"common.pt", "rng.pt"}
+_FILES = _SLICE_FILES | {"common.pt", "rng.pt", manifest.MANIFEST}
 
 
 def _foreign(folder: Path) -> list[str]:
@@ -221,8 +227,14 @@ def _save(obj, path: Path) -> None:
     atomic.fsync_file(path)
 
 
-def load_checkpoint(root: str, model, optimizer, scheduler, run_config: dict, *, trusted: bool = False) -> int:
+def load_checkpoint(root: str, model, optimizer, scheduler, run_config: dict, *, trusted: bool = False,
+                    verify: bool = True) -> int:
     """Restore the latest checkpoint under ``root`` (collective); returns its iteration.
+
+    Every file of the iteration folder is first checked against its manifest, each rank a share of them
+    (`fp4_dist.checkpoint.manifest`; ``verify=False`` skips it): a damaged one raises DamagedCheckpointError on
+    every rank, naming it and its first bad offset, before any file is read. A checkpoint written before manifests
+    loads with a one-line note that it is unverified.
 
     ``common.pt``, ``rng.pt`` and ``model.pt`` are read weights-only, before anything is restored: they may hold
     tensors, numbers, strings and containers, and ``rng.pt`` NumPy's RNG state (`NUMPY_RNG_GLOBALS`);
@@ -231,7 +243,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler, run_config: dict, *,
     made or whose source you trust.
 
     Raises:
-        FileNotFoundError if there is none; UnsafeCheckpointError (a ValueError) naming the file and what it asked
+        FileNotFoundError if there is none; DamagedCheckpointError (a ValueError) naming a damaged file;
+        UnsafeCheckpointError (a ValueError) naming the file and what it asked
         for when one holds anything else; ValueError if the model configuration differs from the one saved or the
         re-cast weights do not reproduce the saved ones.
     """
@@ -239,6 +252,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler, run_config: dict, *,
     if iteration is None:
         raise FileNotFoundError(f"--load {root}: no {LATEST} there; nothing to resume")
     folder = atomic.resolve(iteration_dir(root, iteration))
+    if verify:
+        manifest.verify_folder_collective(folder)
     common = load_checkpoint_file(folder / "common.pt", trusted=trusted)
     saved_config = {**SAVED_BEFORE, **common["config"]}
     if "tensor_model_parallel_size" not in common["config"] and run_config.get("tensor_model_parallel_size", 1) != 1:

@@ -112,6 +112,12 @@ def add_fp4_dist_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help="unpickle --load's files in full, which runs any code stored in them: only for a "
                             "checkpoint you made or whose source you trust (default: read weights-only, and refuse a "
                             "file that holds anything but tensors, plain values and NumPy's RNG state)")
+    group.add_argument("--no-verify", action="store_true",
+                       help="load --load's files without checking them against the manifest written with them "
+                            "(default: a file whose bytes differ from its digest is refused, naming it)")
+    group.add_argument("--take-over-lock", action="store_true",
+                       help="take --save's lock even when it names a job of another host (default: refused, since "
+                            "whether that job still saves there cannot be seen from here)")
     return parser
 
 
@@ -674,11 +680,15 @@ def setup(argv: Optional[Sequence[str]] = None) -> Session:
         # after every step, so the scales use the whole weight's amax from the first forward on.
         recast_model_params(model, optimizer)
     session = Session(args, device, model, optimizer, scheduler)
+    if args.save:  # one job per --save folder: a second one is refused here, before it trains a step
+        from fp4_dist.checkpoint import lock_root
+
+        lock_root(args.save, take_over_other_host=args.take_over_lock)
     if args.load:
         from .megatron_checkpoint import load_checkpoint
 
         session.start_iteration = load_checkpoint(args.load, model, optimizer, scheduler, _run_config(args),
-                                                  trusted=args.trust_checkpoint)
+                                                  trusted=args.trust_checkpoint, verify=not args.no_verify)
         if dist.get_rank() == 0:
             print(f"resumed from {args.load} at iteration {session.start_iteration}", flush=True)
     return session

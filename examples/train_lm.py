@@ -26,7 +26,8 @@ import torch
 import fp4_dist
 from examples.model import TinyLMConfig, build_model
 from fp4_dist.launch import init_distributed, launch_rank, shutdown
-from fp4_dist.checkpoint import latest_complete_checkpoint, step_folder
+from fp4_dist.checkpoint import (DamagedCheckpointError, RootLockedError, latest_complete_checkpoint, lock_root,
+                                 release_root, step_folder)
 from fp4_dist.optim import Zero1Config, Zero1Optimizer, load_checkpoint, save_checkpoint
 from fp4_dist.cast import CommStats
 from fp4_dist.cast.collectives import all_reduce_sum_
@@ -90,6 +91,12 @@ def parse_args(argv=None):
     ap.add_argument("--save", type=Path, default=None,
                     help="checkpoint folder: a checkpoint every --save-every steps (DIR/step_<n>, committed whole), "
                          "and a run started again resumes from the newest complete one, bit for bit")
+    ap.add_argument("--no-verify", action="store_true",
+                    help="resume without checking the checkpoint's files against the manifest written with them "
+                         "(default: a file whose bytes differ from its digest is refused, naming it)")
+    ap.add_argument("--take-over-lock", action="store_true",
+                    help="take the --save folder's lock even when it names a job of another host (default: refused, "
+                         "since whether that job still saves there cannot be seen from here)")
     ap.add_argument("--save-every", type=_at_least(1), default=None,
                     help=f"steps between checkpoints (with --save; {SAVE_EVERY} when not given)")
     ap.add_argument("--fp4-compute", choices=MODES, default=DEFAULT,
@@ -99,6 +106,8 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.save_every is not None and args.save is None:
         ap.error("--save-every needs --save DIR (the folder the checkpoints go to)")
+    if args.take_over_lock and args.save is None:
+        ap.error("--take-over-lock needs --save DIR (the folder whose lock it takes)")
     args.save_every = args.save_every or SAVE_EVERY
     args.data, args.save = _callers(args.data), _callers(args.save) if args.save is not None else None
     if not args.data.is_file():
@@ -228,6 +237,11 @@ def main(argv=None) -> int:
         f"launcher {info.launcher}")
     say(f"model: {n_params:,} parameters ({sum(p.numel() for p in opt.nvfp4_params):,} in {n_nvfp4} NVFP4 "
         f"weights, GEMMs in {args.fp4_compute}), vocab {len(vocab)}, {len(tokens):,} characters of text")
+    if args.save is not None:  # one job per --save folder: a second one stops here, on every rank, before a step
+        try:
+            lock_root(args.save, take_over_other_host=args.take_over_lock)
+        except RootLockedError as e:
+            raise SystemExit(f"train_lm: rank {info.rank}: --save {args.save}: {e}") from None
     start = resume(args, opt, say)
     val = windows(val_tokens, 32, args.seq, seed=12345).to(info.device)
     say(f"validation loss {'before training' if not start else f'at step {start}'}: {evaluate(model, val):.3f}")
@@ -261,7 +275,10 @@ def main(argv=None) -> int:
                     fp8_copy_bytes(model) or None)  # fmt: skip
     if rank0:
         print("sample:", repr(sample(model, vocab, info.device)))
-    return finish(say, model, opt, info)
+    code = finish(say, model, opt, info)
+    if args.save is not None:
+        release_root(args.save)
+    return code
 
 
 def resume(args, opt: Zero1Optimizer, say) -> int:
@@ -271,7 +288,10 @@ def resume(args, opt: Zero1Optimizer, say) -> int:
     found = latest_complete_checkpoint(args.save) if args.save is not None else None
     if found is None:
         return 0
-    load_checkpoint(opt, found.path)  # refuses another model's checkpoint before loading anything
+    try:  # refuses a damaged file and another model's checkpoint before loading anything
+        load_checkpoint(opt, found.path, verify=not args.no_verify)
+    except DamagedCheckpointError as e:
+        raise SystemExit(f"train_lm: {e}") from None
     # The folder's name gives the step; AdamW's own count says which step the state is of (every weight steps).
     counted = {int(st["step"]) for st in opt.state.values() if "step" in st}
     if counted and counted != {found.step}:

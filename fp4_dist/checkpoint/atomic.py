@@ -3,7 +3,8 @@
 
 A folder is written into a temporary folder beside its target, flushed, and swapped in by renames::
 
-    1. write every file into  <parent>/.<name>.tmp-<host>-<pid>-<token>/   then fsync each file and each folder
+    1. write every file into  <parent>/.<name>.tmp-<host>-<pid>-<token>/   and its manifest (the digest of each
+       file, `fp4_dist.checkpoint.manifest`), then fsync each file and each folder
     2. rename <name>                  -> .<name>.old-<token>     (only when an earlier version is there)
     3. rename .<name>.tmp-...         -> <name>                  fsync <parent>
     4. rename .<name>.old-<token>     -> .<name>.del-<token>     then delete it
@@ -28,7 +29,9 @@ import shutil
 import socket
 import warnings
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Mapping, Optional
+
+from . import manifest
 
 __all__ = ["FolderWrite", "commit_folder", "temporary_folder", "swap_in", "resolve", "recover", "write_file_atomically",
            "fsync_file"]
@@ -195,9 +198,14 @@ def temporary_folder(target, *, foreign: Optional[Callable[[Path], list[str]]] =
     return tmp
 
 
-def swap_in(tmp, target) -> None:
-    """Steps 2-4: flush the written folder `tmp` and make it `target`, deleting the earlier version after."""
+def swap_in(tmp, target, *, digests: Optional[Mapping[str, manifest.FileDigest]] = None) -> None:
+    """The end of step 1 and steps 2-4: write the manifest of the written folder `tmp` (the digests of every file;
+    `digests` gives those of files hashed already, by the ranks that wrote them), flush it all and make it `target`,
+    deleting the earlier version after. The manifest is written inside the commit, so that `target` is never there
+    without it."""
     tmp, target = Path(tmp), Path(target)
+    _step("write", tmp / manifest.MANIFEST)
+    manifest.write_manifest(tmp, digests)
     _plain_permissions(tmp)
     _fsync_tree(tmp)
     old = _side(target, _OLD, tmp.name.rpartition(f".{_TMP}-")[2]) if target.exists() else None
@@ -227,9 +235,13 @@ def commit_folder(target, *, foreign: Optional[Callable[[Path], list[str]]] = No
 
 def write_file_atomically(path, data: bytes | str) -> None:
     """Write one file so that a reader sees the old content or the new one, never a part: a temporary file beside
-    it, fsync, rename over it, fsync of the folder."""
+    it, fsync, rename over it, fsync of the folder. The temporary files of stopped writes to `path` (their writer
+    gone) are deleted first: nothing else would."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    for side in _sides(path, _TMP):
+        if side.is_file() and _writer_gone(side, path):
+            side.unlink(missing_ok=True)
     tmp = _side(path, _TMP, _writer_token())
     raw = data.encode() if isinstance(data, str) else data
     _step("write", tmp)

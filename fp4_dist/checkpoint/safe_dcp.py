@@ -7,6 +7,9 @@ whose metadata unpickler builds only what DCP's metadata is made of (its own dat
 dtypes and layouts, paths), and `SafeLoadPlanner`, which reads the non-tensor entries with torch's weights-only
 unpickler. A checkpoint that asks for anything else is refused with `UnsafeCheckpointError` naming it; ``trusted=True``
 loads as DCP does.
+
+Before either, the folder's files are checked against its manifest (`fp4_dist.checkpoint.manifest`), each rank a
+share of them: a damaged file is refused on every rank, naming it, before anything is read or loaded.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from .manifest import verify_folder_collective
 from .safe_load import TRUST_REMEDY, UnsafeCheckpointError, refused_name
 
 __all__ = ["load_distributed_checkpoint", "SafeReader", "SafeLoadPlanner"]
@@ -93,10 +97,13 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 def load_distributed_checkpoint(state_dict: dict, path, *, trusted: bool = False,
                                 planner: Optional[DefaultLoadPlanner] = None,
-                                checked: Optional[SafeReader] = None) -> None:  # fmt: skip
+                                checked: Optional[SafeReader] = None, verify: bool = True) -> None:  # fmt: skip
     """``dcp.load(state_dict, checkpoint_id=path)`` without running code stored in the checkpoint (module
-    docstring; collective, as dcp.load is). `trusted`: load as DCP does, unpickling in full. `checked`: a
-    `SafeReader` of `path` whose metadata the caller has read already (that read was the check). Raises
+    docstring; collective, as dcp.load is), after checking its files against its manifest. `verify=False` skips
+    that check (a folder without a manifest loads with a note either way); DamagedCheckpointError (a ValueError)
+    names the first damaged file and offset, on every rank, before anything is loaded. `trusted`: load as DCP
+    does, unpickling in full. `checked`: a `SafeReader` of `path` whose metadata the caller has read already (that
+    read was the check; the caller verifies the files before it). Raises
     UnsafeCheckpointError, naming the file or the entry and what it asked for: for a crafted metadata file before
     anything is loaded, for an entry when its turn comes (entries loaded before it stay loaded). `planner`: a
     `SafeLoadPlanner` (it takes DefaultLoadPlanner's arguments, e.g. ``allow_partial_load=True``); another planner
@@ -106,6 +113,8 @@ def load_distributed_checkpoint(state_dict: dict, path, *, trusted: bool = False
                         "entries with torch.load(weights_only=False), which runs code stored in them; pass a "
                         "SafeLoadPlanner with the same arguments (e.g. SafeLoadPlanner(allow_partial_load=True)), or "
                         "trusted=True for a checkpoint you made")
+    if verify and checked is None:
+        verify_folder_collective(path)
     if trusted:
         dcp.load(state_dict, checkpoint_id=path, planner=planner)
         return

@@ -11,6 +11,11 @@ still looks complete. `save` therefore writes into a temporary folder beside the
 place once DCP returns on every rank (`fp4_dist.checkpoint.atomic.swap_in`): the target holds the earlier checkpoint
 or the new one at every instant. `latest_complete_checkpoint` takes the newest ``step_*`` folder that holds
 ``.metadata`` and names the ones it skipped.
+
+Each rank hashes the files it wrote (DCP names them ``__<rank>_<n>.distcp``) while they are in its page cache, and
+rank 0 writes the folder's manifest from those digests and its own before the rename
+(`fp4_dist.checkpoint.manifest`), so no rank reads another host's files. The first save takes the root's lock
+(`fp4_dist.checkpoint.lock`): one job writes into a root.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from . import atomic
+from . import atomic, manifest
+from .lock import lock_root
 
 __all__ = ["StepCheckpoint", "step_folder", "save", "latest_complete_checkpoint"]
 
@@ -52,13 +58,15 @@ def step_folder(root, step: int) -> Path:
     return Path(root) / f"step_{step:0{_DIGITS}d}"
 
 
-def save(state_dict: dict[str, Any], path, *, process_group=None) -> Path:
-    """``torch.distributed.checkpoint.save(state_dict, checkpoint_id=path)`` committed whole (collective: every
-    rank of `process_group` calls). DCP writes into a temporary folder beside `path` that rank 0 names; once
-    ``dcp.save`` returns (every rank has written), rank 0 renames it to `path`, replacing an earlier checkpoint
-    there whole, and every rank returns after that. A job killed at any point leaves at `path` the earlier
-    checkpoint (or none) or this one, never a part; what it leaves beside `path` is never read, and the next save
-    to `path` deletes it.
+def save(state_dict: dict[str, Any], path, *, process_group=None, take_over_other_host: bool = False) -> Path:
+    """``torch.distributed.checkpoint.save(state_dict, checkpoint_id=path)`` committed whole, with a manifest of
+    its files (collective: every rank of `process_group` calls). The first save into a root (`path`'s parent)
+    takes the root's lock (`fp4_dist.checkpoint.lock.lock_root`; `take_over_other_host` as there): another job
+    holding it raises RootLockedError on every rank before anything is written. DCP writes into a temporary folder
+    beside `path` that rank 0 names; once ``dcp.save`` returns (every rank has written), rank 0 writes the manifest
+    and renames the folder to `path`, replacing an earlier checkpoint there whole, and every rank returns after
+    that. A job killed at any point leaves at `path` the earlier checkpoint (or none) or this one, never a part;
+    what it leaves beside `path` is never read, and the next job to lock the root deletes it.
 
     Returns:
         `path` as a Path.
@@ -66,6 +74,7 @@ def save(state_dict: dict[str, Any], path, *, process_group=None) -> Path:
     import torch.distributed.checkpoint as dcp
 
     path = Path(path)
+    lock_root(path.parent, take_over_other_host=take_over_other_host, process_group=process_group)
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank(process_group) if distributed else 0
     box = [str(atomic.temporary_folder(path)) if rank == 0 else None]
@@ -74,8 +83,13 @@ def save(state_dict: dict[str, Any], path, *, process_group=None) -> Path:
                                    group=process_group)  # fmt: skip
     tmp = Path(box[0])
     dcp.save(state_dict, checkpoint_id=tmp, process_group=process_group)
+    mine = {p.name: manifest.file_digest(p) for p in sorted(tmp.glob(f"__{rank}_*"))}
+    digests = [mine]
+    if distributed:
+        digests = [None] * dist.get_world_size(process_group)
+        dist.all_gather_object(digests, mine, group=process_group)
     if rank == 0:  # DCP's save ends when rank 0 has every rank's write results and has written .metadata
-        atomic.swap_in(tmp, path)
+        atomic.swap_in(tmp, path, digests={k: v for d in digests for k, v in d.items()})
     if distributed:
         dist.barrier(group=process_group)  # no rank goes on (and reads `path`) before it is in place
     return path

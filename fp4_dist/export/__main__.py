@@ -1,4 +1,5 @@
 """python -m fp4_dist.export megatron SAVE_DIR OUT_DIR [--iteration N] [--max-shard-bytes B] [--trust-checkpoint]
+                                   [--no-verify]
 
 Export the NVFP4 weights of a Megatron checkpoint (written with --save SAVE_DIR --ckpt-format torch by a run through
 fp4_dist.megatron.run or the example trainer) as a compressed-tensors checkpoint folder that vLLM serves and
@@ -32,10 +33,14 @@ def main(argv=None) -> int:
                      help="unpickle the checkpoint in full, which runs any code stored in it: only for a checkpoint "
                      "you made or whose source you trust (default: read weights-only, and refuse a file that holds "
                      "anything but tensors, NVFP4 weights and what Megatron's own loader allows)")
+    meg.add_argument("--no-verify", action="store_true",
+                     help="read the checkpoint without checking its files against its manifest (default: a file "
+                     "whose bytes differ from the digest written with it is refused, naming it)")
     args = p.parse_args(argv)
     try:
         report = export_megatron_checkpoint(args.save_dir, args.out_dir, iteration=args.iteration,
-                                            max_shard_bytes=args.max_shard_bytes, trusted=args.trust_checkpoint)
+                                            max_shard_bytes=args.max_shard_bytes, trusted=args.trust_checkpoint,
+                                            verify=not args.no_verify)
     except (ValueError, FileNotFoundError) as e:  # refusals (UnsafeCheckpointError among them) and missing folders
         p.exit(1, f"python -m fp4_dist.export: {e}\n")
     print(report)

@@ -12,6 +12,9 @@ files (one ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` shards
 tensor keeps its name and dtype. fp4_dist also writes each NVFP4 weight's fp32 amax into the safetensors
 metadata (``fp4_dist.amax``: {name: float.hex}), which loaders ignore and `read_checkpoint` uses to give back the
 same amax bytes.
+
+The folder also holds ``fp4_dist_manifest.json`` (a digest of every file, `fp4_dist.checkpoint.manifest`), which
+loaders ignore and `read_checkpoint` checks before it reads a tensor.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Iterator, Mapping, Optional
 import torch
 
 from ..checkpoint import atomic
+from ..checkpoint.manifest import MANIFEST, DamagedCheckpointError, verify_folder
 from ..format import TILE, ceil_div
 
 FORMAT = "nvfp4-pack-quantized"
@@ -148,7 +152,7 @@ def save_safetensors(st, tensors: Mapping[str, torch.Tensor], path: Path, metada
 def foreign_files(folder: Path) -> list[str]:
     """Entries of `folder` that no export writes (an export replaces the whole folder, so it refuses these)."""
     side_dir = SIDE_FILE.split("/")[0]
-    ours = {SINGLE_FILE, INDEX_FILE, CONFIG_FILE}
+    ours = {SINGLE_FILE, INDEX_FILE, CONFIG_FILE, MANIFEST}
     found = []
     for p in sorted(folder.iterdir()):
         if p.name == side_dir and p.is_dir():
@@ -181,10 +185,6 @@ def _shards(tensors: Mapping[str, torch.Tensor], limit: int) -> Iterator[dict]:
         yield shard
 
 
-class DamagedCheckpointError(ValueError):
-    """A checkpoint file that is missing, truncated or corrupt; the message names the file, and nothing was loaded."""
-
-
 def _read_file(path: Path, read):
     """`read(path)`, with any failure to read a checkpoint file (safetensors' header and size errors, bad JSON, an
     unreadable file) raised as `DamagedCheckpointError` naming the file."""
@@ -210,15 +210,20 @@ def _read_shard(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     return _require_safetensors().load_file(str(path)), amaxes
 
 
-def read_checkpoint(folder) -> tuple[dict[str, torch.Tensor], dict[str, float], dict]:
+def read_checkpoint(folder, *, verify: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, float], dict]:
     """(tensors by name, fp4_dist amaxes by weight name (empty for other writers), config.json as a dict).
 
     Raises FileNotFoundError when the folder holds no checkpoint or its index names a shard that is not there, and
-    `DamagedCheckpointError` naming a file that cannot be read; every file is read before anything is returned.
+    `DamagedCheckpointError` naming a file that cannot be read, or (unless `verify` is False) whose bytes differ
+    from the folder's manifest, with the first bad offset; every file is checked and read before anything is
+    returned. A folder without a manifest (another writer's, or an export from before manifests) is read with a
+    one-line note that it is unverified.
     A folder missing because an export into it was stopped mid-commit is read from its complete earlier version
     (`fp4_dist.checkpoint.atomic.resolve`, with a warning)."""
     _require_safetensors()
     folder = atomic.resolve(folder)
+    if verify and folder.is_dir():
+        verify_folder(folder)
     files = _checkpoint_files(folder)
     index = folder / INDEX_FILE
     if index.is_file():

@@ -46,7 +46,7 @@ class LoadReport:
     """Checkpoint tensors the model has no place for."""
 
 
-def load_compressed_tensors(model: nn.Module, folder, *, strict: bool = True) -> LoadReport:
+def load_compressed_tensors(model: nn.Module, folder, *, strict: bool = True, verify: bool = True) -> LoadReport:
     """Set `model`'s weights from a compressed-tensors NVFP4 checkpoint folder, in place.
 
     Packed weights become NVFP4 parameters with the stored bytes (a plain nn.Linear becomes an `NVFP4Linear`, as
@@ -57,12 +57,16 @@ def load_compressed_tensors(model: nn.Module, folder, *, strict: bool = True) ->
     Args:
         strict: raise KeyError when a model tensor is missing from the checkpoint or a checkpoint tensor has no
             place in the model (as `load_state_dict`); False lists them in the report.
+        verify: check every file against the folder's manifest first (`fp4_dist.checkpoint.manifest`); False
+            skips the check.
     Raises:
+        DamagedCheckpointError (a ValueError) naming the file and its first bad offset, when a file's bytes differ
+        from the manifest; nothing is changed then.
         ValueError naming the weight and tile when a weight's scales are not constant within a 16x16 tile, or
         its shape differs from the model's; nothing is changed then.
     """
     folder = atomic.resolve(folder)
-    tensors, amaxes, config = ct_format.read_checkpoint(folder)
+    tensors, amaxes, config = ct_format.read_checkpoint(folder, verify=verify)
     ct_format.check_format(config, folder)
     report = LoadReport()
     staged = {}

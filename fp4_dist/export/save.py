@@ -24,6 +24,7 @@ from ..convert import weight_owners
 from ..kernels import reference
 from ..megatron.safe_globals import megatron_checkpoint_globals
 from ..checkpoint import atomic
+from ..checkpoint.manifest import verify_folder
 from ..checkpoint.safe_load import load_checkpoint_file
 from ..cast.collectives import in_distributed_job, rank_and_size
 from ..quantize import quantize
@@ -141,7 +142,7 @@ def export_compressed_tensors(model: nn.Module, out_dir, *, config: Any = None,
 
 def export_megatron_checkpoint(save_dir, out_dir, *, iteration: Optional[int] = None,
                                max_shard_bytes: int = ct_format.DEFAULT_SHARD_BYTES,
-                               trusted: bool = False) -> ExportReport:  # fmt: skip
+                               trusted: bool = False, verify: bool = True) -> ExportReport:  # fmt: skip
     """Export the weights of a Megatron checkpoint with NVFP4 weights under Megatron's parameter names
     (``decoder.layers.0.self_attention.linear_qkv.weight_packed``, ...): its fused linear_qkv and linear_fc1 each
     hold one amax, so one global scale. No architecture mapping is applied; the config.json holds only the
@@ -161,11 +162,16 @@ def export_megatron_checkpoint(save_dir, out_dir, *, iteration: Optional[int] = 
         iteration: which iteration of `save_dir` (default: the latest).
         trusted: unpickle the checkpoint in full, which runs any code it holds: only for a checkpoint you made
             or whose source you trust.
+        verify: check the iteration folder's files against its manifest before reading them (the example
+            trainer's checkpoints have one; Megatron's own format has none and is read with a note); False skips it.
     Raises:
         UnsafeCheckpointError (a ValueError) naming the file and what it asked for, when the checkpoint holds
-        anything else; nothing is written then.
+        anything else; DamagedCheckpointError (a ValueError) naming a file whose bytes differ from the manifest;
+        nothing is written then.
     """
     folder = _megatron_iteration_dir(Path(save_dir), iteration)
+    if verify:
+        verify_folder(folder)
     entries = _megatron_entries(folder, trusted)
     report = ExportReport(str(out_dir))
     tensors, amaxes, _ = _encode(entries, set(), report)

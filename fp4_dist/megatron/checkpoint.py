@@ -1,8 +1,10 @@
-"""Checkpoint rows: the distributed optimizer's own checkpoint loads with the torch.optim fallback (no apex/TE), and
-megatron-core's checkpoint code stopping a run with a failing exit status."""
+"""Checkpoint rows: the distributed optimizer's own checkpoint loads with the torch.optim fallback (no apex/TE),
+megatron-core's checkpoint code stopping a run with a failing exit status, and its tracker file written atomically."""
 
 from __future__ import annotations
 
+import io
+import os
 import sys
 
 import torch
@@ -39,6 +41,52 @@ def failing_checkpoint_exits() -> None:
 
     if not isinstance(checkpointing.sys, _FailingExit):
         checkpointing.sys = _FailingExit()
+
+class _AtomicTracker:
+    """Stands for `maybe_msc` inside megatron.training.checkpointing: everything is its own, but opening the tracker
+    file (latest_checkpointed_iteration.txt) for writing gives a buffer committed on close by
+    `fp4_dist.checkpoint.atomic.write_file_atomically` (temporary file, fsync, rename, fsync of the folder). Upstream
+    truncates and rewrites it in place, unflushed: a kill between the two leaves it empty, and the loss of the
+    machine can leave it naming an iteration whose files never reached the disk."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def open(self, path, mode="r", *args, **kwargs):
+        from megatron.core.msc_utils import MultiStorageClientFeature
+
+        if "w" in mode and os.path.basename(str(path)) == TRACKER and not MultiStorageClientFeature.is_enabled():
+            return _CommittedOnClose(str(path))
+        return self._inner.open(path, mode, *args, **kwargs)
+
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+class _CommittedOnClose(io.StringIO):
+    def __init__(self, path: str):
+        super().__init__()
+        self.path = path
+
+    def close(self):
+        if not self.closed:
+            from ..checkpoint import atomic
+
+            text = self.getvalue()
+            super().close()
+            atomic.write_file_atomically(self.path, text)
+
+
+def atomic_tracker_file() -> None:
+    """Make megatron-core's checkpoint code write its tracker file atomically and flushed (idempotent)."""
+    from megatron.training import checkpointing
+
+    if not isinstance(checkpointing.maybe_msc, _AtomicTracker):
+        checkpointing.maybe_msc = _AtomicTracker(checkpointing.maybe_msc)
+
 
 def make_set_states(original):
     def _set_main_param_and_optimizer_states(self, model_param, tensors):

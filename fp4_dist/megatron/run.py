@@ -235,6 +235,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     enable(options=AdapterOptions.from_args(opts))
     checkpoint.failing_checkpoint_exits()
+    checkpoint.atomic_tracker_file()
     sys.argv = [script, *opts.script_args, *added]
     runpy.run_path(script, run_name="__main__")
     launch.shutdown()  # not after an error: its barrier would wait for ranks that may never come

@@ -36,7 +36,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import atomic, safe_dcp, steps as checkpoint
+from ..checkpoint import atomic, manifest, safe_dcp, steps as checkpoint
 from ..cast.collectives import in_distributed_job
 
 try:
@@ -266,14 +266,18 @@ def save_checkpoint(opt, path) -> None:
     checkpoint.save({"optimizer": sharded_state_dict(opt)}, path)
 
 
-def load_checkpoint(opt, path, *, trusted: bool = False) -> None:
-    """Load a `save_checkpoint` (or DCP) checkpoint saved at any world size into ``opt`` (collective): builds
-    the per-element optimizer state the checkpoint holds (an optimizer that has not stepped has none yet) from
-    the checkpoint's metadata, loads, and restores as `load_sharded_state_dict`. Nothing stored in the checkpoint
-    runs (`fp4_dist.checkpoint.safe_dcp`; `trusted=True` unpickles in full, as dcp.load does)."""
+def load_checkpoint(opt, path, *, trusted: bool = False, verify: bool = True) -> None:
+    """Load a `save_checkpoint` (or DCP) checkpoint saved at any world size into ``opt`` (collective): checks its
+    files against its manifest (`fp4_dist.checkpoint.manifest`; `verify=False` skips it), builds the per-element
+    optimizer state the checkpoint holds (an optimizer that has not stepped has none yet) from the checkpoint's
+    metadata, loads, and restores as `load_sharded_state_dict`. Nothing stored in the checkpoint runs
+    (`fp4_dist.checkpoint.safe_dcp`; `trusted=True` unpickles in full, as dcp.load does). A damaged file raises
+    DamagedCheckpointError on every rank, naming it, before anything is read into ``opt``."""
     import torch.distributed.checkpoint as dcp
 
     path = atomic.resolve(path)
+    if verify:
+        manifest.verify_folder_collective(path)
     materialize_fresh_state(opt)
     reader = dcp.FileSystemReader(path) if trusted else safe_dcp.SafeReader(path)
     meta = reader.read_metadata().state_dict_metadata
@@ -298,5 +302,6 @@ def load_checkpoint(opt, path, *, trusted: bool = False) -> None:
             st[key] = torch.zeros(piece.shape if shape == (opt.params[int(index)].numel(),) else shape,
                                   dtype=dtype, device=piece.device)  # fmt: skip
     sd = {"optimizer": sharded_state_dict(opt)}
-    safe_dcp.load_distributed_checkpoint(sd, path, trusted=trusted, checked=None if trusted else reader)
+    safe_dcp.load_distributed_checkpoint(sd, path, trusted=trusted, checked=None if trusted else reader,
+                                         verify=False)  # verified above, before the metadata was read
     load_sharded_state_dict(opt, sd["optimizer"])

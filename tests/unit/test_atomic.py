@@ -9,7 +9,7 @@ import socket
 import warnings
 from pathlib import Path
 
-from fp4_dist.checkpoint import atomic
+from fp4_dist.checkpoint import atomic, manifest
 
 from .killed_writer import die_at
 
@@ -31,7 +31,11 @@ def folder(path: Path, text: str) -> None:
 
 
 def read(path: Path) -> dict:
-    return {str(p.relative_to(path)): p.read_text() for p in sorted(path.rglob("*")) if p.is_file()}
+    """The folder's files but its manifest, which must match them: a committed folder is whole with it."""
+    if path.is_dir():
+        assert manifest.verify_folder(path)
+    return {str(p.relative_to(path)): p.read_text() for p in sorted(path.rglob("*"))
+            if p.is_file() and p.name != manifest.MANIFEST}  # fmt: skip
 
 
 def test_a_folder_committed_by_a_killed_process_is_the_old_or_the_new_one(tmp_path):
@@ -76,4 +80,4 @@ def test_a_committed_folder_gives_its_files_the_umasks_permissions(tmp_path):
     finally:
         os.umask(old)
     modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "export").rglob("*") if p.is_file()}
-    assert modes == {"model.safetensors": 0o644, "config.json": 0o644}, modes
+    assert modes == {"model.safetensors": 0o644, "config.json": 0o644, manifest.MANIFEST: 0o644}, modes

@@ -13,6 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from fp4_dist.checkpoint import latest_complete_checkpoint, save, step_folder
+from fp4_dist.checkpoint.lock import LOCK
 
 from .killed_writer import die_at
 
@@ -66,5 +67,5 @@ def test_a_save_killed_at_any_point_leaves_the_earlier_checkpoint_or_the_new_one
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             save(state(1.0), path)  # back to the earlier one (and what the kill left is cleaned up)
-        assert sorted(os.listdir(tmp_path)) == ["step_00000010"]
+        assert sorted(os.listdir(tmp_path)) == [LOCK, "step_00000010"]  # the lock: this process saves there
     assert seen[0] == 1.0 and seen[-1] == 2.0 and set(seen) == {1.0, 2.0}, seen

@@ -15,6 +15,7 @@ import fp4_dist
 from fp4_dist.export import (VLLM_FUSED, choose_global_scale, export_compressed_tensors, export_megatron_checkpoint,
                              load_compressed_tensors)  # fmt: skip
 from fp4_dist.export import ct_format
+from fp4_dist.checkpoint.manifest import MANIFEST
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
@@ -162,6 +163,7 @@ def test_another_writers_checkpoint_gets_an_amax_that_decodes_alike(tmp_path):
     export_compressed_tensors(model, tmp_path)
     f = tmp_path / "model.safetensors"
     save_file(load_file(str(f)), str(f), metadata={"format": "pt"})  # no fp4_dist metadata
+    (tmp_path / MANIFEST).unlink()  # nor a manifest: another writer's folder
     fresh = AutoModelForCausalLM.from_config(llama_config(), dtype=torch.bfloat16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -187,6 +189,7 @@ def test_tile_inconsistent_scales_are_refused_naming_weight_and_tile(tmp_path):
     s[37, 2] = s[37, 2] ^ 1  # row 37 is in row band 2
     tensors[key] = s.view(torch.float8_e4m3fn)
     save_file(tensors, str(f), metadata={"format": "pt"})
+    (tmp_path / MANIFEST).unlink()  # another writer's folder: no manifest
     fresh = llama(seed=6)
     before = {n: p.rowwise_data.clone() for n, p in nvfp4_params(fresh).items()}
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight: its scales are not constant "
