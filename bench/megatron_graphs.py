@@ -1,7 +1,7 @@
 """Step time and peak memory of Megatron's own training loop with CUDA graphs, per compute mode, on one GPU.
 
     python bench/megatron_graphs.py [--graphs full_iteration] [--rounds 3] [--iters 16] [--shape llama|tiny]
-        [--modes bf16,lean,kept,fp8] [--out bench/out/graphs]
+        [--modes bf16,lean,kept,fp8] [--out DIR]
 
 One process per run (`examples/pretrain_gpt.py` through ``python -m fp4_dist.megatron.run``), the modes taking turns
 (bf16, lean, kept, fp8, then again, --rounds times), so a slowdown that lasts a run lands on one mode only:

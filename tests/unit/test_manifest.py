@@ -91,7 +91,7 @@ def test_a_flipped_byte_in_an_exports_safetensors_is_refused_and_nothing_is_load
 
 
 def test_a_flipped_byte_in_an_example_trainer_file_is_refused_before_any_file_is_read(tmp_path):
-    # The iteration folder as examples/megatron_checkpoint.save_checkpoint commits it (its files, then swap_in).
+    # The iteration folder as `save_checkpoint` of examples/megatron_checkpoint.py commits it (its files, then swap_in).
     folder = iteration_dir(str(tmp_path), 10)
     tmp = atomic.temporary_folder(folder)
     torch.save({"iteration": 10, "config": {"seed": 7}, "optimizer": {}, "scheduler": {}}, tmp / "common.pt")
