@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch.nn.utils import parametrize
 
 from fp4_dist.checkpoint import atomic
+from fp4_dist.checkpoint import options as checkpoint_options
 from fp4_dist.launch import export_mpi_env, shutdown
 from fp4_dist.megatron import adapter, defaults
 from fp4_dist.megatron.defaults import Default
@@ -112,12 +113,7 @@ def add_fp4_dist_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help="unpickle --load's files in full, which runs any code stored in them: only for a "
                             "checkpoint you made or whose source you trust (default: read weights-only, and refuse a "
                             "file that holds anything but tensors, plain values and NumPy's RNG state)")
-    group.add_argument("--no-verify", action="store_true",
-                       help="load --load's files without checking them against the manifest written with them "
-                            "(default: a file whose bytes differ from its digest is refused, naming it)")
-    group.add_argument("--take-over-lock", action="store_true",
-                       help="take --save's lock even when it names a job of another host (default: refused, since "
-                            "whether that job still saves there cannot be seen from here)")
+    checkpoint_options.add_arguments(group)
     return parser
 
 

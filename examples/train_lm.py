@@ -28,6 +28,7 @@ from examples.model import TinyLMConfig, build_model
 from fp4_dist.launch import init_distributed, launch_rank, shutdown
 from fp4_dist.checkpoint import (DamagedCheckpointError, RootLockedError, latest_complete_checkpoint, lock_root,
                                  release_root, step_folder)
+from fp4_dist.checkpoint import options as checkpoint_options
 from fp4_dist.optim import Zero1Config, Zero1Optimizer, load_checkpoint, save_checkpoint
 from fp4_dist.cast import CommStats
 from fp4_dist.cast.collectives import all_reduce_sum_
@@ -91,12 +92,7 @@ def parse_args(argv=None):
     ap.add_argument("--save", type=Path, default=None,
                     help="checkpoint folder: a checkpoint every --save-every steps (DIR/step_<n>, committed whole), "
                          "and a run started again resumes from the newest complete one, bit for bit")
-    ap.add_argument("--no-verify", action="store_true",
-                    help="resume without checking the checkpoint's files against the manifest written with them "
-                         "(default: a file whose bytes differ from its digest is refused, naming it)")
-    ap.add_argument("--take-over-lock", action="store_true",
-                    help="take the --save folder's lock even when it names a job of another host (default: refused, "
-                         "since whether that job still saves there cannot be seen from here)")
+    checkpoint_options.add_arguments(ap)
     ap.add_argument("--save-every", type=_at_least(1), default=None,
                     help=f"steps between checkpoints (with --save; {SAVE_EVERY} when not given)")
     ap.add_argument("--fp4-compute", choices=MODES, default=DEFAULT,

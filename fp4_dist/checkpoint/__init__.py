@@ -10,6 +10,8 @@
                   (`save`, `step_folder`), and the newest complete one found on restart (`latest_complete_checkpoint`)
     safe_load.py  the one reader of ``.pt`` files: weights-only, with an allow-list per kind of file
                   (`load_checkpoint_file`, `UnsafeCheckpointError`)
+    options.py    the command-line options of a trainer that loads and saves through this package (``--no-verify``,
+                  ``--take-over-lock``)
     safe_dcp.py   DCP checkpoints loaded without unpickling code: their metadata and non-tensor entries
                   (`load_distributed_checkpoint`, `SafeReader`, `SafeLoadPlanner`)
 """
