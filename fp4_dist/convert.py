@@ -75,6 +75,7 @@ def convert_linear_weights(
     compute_copy: bool = False,
     shared_amax: Sequence[Sequence[str]] = (),
     compute: str = DEFAULT,
+    options=None,
     verbose: bool = False,
 ) -> ConversionReport:
     """Replace every eligible nn.Linear weight (2D, K % 16 == 0) by an NVFP4 parameter, in place.
@@ -110,7 +111,10 @@ def convert_linear_weights(
             GEMMs on Hopper (sm_90) and emulated on the CPU (docs/fp8.md). Only `NVFP4Linear` layers (converted
             plain nn.Linear, now or by an earlier call) compute in FP8; the report names the other linears holding
             NVFP4 weights (subclasses, plain owners of a tied weight), which compute in bf16. The FP8 copies take
-            1 byte per weight beside the packed 0.5 (docs/fp8.md: what else a step holds for a while).
+            1 byte per weight beside the packed 0.5 (docs/fp8.md: what else a step holds for a while). "nvfp4":
+            the NVFP4 training recipe, every GEMM on NVFP4 operands, emulated on the CPU (docs/nvfp4_recipe.md).
+        options: the compute mode's options, an instance of its row's ``options`` type (``compute="nvfp4"``:
+            `fp4_dist.compute.nvfp4.Nvfp4Recipe`, which also names the linears kept in bf16); None: its defaults.
         verbose: print the report.
     Returns:
         ConversionReport naming converted, skipped (with the reason) and tied weights.
@@ -131,6 +135,10 @@ def convert_linear_weights(
             "fully_shard); convert the unsharded model, or shard it with fp4_dist.fsdp.fully_shard_nvfp4, which "
             "converts the linear weights itself")
     mode = mode_named(compute, "convert_linear_weights")
+    if options is not None and (mode.options is None or not isinstance(options, mode.options)):
+        want = f"a {mode.options.__name__}" if mode.options else "None (it has no options)"
+        raise TypeError(f"convert_linear_weights: options for compute={compute!r} must be {want}, got "
+                        f"{type(options).__name__}")
     if compute_copy and not mode.kept_copies:
         raise ValueError(f"convert_linear_weights: compute={compute!r} reads {mode.gemms_read}, never a bf16 "
                          "compute copy: leave compute_copy False")
@@ -174,7 +182,7 @@ def convert_linear_weights(
             w._fp4_dist_replaced_by = f"{name}.weight"
             report.converted.append(name)
     if compute != DEFAULT:
-        _set_compute(model, report)
+        _set_compute(model, report, mode.options and (options or mode.options()))
     if any(why != "listed in skip" for why in report.skipped.values()):
         warnings.warn(str(report), stacklevel=2)
     if verbose:
@@ -182,15 +190,20 @@ def convert_linear_weights(
     return report
 
 
-def _set_compute(model: nn.Module, report: ConversionReport) -> None:
-    """Every NVFP4Linear of `model` (converted by this call or before) computes in the report's mode; `report` lists
-    them, and names each other linear holding an NVFP4 weight, which computes in the default mode, with the
-    reason."""
+def _set_compute(model: nn.Module, report: ConversionReport, options=None) -> None:
+    """Every NVFP4Linear of `model` (converted by this call or before) computes in the report's mode, but those the
+    mode's `options` keep in the default mode; `report` lists them, and names each other linear holding an NVFP4
+    weight, which computes in the default mode, with the reason."""
+    layers = [(n, m) for n, m in model.named_modules() if type(m) is NVFP4Linear and is_nvfp4_tensor(m.weight)]
+    kept = options.kept_in_default([n for n, _ in layers]) if options is not None else {}
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or not is_nvfp4_tensor(module.weight):
             continue
-        if type(module) is NVFP4Linear:
-            module.fp4_compute = report.compute
+        if type(module) is NVFP4Linear and name in kept:
+            module.fp4_compute, module.fp4_options = DEFAULT, None
+            report.not_in_mode[name] = f"kept in {DEFAULT} by the {report.compute} mode's options: {kept[name]}"
+        elif type(module) is NVFP4Linear:
+            module.fp4_compute, module.fp4_options = report.compute, options
             report.in_mode.append(name)
         elif type(module) is nn.Linear:
             report.not_in_mode[name] = ("a plain nn.Linear sharing another layer's NVFP4 weight computes through the "

@@ -6,6 +6,8 @@ runs, bytes per weight) and one module each:
     modes.py         the table of modes, its one-time device check (`prepare`)
     bf16.py          the bf16 mode (the default): the GEMMs read the weight's values, kept or lean
     fp8.py           the FP8 mode: the GEMMs read FP8 block copies (cuBLAS on Hopper, emulated on the CPU)
+    nvfp4.py         the nvfp4 mode: TransformerEngine's NVFP4 training recipe, every GEMM on NVFP4 operands
+                     (emulated on the CPU); its options `Nvfp4Recipe`
 
 What the bf16 mode computes with:
 

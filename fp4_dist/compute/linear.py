@@ -45,6 +45,8 @@ class NVFP4Linear(nn.Linear):
     """
 
     fp4_compute = DEFAULT
+    fp4_options = None
+    """The compute mode's options (its row's ``options`` type), set by `convert_linear_weights`; None: defaults."""
 
     def __init__(self, *args, **kwargs):
         ready_for_compile()

@@ -10,6 +10,9 @@ A mode is one module of this package holding its `ComputeMode` row and the code 
                                                copy (kept copies)          pool (lean only)         2.5 (kept)
     fp8    its FP8 128 x 128 block copy; x     the FP8 block copy          the activation's and     1.5
            and dy in FP8 1 x 128 groups        (at its first use)          gradient's FP8 groups
+    nvfp4  the NVFP4 weight itself; x, dy      nothing                     x, dy in NVFP4 1 x 16;   0.5
+           and their Hadamard-transformed                                  RHT(x^T), RHT(dy^T)
+           transposes in NVFP4 1 x 16
 
 `prepare` runs a mode's one-time device check at set-up, into a per-device table the data path only reads.
 """
@@ -21,7 +24,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import bf16, fp8
+from . import bf16, fp8, nvfp4
 
 __all__ = ["ComputeMode", "MODES", "DEFAULT", "mode_named", "prepare"]
 
@@ -56,6 +59,10 @@ class ComputeMode:
     """``parallel_linear(layer, input, weight, bias, allreduce_dgrad, sequence_parallel, tp_group)``: a Megatron
     parallel linear's GEMMs and tensor-parallel communication in this mode; None: Megatron's own linear function on
     the weight's values."""
+    options: Optional[type] = None
+    """The frozen dataclass of this mode's options (``convert_linear_weights(options=...)``), or None: it has none.
+    An instance says which linears keep the default mode (``kept_in_default(names) -> {name: reason}``) and is
+    each layer's ``fp4_options``."""
     fsdp_unsharded: Optional[object] = None
     """FSDP2's unsharded weight in this mode, an object with ``make(fields, dtype) -> (held, parameter, tensors)``
     and ``write(held, fields)`` (the gathered ``(rowwise_data, scale_inv, amax)``); None: the dequantized values."""
@@ -79,6 +86,15 @@ MODES: dict[str, ComputeMode] = {
                     devices="Hopper GPUs (sm_90, cuBLAS's block-scaled GEMMs) and the CPU (emulated)",
                     bytes_per_weight="1.5", kept_copies=False, lean_depth=False, check_device=fp8.check_device,
                     linear=fp8.linear, parallel_linear=fp8.parallel_linear, fsdp_unsharded=fp8.FsdpUnsharded),
+        ComputeMode(name="nvfp4", gemms_read="the NVFP4 weight's codes and tile scales, with the activations and "
+                    "output gradients in NVFP4 1 x 16 blocks (the gradients stochastically rounded) and both "
+                    "weight-gradient operands through a 16-point random Hadamard transform",
+                    per_update="nothing (the GEMMs read the packed weight)",
+                    per_use="the NVFP4 1 x 16 blocks of x and dy, and of their transformed transposes",
+                    devices="the CPU (emulated, bit for bit TransformerEngine's quantizers); GPUs are refused until "
+                    "their kernels are built", bytes_per_weight="0.5", kept_copies=False, lean_depth=False,
+                    check_device=nvfp4.check_device, linear=nvfp4.linear, parallel_linear=nvfp4.parallel_linear,
+                    options=nvfp4.Nvfp4Recipe),
     )
 }  # fmt: skip
 """Every compute mode by name: the one definition (module docstring)."""

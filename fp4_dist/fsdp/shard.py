@@ -127,6 +127,9 @@ def fully_shard_nvfp4(
     check_numerics(numerics)
     mode_named(compute, "fully_shard_nvfp4")
     for name in {compute} | {getattr(m, "fp4_compute", DEFAULT) for m in model.modules()}:
+        if name != DEFAULT and MODES[name].fsdp_unsharded is None:  # its linears would get dequantized values
+            raise ValueError(f"fully_shard_nvfp4: the {name} compute mode has no FSDP2 unsharded weight yet; "
+                             f"shard with compute={DEFAULT!r}, or train it with convert_linear_weights")
         _prepare(MODES[name], model, mesh)
     if isinstance(model, FSDPModule) or any(isinstance(p, DTensor) for p in model.parameters()):
         raise ValueError("fully_shard_nvfp4: this model is already sharded (DTensor parameters); call "

@@ -12,6 +12,9 @@ Modules, and the one way a call travels through them::
                     transpose the dgrad reads; fp8_block_reference.py is its plain-PyTorch oracle
     fp8_rows.py     activations and gradients in FP8 with one scale per 1 x 128 group; fp8_rows_reference.py
                     likewise
+    nvfp4_1d_reference.py  activations and gradients in NVFP4 with one E4M3 scale per 1 x 16 block (round to
+                    nearest even or stochastic) and the 16-point random Hadamard transform of the wgrad operands,
+                    bit for bit TransformerEngine's reference quantizer; no CUDA kernel yet
     outputs.py      kernel outputs allocated without the fill of torch's deterministic mode (written whole)
 """
 

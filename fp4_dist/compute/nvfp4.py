@@ -1,0 +1,199 @@
+"""The NVFP4 training recipe as a compute mode (``compute="nvfp4"``; its row in `modes.MODES`): every GEMM of a linear
+reads NVFP4 operands, as TransformerEngine's NVFP4BlockScaling recipe on Blackwell does (docs/nvfp4_recipe.md).
+
+Per linear, with W the NVFP4 weight [N, K] (16 x 16 tiles, as stored) and T the tokens:
+
+    forward   y  = x @ W^T       x: 1 x 16 blocks along K, round to nearest even
+    dgrad     dx = dy @ W        dy: 1 x 16 blocks along N, stochastic rounding; W's values, transposed
+    wgrad     dW = dy^T @ x      RHT(dy^T) and RHT(x^T): the 16-point random Hadamard transform along the tokens,
+                                 then 1 x 16 blocks along the tokens (dy: stochastic rounding; x: to nearest even)
+
+Each operand has its own per-tensor amax (the transformed ones after the transform) and E4M3 block scales
+(`kernels.nvfp4_1d_reference`, bit for bit TransformerEngine's reference quantizer). x^T is transformed and quantized
+in the forward and kept for the backward in 4 bits. Tokens are zero-padded to a multiple of 16 for the transform (the
+padding adds nothing to dW; TransformerEngine asks for 16 | T instead).
+
+The GEMMs are emulated exactly up to the order of additions: each operand's values e2m1 * float(scale) are exact in
+fp32, the products of two such values too, the sums accumulate in fp32 (one fp32 matmul), and the epilogue
+multiplies by alpha = (amax_a * amax_b) * fp32(1/2688^2), adds the bias in fp32 and rounds once to the output dtype,
+as a block-scaled NVFP4 GEMM on Blackwell does. Only the CPU runs it: other devices are refused at set-up until a
+kernel has been run and checked there (CuPy for Hopper, the native NVFP4 ``scaled_mm`` on sm_100).
+
+Which layers compute in it is the recipe's (`Nvfp4Recipe`): by default the first and the last linear keep the bf16
+mode, as the recipe's paper keeps the first and last layers in higher precision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..format import TILE, ceil_div, is_tile_grid
+from ..kernels import nvfp4_1d_reference as q1d
+from ..kernels.reference import expand_rowwise_scales
+from ..tensor import NVFP4Tensor
+from ..tensor.copy import raise_changed
+from .fp8_autograd import _gather_sequence, _reduce_scatter_sequence, _stamp, output  # one TP communication
+
+__all__ = ["Nvfp4Recipe", "check_device", "linear", "parallel_linear", "Nvfp4Linear", "nvfp4_linear",
+           "emulated_mm", "weight_rows"]  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class Nvfp4Recipe:
+    """What the nvfp4 mode quantizes how, and which layers it leaves in the default mode
+    (``convert_linear_weights(compute="nvfp4", options=Nvfp4Recipe(...))``)."""
+
+    stochastic_rounding: bool = True
+    """Round the output gradient's E2M1 values stochastically (dgrad and wgrad operands); False: to nearest even
+    (the paper's ablation). 8 random bits per element from torch's default generator of the device, so
+    ``torch.manual_seed`` reproduces a run."""
+    rht: bool = True
+    """Apply the 16-point random Hadamard transform to both wgrad operands; False: quantize them as they are."""
+    bf16_first: int = 1
+    """How many of the model's first linears (module order) keep the default mode."""
+    bf16_last: int = 1
+    """How many of the model's last linears keep the default mode."""
+
+    def __post_init__(self):
+        for name in ("bf16_first", "bf16_last"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"Nvfp4Recipe: {name} is a number of linears (an int >= 0), got {value!r}")
+
+    def kept_in_default(self, names: list[str]) -> dict[str, str]:
+        """Of the linears `names` (module order) that would compute in the mode, those that keep the default mode,
+        with the reason."""
+        last = names[len(names) - self.bf16_last:] if self.bf16_last else []
+        kept = {n: f"one of the first {self.bf16_first} (Nvfp4Recipe.bf16_first)" for n in names[: self.bf16_first]}
+        kept.update({n: f"one of the last {self.bf16_last} (Nvfp4Recipe.bf16_last)" for n in last if n not in kept})
+        return kept
+
+    def gradient_quantizer(self) -> Callable[[torch.Tensor], q1d.Nvfp4Rows]:
+        """The 1 x 16 quantizer of the output gradient's operands."""
+        return q1d.quantize_rows_1x16_sr if self.stochastic_rounding else q1d.quantize_rows_1x16
+
+
+DEFAULT_RECIPE = Nvfp4Recipe()
+
+
+def check_device(device: torch.device) -> Optional[str]:
+    """None on the CPU, where the emulation runs; elsewhere the sentence that refuses the device: no kernel of this
+    mode has been run and checked there yet."""
+    if device.type == "cpu":
+        return None
+    return (f"the nvfp4 compute mode runs on the CPU only so far (its GEMMs and quantizers are emulated in PyTorch "
+            f"and were never run on {device}: the CuPy kernels for Hopper and the native NVFP4 GEMM of sm_100 are "
+            "not built yet)")
+
+
+def weight_rows(w: NVFP4Tensor) -> q1d.Nvfp4Rows:
+    """The NVFP4 weight [N, K] as the GEMM reads it: its 16 x 16 tile scales are the 1 x 16 scales of each row."""
+    n, k = w.shape
+    scale_inv = w.rowwise_scale_inv
+    if is_tile_grid(scale_inv.shape, n, k):
+        scale_inv = expand_rowwise_scales(scale_inv, n, k)
+    return q1d.Nvfp4Rows(w.rowwise_data, scale_inv[:n, : ceil_div(k, TILE)], w.amax.reshape(1), k)
+
+
+def emulated_mm(a: torch.Tensor, amax_a: torch.Tensor, b: torch.Tensor, amax_b: torch.Tensor, out_dtype: torch.dtype,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
+    """The block-scaled NVFP4 GEMM a @ b^T from the operands' unscaled values (`nvfp4_1d_reference.unscaled_values`,
+    fp32 [M, K] and [N, K]) and amaxes: fp32 sums, then alpha, the bias (fp32) and one rounding to `out_dtype`."""
+    y = (a @ b.t()) * q1d.gemm_alpha(amax_a, amax_b)
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(out_dtype)
+
+
+def wgrad_operand(t: torch.Tensor, quantize, rht: bool) -> q1d.Nvfp4Rows:
+    """t [T, C] (tokens first) as a wgrad operand: t^T [C, T16] (tokens zero-padded to 16 | T16), transformed along
+    the tokens when `rht`, then quantized in 1 x 16 blocks along the tokens by `quantize`."""
+    tokens = t.shape[0]
+    padded = t.new_zeros(ceil_div(tokens, TILE) * TILE, t.shape[1])
+    padded[:tokens] = t
+    transposed = padded.t().contiguous()
+    return quantize(q1d.rht_16(transposed) if rht else transposed)
+
+
+def _saved(q: q1d.Nvfp4Rows) -> tuple:
+    return q.data, q.scales, q.amax
+
+
+class Nvfp4Linear(torch.autograd.Function):
+    """y = x @ W^T + bias with NVFP4 GEMMs (module docstring); W an NVFP4 weight. The backward raises if the weight's
+    bytes changed since the forward. `allreduce_dgrad`, `sequence_parallel`, `tp_group`: a Megatron parallel
+    linear's communication, as `fp8_autograd.Fp8Linear` does it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tensor], recipe: Nvfp4Recipe,
+                allreduce_dgrad: bool = False, sequence_parallel: bool = False, tp_group=None):  # fmt: skip
+        total = _gather_sequence(x, tp_group) if sequence_parallel else x
+        x2 = total.reshape(-1, total.shape[-1])
+        w = weight_rows(weight)
+        wv = q1d.unscaled_values(w)
+        xq = q1d.quantize_rows_1x16(x2)
+        y = emulated_mm(q1d.unscaled_values(xq), xq.amax, wv, w.amax, x.dtype, bias)
+        kept = (x2.new_empty(0),) * 3
+        if ctx.needs_input_grad[1]:  # x^T transformed and quantized now: 4 bits per element kept, not x's 16
+            kept = _saved(wgrad_operand(x2, q1d.quantize_rows_1x16, recipe.rht))
+        ctx.save_for_backward(*kept, *_saved(w))
+        ctx.sizes = (x2.shape[0], weight.shape[0], weight.shape[1])
+        ctx.has_bias, ctx.weight, ctx.stamp, ctx.recipe = bias is not None, weight, _stamp(weight), recipe
+        ctx.comm = (allreduce_dgrad, sequence_parallel, tp_group)
+        return output(y, total.shape)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        xt_data, xt_scales, xt_amax, w_data, w_scales, w_amax = ctx.saved_tensors
+        if _stamp(ctx.weight) != ctx.stamp:
+            raise_changed(ctx.weight)
+        tokens, n, k = ctx.sizes
+        allreduce_dgrad, sequence_parallel, tp_group = ctx.comm
+        quantize = ctx.recipe.gradient_quantizer()
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dyq = quantize(dy2)
+            wv = q1d.unscaled_values(q1d.Nvfp4Rows(w_data, w_scales, w_amax, k))
+            dx = emulated_mm(q1d.unscaled_values(dyq), dyq.amax, wv.t(), w_amax, dy.dtype)
+            dx = dx.view(*dy.shape[:-1], k)
+            if sequence_parallel:
+                dx = _reduce_scatter_sequence(dx, tp_group)
+            elif allreduce_dgrad:
+                dist.all_reduce(dx, group=tp_group)
+        if ctx.needs_input_grad[1]:
+            dyt = wgrad_operand(dy2, quantize, ctx.recipe.rht)
+            xt = q1d.Nvfp4Rows(xt_data, xt_scales, xt_amax, dyt.cols)
+            dw = emulated_mm(q1d.unscaled_values(dyt), dyt.amax, q1d.unscaled_values(xt), xt_amax, ctx.weight.dtype)
+        db = dy2.sum(dim=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        assert dy2.shape[0] == tokens, "the output gradient's tokens differ from the forward's"
+        return dx, dw, db, None, None, None, None
+
+
+def nvfp4_linear(x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tensor] = None,
+                 recipe: Nvfp4Recipe = DEFAULT_RECIPE) -> torch.Tensor:  # fmt: skip
+    """`F.linear(x, weight, bias)` with the NVFP4 recipe's GEMMs, for an NVFP4 weight (emulated on the CPU)."""
+    return Nvfp4Linear.apply(x, weight, bias, recipe)
+
+
+def linear(module: torch.nn.Module, input: torch.Tensor, compiling: bool = False) -> torch.Tensor:
+    """An NVFP4Linear's forward in this mode, with the layer's recipe (``fp4_options``, set by
+    `convert_linear_weights`)."""
+    w = module.weight
+    if type(w) is not NVFP4Tensor:  # never bf16 in its place without a word
+        raise RuntimeError(
+            f"NVFP4Linear computes in the nvfp4 mode but its weight is now a {type(w).__name__}, not an NVFP4Tensor: "
+            "the mode multiplies the weight's NVFP4 codes (FSDP2's unsharded weights are not built for it yet); "
+            "convert with compute='bf16'")
+    return Nvfp4Linear.apply(input, w, module.bias, getattr(module, "fp4_options", None) or DEFAULT_RECIPE)
+
+
+def parallel_linear(layer, input: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tensor],
+                    allreduce_dgrad: bool, sequence_parallel: bool, tp_group) -> torch.Tensor:  # fmt: skip
+    """A Megatron parallel linear's GEMMs in this mode, with its tensor-parallel communication."""
+    recipe = getattr(layer, "fp4_options", None) or DEFAULT_RECIPE
+    return Nvfp4Linear.apply(input, weight, bias, recipe, allreduce_dgrad, sequence_parallel, tp_group)
