@@ -15,6 +15,7 @@ import tempfile
 import pytest
 
 from . import forked_ranks
+from .shared import once_per_session
 from .test_launch import REPO, megatron_env
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -94,15 +95,34 @@ def test_cpu_benches_print_their_tables():
     _ran(_bench("bench/fp8_copy_error.py", "--help"), "--safetensors")
     _ran(_bench("bench/host_per_use.py", "--device", "cpu", "--size", "64", "--calls", "20"),
          "| lean: forward + backward |", "a CPU core", "| Megatron path, lean backward's check (Use.refill) |")
-    _ran(_bench("bench/zero1_stack.py", "--device", "cpu", "--nproc", "2", "--hidden", "256", "--layers", "1", "--seq",
-                "32", "--micro-batch", "1", "--steps", "2", "--rounds", "1"),
-         "Zero1Optimizer (AdamW) on 2 CPU ranks", "\nlean ")
+    # zero1_stack.py on 2 CPU ranks with a tiny model: the one-node script's zero1 part runs this very command (its
+    # CPU=1 arguments), so this reads that part's output instead of running the bench a second time
+    _, out, err = one_node_zero1_and_an_unknown_part()
+    header, _, zero1 = out.partition("== zero1: ")[2].partition("\n")
+    zero1 = zero1.partition("\n== summary")[0]
+    assert header.endswith(ZERO1_CPU), (header, ZERO1_CPU)
+    assert "FAILED parts: nonsense\n" in out, out[-2000:] + err[-4000:]  # the zero1 part's exit status was 0
+    for text in ("Zero1Optimizer (AdamW) on 2 CPU ranks", "\nlean "):
+        assert text in zero1, f"{text!r} is not in zero1_stack.py's output:\n{zero1[-3000:]}"
 
 
-def test_the_one_node_table_script_runs_its_parts_and_names_an_unknown_one():
+# bench/one_node_gpu.sh's zero1 part under CPU=1: this command line (test_cpu_benches_print_their_tables reads it)
+ZERO1_CPU = ("bench/zero1_stack.py --hidden 256 --layers 1 --seq 32 --micro-batch 1 --steps 2 --device cpu --nproc 2 "
+             "--rounds 1")
+
+
+@once_per_session
+def one_node_zero1_and_an_unknown_part() -> list:
+    """[exit status, stdout, stderr] of ``CPU=1 PARTS="zero1 nonsense" bash bench/one_node_gpu.sh``, run once for the
+    two tests that read it."""
     env = dict(os.environ, CPU="1", PARTS="zero1 nonsense", OUT=tempfile.mkdtemp(prefix="fp4_dist_one_node_"))
     proc = subprocess.run(["bash", str(REPO / "bench" / "one_node_gpu.sh")], env=env, capture_output=True, text=True,
                           timeout=TIMEOUT_S, cwd=REPO)  # fmt: skip
+    return [proc.returncode, proc.stdout, proc.stderr]
+
+
+def test_the_one_node_table_script_runs_its_parts_and_names_an_unknown_one():
+    proc = subprocess.CompletedProcess("one_node_gpu.sh", *one_node_zero1_and_an_unknown_part())
     assert proc.returncode == 1 and "unknown part nonsense" in proc.stderr, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "Zero1Optimizer (AdamW) on 2 CPU ranks" in proc.stdout and "FAILED parts: nonsense" in proc.stdout
 

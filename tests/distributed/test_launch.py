@@ -213,7 +213,7 @@ def test_train_lm_example_runs_on_two_ranks_and_passes_its_parity_check(tmp_path
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
            "examples.train_lm", "--steps", "6", "--dim", "32", "--hidden", "64", "--seq", "32",
            "--backend", "gloo", "--no-progress", "--fp4-compute", compute]  # fmt: skip
-    proc = subprocess.run(cmd, env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT_S)
+    proc = forked_ranks.run(cmd, env=_env(), cwd=tmp_path, timeout=TIMEOUT_S)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     assert "PASS (bit-identical)" in proc.stdout and "bf16 gather" in proc.stdout, log[-4000:]
@@ -228,7 +228,7 @@ def test_the_main_job_resumes_from_its_newest_complete_checkpoint_bit_for_bit(tm
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
                "examples.train_lm", "--steps", "6", "--dim", "32", "--hidden", "64", "--seq", "32", "--backend",
                "gloo", "--no-progress", *extra]  # fmt: skip
-        proc = subprocess.run(cmd, env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT_S)
+        proc = forked_ranks.run(cmd, env=_env(), cwd=tmp_path, timeout=TIMEOUT_S)
         assert proc.returncode == 0 and "PASS (bit-identical)" in proc.stdout, (name, proc.stdout + proc.stderr[-3000:])
         return proc.stdout
 
@@ -249,7 +249,7 @@ def test_the_main_job_resumes_from_its_newest_complete_checkpoint_bit_for_bit(tm
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
            "examples.train_lm", "--steps", "6", "--dim", "32", "--hidden", "64", "--seq", "32", "--backend", "gloo",
            "--no-progress", "--save", str(tmp_path / "copied")]  # fmt: skip
-    proc = subprocess.run(cmd, env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT_S)
+    proc = forked_ranks.run(cmd, env=_env(), cwd=tmp_path, timeout=TIMEOUT_S)
     assert proc.returncode != 0 and "holds the optimizer state of step 3, not 5" in proc.stdout + proc.stderr
 
 

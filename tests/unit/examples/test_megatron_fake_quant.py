@@ -8,14 +8,15 @@ are cut from its own buffer layout.)"""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("megatron.core")
+
+from tests.distributed import forked_ranks  # noqa: E402
+from tests.distributed.test_launch import megatron_env  # noqa: E402
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
@@ -27,13 +28,11 @@ ARGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64
 
 
 def _train(tmp_path: Path, mode: str) -> dict:
+    # One rank, forked from a process that has imported Megatron-Core already (tests/distributed/forked_ranks.py)
     log = tmp_path / f"{mode}.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")  # fmt: skip
-    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        env.pop(k, None)
-    proc = subprocess.run([sys.executable, "-m", "examples.megatron_pretrain_gpt", *ARGS, mode, "--fp4-log-json",
-                           str(log)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m",
+           "examples.megatron_pretrain_gpt", *ARGS, mode, "--fp4-log-json", str(log)]  # fmt: skip
+    proc = forked_ranks.run(cmd, env=megatron_env(), cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(log.read_text())
 

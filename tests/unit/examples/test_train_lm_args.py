@@ -45,12 +45,14 @@ def test_values_that_stopped_every_rank_deep_in_the_run_are_usage_errors(monkeyp
 
 def test_the_learning_rate_schedule_reaches_the_optimizer(monkeypatch, capsys):
     # It was written into the inner optimizer, which each step overwrites from the outer one: every run trained
-    # at the constant --lr, whatever --warmup said.
+    # at the constant --lr, whatever --warmup said. (A model smaller than the default: the loss falls by 1.06 in
+    # 4 steps with a 1-step warm-up, by 0.03 with a warm-up that keeps the learning rate near 0.)
     for k in ("RANK", "WORLD_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
         monkeypatch.delenv(k, raising=False)
     finals = {}
     for warmup in ("1", "100000"):
-        assert train_lm.main(["--steps", "4", "--warmup", warmup, "--no-progress", "--log-every", "4"]) == 0
+        assert train_lm.main(["--steps", "4", "--warmup", warmup, "--no-progress", "--log-every", "4", "--dim", "64",
+                              "--hidden", "128", "--seq", "32"]) == 0
         line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("trained 4 steps"))
         first, last = (float(x) for x in line.split("train loss ")[1].split(";")[0].split(" -> "))
         finals[warmup] = first - last
