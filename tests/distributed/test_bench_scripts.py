@@ -127,7 +127,7 @@ def test_the_one_node_table_script_runs_its_parts_and_names_an_unknown_one():
     assert "Zero1Optimizer (AdamW) on 2 CPU ranks" in proc.stdout and "FAILED parts: nonsense" in proc.stdout
 
 
-
+def test_docs_fsdp2_quotes_the_projection_it_prints():
     proc = _bench("bench/projection.py")
     _ran(proc, "NVFP4 / bf16 at 64 |")
     ratios = [float(line.split("|")[-2]) for line in proc.stdout.splitlines() if "| nvfp4 |" in line]
