@@ -12,6 +12,8 @@ The script runs unmodified (Megatron-LM's own ``pretrain_gpt.py``, or any script
   TransformerEngine; Hopper GPUs and CPU ranks), the linear weights become NVFP4 parameters inside Megatron's own
   build path (after ``.cuda()`` and Float16Module, before DDP), and what fp4_dist does not serve is refused at
   start-up;
+- makes a torchrun rank end when its agent does (`fp4_dist.launch.end_with_launcher`: torchrun starts each rank in
+  a session of its own, which a kill of the launcher's process group does not reach);
 - makes megatron-core's checkpoint code end a run it stops (a checkpoint it cannot read) with exit status 1, not
   upstream's 0;
 - adds the Megatron flags this machine needs that the command line does not give (`defaults.LAUNCHER_DEFAULTS`:
@@ -210,6 +212,7 @@ def deliberate(error: BaseException) -> bool:
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:
+    launch.end_with_launcher()  # a rank whose torchrun is killed (with its process group) ends instead of training on
     opts = _parser().parse_args(argv)
     script = opts.script
     if not os.path.isfile(script):
