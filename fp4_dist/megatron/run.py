@@ -14,8 +14,8 @@ The script runs unmodified (Megatron-LM's own ``pretrain_gpt.py``, or any script
   start-up;
 - makes a torchrun rank end when its agent does (`fp4_dist.launch.end_with_launcher`: torchrun starts each rank in
   a session of its own, which a kill of the launcher's process group does not reach);
-- makes megatron-core's checkpoint code end a run it stops (a checkpoint it cannot read) with exit status 1, not
-  upstream's 0;
+- makes megatron-core's checkpoint code end a run it stops (a checkpoint it refuses) with exit status 1 and one line
+  per rank naming what it refused, not upstream's status 0;
 - adds the Megatron flags this machine needs that the command line does not give (`defaults.LAUNCHER_DEFAULTS`:
   ``--distributed-backend gloo`` on a machine without CUDA, which then runs Megatron on CPU ranks through fp4_dist's
   CPU layer; ``--transformer-impl local`` without TransformerEngine; the fusions that need apex or Megatron's

@@ -254,23 +254,39 @@ def test_unsupported_runs_are_refused_at_start_up_on_every_rank(tmp_path, data):
     assert "Transformer Engine >=" not in proc.stderr
 
 
-def test_a_checkpoint_megatron_cannot_read_fails_the_run_on_every_rank(tmp_path, data):
-    # A --ckpt-format torch file holding a class outside the allow-list: megatron-core prints torch's refusal and
-    # calls sys.exit(), exit status 0 upstream; a scheduler would read that as success.
+REFUSED = {  # what the checkpoint's file holds -> what every rank's one line names
+    "a class outside the allow-list": ({"model": {}, "iteration": 1, "stray": "fraction"},
+                                       "Unsupported global: GLOBAL fractions.Fraction"),
+    "no iteration number": ({"model": {}}, "holds no iteration number"),
+    "no checkpoint at all": (None, "--exit-on-missing-checkpoint, and"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_a_checkpoint_megatron_refuses_fails_the_run_naming_what_was_refused(tmp_path, data, case):
+    # megatron-core's torch-format loader prints its reason on rank 0 (or nowhere) and calls sys.exit(), exit status
+    # 0 upstream; a scheduler would read that as success.
     import fractions
 
     import torch
 
+    content, named = REFUSED[case]
     folder = tmp_path / "ckpt"
-    (folder / "iter_0000001" / "mp_rank_00").mkdir(parents=True)
-    (folder / "latest_checkpointed_iteration.txt").write_text("1")
-    torch.save({"model": {}, "stray": fractions.Fraction(1, 3)}, folder / "iter_0000001" / "mp_rank_00" /
-               "model_optim_rng.pt")  # fmt: skip
+    folder.mkdir()
+    extra = ["--exit-on-missing-checkpoint"] if content is None else []
+    if content is not None:
+        (folder / "iter_0000001" / "mp_rank_00").mkdir(parents=True)
+        (folder / "latest_checkpointed_iteration.txt").write_text("1")
+        content = {k: fractions.Fraction(1, 3) if v == "fraction" else v for k, v in content.items()}
+        torch.save(content, folder / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt")
     proc = launch(2, ["--data-path", data, "--train-iters", "2", "--fp4-param-gather", "--load", str(folder),
-                      "--ckpt-format", "torch"], refused=True)  # fmt: skip
-    assert "Unsupported global" in proc.stdout + proc.stderr
+                      "--ckpt-format", "torch", *extra], refused=True)  # fmt: skip
     for rank in (0, 1):
-        assert "megatron-core's checkpoint code stopped the run" in refusal(proc, rank)
+        line = refusal(proc, rank)
+        assert "CheckpointingStopped: megatron-core refused to load the checkpoint: " in line and named in line, line
+        if content is not None:
+            assert str(folder / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt") in line, line
+    assert f'File "{REPO / "fp4_dist"}' not in proc.stderr  # the line, no traceback through fp4_dist
     assert "iteration        1/" not in proc.stdout
 
 
