@@ -233,6 +233,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     from . import adapter, checkpoint, enable
 
     adapter.python_311_shim()
+    spawned_processes_get_the_shim(script)
     # The script's own folder first on the path, as `python script.py` would have it (pretrain_gpt.py imports
     # gpt_builders and model_provider from beside it).
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
@@ -243,6 +244,31 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     runpy.run_path(script, run_name="__main__")
     launch.shutdown()  # not after an error: its barrier would wait for ranks that may never come
     return 0
+
+
+def spawned_processes_get_the_shim(script: str) -> None:
+    """On Python 3.11, make a process that multiprocessing spawns from this rank run `fp4_dist.megatron.spawned` as
+    its main, which provides ``typing.override`` before running `script` as upstream's child would (the child would
+    otherwise import megatron.training through the script and fail: Megatron's default checkpoint format spawns one
+    at the first save)."""
+    if sys.version_info >= (3, 12):
+        return
+    import multiprocessing.spawn as spawn
+
+    from . import spawned
+
+    path = os.path.normpath(os.path.abspath(script))
+    os.environ[spawned.SCRIPT] = path
+    original = spawn.get_preparation_data
+
+    def get_preparation_data(name):
+        data = original(name)
+        if data.get("init_main_from_path") == path:
+            del data["init_main_from_path"]
+            data["init_main_from_name"] = "fp4_dist.megatron.spawned"
+        return data
+
+    spawn.get_preparation_data = get_preparation_data
 
 
 if __name__ == "__main__":

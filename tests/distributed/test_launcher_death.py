@@ -100,7 +100,7 @@ MEGATRON_ARGS = ("--num-layers 1 --hidden-size 64 --num-attention-heads 4 --seq-
 
 
 @pytest.mark.megatron
-@pytest.mark.parametrize("entry", ["fp4_dist.megatron.run", "fp4_dist.megatron.pretrain_gpt"])
+@pytest.mark.parametrize("entry", ["fp4_dist.megatron.run", "examples.megatron_pretrain_gpt"])
 def test_killing_torchrun_with_its_process_group_ends_megatron_ranks(tmp_path, entry):
     pytest.importorskip("megatron.core")
     if entry == "fp4_dist.megatron.run":

@@ -290,6 +290,36 @@ def test_a_checkpoint_megatron_refuses_fails_the_run_naming_what_was_refused(tmp
     assert "iteration        1/" not in proc.stdout
 
 
+def test_save_without_a_format_resumes_and_the_default_format_saves_on_this_python(tmp_path, data):
+    # README's launch line plus --save: on this machine (no TransformerEngine or apex) the launcher adds
+    # --ckpt-format torch, since Megatron cannot load its default torch_dist format back here; the run saves and a
+    # second launch resumes from it. An explicit torch_dist save completes too: on Python 3.11 its save spawns a
+    # process that re-ran the script without the typing.override shim (ImportError there, EOFError on every rank,
+    # an empty iter folder left behind).
+    from fp4_dist.megatron import defaults
+
+    machine = defaults.probe()
+    ckpt = tmp_path / "ckpt"
+    base = ["--data-path", data, "--fp4-param-gather", "--save", str(ckpt), "--save-interval", "2"]
+    proc = launch(2, [*base, "--train-iters", "4", "--exit-interval", "2"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if not (machine.te or machine.apex):
+        assert "added --ckpt-format torch (no TransformerEngine or apex" in proc.stdout
+        assert (ckpt / "iter_0000002" / "mp_rank_00").is_dir()
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    proc = launch(2, [*base, "--train-iters", "4", "--load", str(ckpt)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "iteration        3/" in proc.stdout and "iteration        1/" not in proc.stdout
+
+    dist_ckpt = tmp_path / "torch_dist"
+    proc = launch(2, ["--data-path", data, "--fp4-param-gather", "--train-iters", "2", "--save", str(dist_ckpt),
+                      "--save-interval", "2", "--ckpt-format", "torch_dist"])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ImportError" not in proc.stderr and "EOFError" not in proc.stderr
+    assert {"metadata.json", ".metadata"} <= {f.name for f in (dist_ckpt / "iter_0000002").iterdir()}
+    assert (dist_ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
 def refusal(proc: subprocess.CompletedProcess, rank: int) -> str:
     """The launcher's one-line account of what stopped `rank` (the job must have failed)."""
     assert proc.returncode != 0
