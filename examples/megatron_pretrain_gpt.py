@@ -48,7 +48,7 @@ from torch.nn.utils import parametrize
 
 from fp4_dist.checkpoint import atomic
 from fp4_dist.checkpoint import options as checkpoint_options
-from fp4_dist.launch import export_mpi_env, shutdown
+from fp4_dist.launch import end_with_launcher, export_mpi_env, shutdown
 from fp4_dist.megatron import adapter, defaults
 from fp4_dist.megatron.defaults import Default
 from fp4_dist.megatron.options import AdapterOptions, current_options, set_options
@@ -714,6 +714,7 @@ def _cli() -> int:
     # the collectives Megatron calls: not actionable for a user of this command.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     warnings.filterwarnings("ignore", category=FutureWarning, message=r".*torch\.distributed\.")
+    end_with_launcher()  # an orphaned rank (its torchrun killed) ends instead of training on
     try:
         main()
     except BaseException as e:  # noqa: BLE001 - every rank says why it stops, then stops now

@@ -25,7 +25,7 @@ import torch
 
 import fp4_dist
 from examples.model import TinyLMConfig, build_model
-from fp4_dist.launch import init_distributed, launch_rank, shutdown
+from fp4_dist.launch import end_with_launcher, init_distributed, launch_rank, shutdown
 from fp4_dist.checkpoint import (DamagedCheckpointError, RootLockedError, latest_complete_checkpoint, lock_root,
                                  release_root, step_folder)
 from fp4_dist.checkpoint import options as checkpoint_options
@@ -205,6 +205,7 @@ def evaluate(model, batches: torch.Tensor) -> float:
 
 # --------------------------------------------------------------------------------------------------- main
 def main(argv=None) -> int:
+    end_with_launcher()  # a rank whose torchrun is killed (with its process group) ends instead of training on
     args = parse_args(argv)
     info = init_distributed(args.backend)
     rank0 = info.rank == 0

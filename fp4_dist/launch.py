@@ -8,15 +8,20 @@
   (``MASTER_ADDR``/``MASTER_PORT`` win when set).
 * neither: a single process; nothing is initialised and fp4_dist's collectives are local copies.
 
-Backend: NCCL when CUDA is available, else gloo (override with ``backend=``).
+Backend: NCCL when CUDA is available, else gloo (override with ``backend=``). `end_with_launcher` makes a torchrun
+rank end with its agent (a kill of the launcher's process group does not reach ranks in sessions of their own).
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
+import signal
 import socket
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
@@ -38,7 +43,7 @@ _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "MPI_LOCALRANKID", "
 
 
 __all__ = ["init_distributed", "shutdown", "DistInfo", "launched_by", "launch_rank", "export_mpi_env",
-           "hold_rendezvous_store"]
+           "hold_rendezvous_store", "end_with_launcher", "watch_launcher"]
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,70 @@ def init_distributed(backend: Optional[str] = None, *, timeout_s: float = 300.0)
         dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
         return DistInfo(dist.get_rank(), dist.get_world_size(), local, backend, device, launcher)
     return _init_from_mpi(backend, timeout)
+
+
+# ------------------------------------------------------------------------------------------ the launcher's end
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_followed: Optional[int] = None  # the launcher's pid this rank ends with, once end_with_launcher armed it
+
+
+def end_with_launcher(poll_s: float = 1.0) -> bool:
+    """Make this rank end (SIGKILL) when the torchrun agent that started it ends, however the agent ends; returns
+    whether it did (False: not a torchrun rank). Idempotent; call it first thing in a rank.
+
+    torchrun starts every rank in a session of its own, so a signal to the launcher's process group (what
+    ``timeout -s KILL``, a job system or the OOM killer sends) never reaches the ranks: they trained on as orphans,
+    saving into the folder a restarted job resumes from. On Linux the kernel sends the rank SIGKILL when its parent
+    (the agent; it starts every rank from its main thread) ends (``PR_SET_PDEATHSIG``); elsewhere a daemon thread
+    looks at the parent every `poll_s` seconds (`watch_launcher`). SIGKILL, not SIGTERM: with the launcher gone
+    nobody collects the rank's work or stops its peers, and a handler's last save (Megatron's
+    ``--exit-signal-handler``) would need peers that are being killed too; every save is committed whole, so a kill
+    mid-save loses only that save. Ranks of other launchers are left alone: mpirun's and srun's own daemons end
+    their ranks, and a process started from a shell should outlive that shell when the user says so (nohup).
+    """
+    global _followed
+    if _followed is not None:
+        return True
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # set by torchrun's agent for each rank
+        return False
+    parent = os.getppid()
+    if not _parent_death_signal(signal.SIGKILL):
+        watch_launcher(parent, poll_s)
+    if os.getppid() != parent:  # the agent ended before the signal was armed: no signal will come
+        _end_orphan(parent)
+    _followed = parent
+    return True
+
+
+def watch_launcher(launcher: int, poll_s: float = 1.0) -> threading.Thread:
+    """Start a daemon thread that kills this process once its parent is no longer `launcher` (the launcher ended
+    and the process was handed to init or a subreaper): `end_with_launcher` where ``prctl`` is not available."""
+
+    def watch():
+        while os.getppid() == launcher:
+            time.sleep(poll_s)
+        _end_orphan(launcher)
+
+    thread = threading.Thread(target=watch, name="fp4_dist-launcher-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def _parent_death_signal(sig: signal.Signals) -> bool:
+    """Ask Linux to send this process `sig` when its parent ends; whether it could."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _end_orphan(launcher: int) -> None:
+    print(f"fp4_dist: rank {os.environ.get('RANK', '?')}: its launcher (pid {launcher}) is gone; this rank ends "
+          "(SIGKILL) rather than train on unwatched", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"

@@ -19,6 +19,7 @@ ranks (docs/megatron.md).
 Modules::
 
     run.py           the launcher: ``python -m fp4_dist.megatron.run SCRIPT ...``
+    spawned.py       the main of a process multiprocessing spawns from a launcher rank on Python 3.11 (the shim first)
     options.py       AdapterOptions: what a run chooses, its flags, the choice in force
     defaults.py      the Megatron flags a machine needs and a command line may leave out
     adapter.py       the hook table: every patch fp4_dist makes to megatron-core, one row each

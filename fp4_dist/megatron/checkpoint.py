@@ -17,10 +17,11 @@ class CheckpointingStopped(RuntimeError):
 
 
 class _FailingExit:
-    """Stands for `sys` inside megatron.training.checkpointing: everything is sys's, but a bare ``exit()`` raises.
-    Upstream ends a run whose checkpoint cannot be read (a file torch refuses to unpickle, a corrupt one, an
-    unknown checkpoint version, none at all with --exit-on-missing-checkpoint) with ``sys.exit()``: status 0, which
-    a job scheduler or a retry loop reads as success."""
+    """Stands for `sys` inside megatron.training.checkpointing: everything is sys's, but a bare ``exit()`` raises
+    `CheckpointingStopped` naming what was refused. Upstream ends a run whose checkpoint it refuses (a file torch
+    refuses to unpickle, a corrupt one, one without an iteration or RNG state, an unknown checkpoint version, none at
+    all with --exit-on-missing-checkpoint) with ``sys.exit()`` after a message on rank 0 only: status 0, which a job
+    scheduler or a retry loop reads as success."""
 
     def __getattr__(self, name):
         return getattr(sys, name)
@@ -28,11 +29,48 @@ class _FailingExit:
     @staticmethod
     def exit(status=None):
         if status is None or status == 0:
-            raise CheckpointingStopped(
-                "megatron-core's checkpoint code stopped the run (its reason is printed above: a checkpoint file "
-                "that cannot be read or that holds a class outside the allow-list, an unknown checkpoint version, or "
-                "no checkpoint with --exit-on-missing-checkpoint); exit status 1, where upstream's sys.exit() gives 0")
+            raise CheckpointingStopped(f"megatron-core refused to load the checkpoint: {refused(sys._getframe(1))} "
+                                       "(exit status 1; upstream's sys.exit() here gives 0)")
         sys.exit(status)
+
+
+def refused(frame) -> str:
+    """What megatron.training.checkpointing refused, read from the frame that calls ``sys.exit()`` (its locals and
+    the exception it handles): every rank names it, where upstream prints it on rank 0 only, or not at all."""
+    local, error = frame.f_locals, sys.exc_info()[1]
+    name = local.get("checkpoint_name")
+    if "metastring" in local:
+        return (f"the tracker file {local.get('tracker_filename')} holds {local['metastring']!r}, neither an "
+                "iteration number nor 'release'")
+    if "checkpoint_version" in local:
+        return f"checkpoint version {local['checkpoint_version']} is none that Megatron converts (0 or 1.0)"
+    if isinstance(error, KeyError) and name is not None:
+        if str(error) == "'total_iters'":
+            return f"{name} holds no iteration number ('iteration' or 'total_iters')"
+        return f"{name} holds no RNG state (--no-load-rng or --finetune load it without one)"
+    if error is not None and name is not None:
+        return f"{name} could not be read: {_reason(error)}"
+    if "tracker_filename" in local:  # --exit-on-missing-checkpoint, and no tracker file
+        return (f"--exit-on-missing-checkpoint, and {local['tracker_filename']} does not exist (no checkpoint "
+                "under --load)")
+    where = frame.f_code.co_filename.replace(os.sep, "/")
+    return f"see its message above ({frame.f_code.co_name}, {where[where.rfind('megatron/'):]}:{frame.f_lineno})"
+
+
+def _reason(error: BaseException) -> str:
+    """torch.load's reason in one line: the weights-only unpickler's own sentence (the class outside the allow-list,
+    the opcode it does not take) without the paragraph of advice around it; else the error's first line."""
+    text = str(error)
+    marker = "WeightsUnpickler error:"
+    if marker in text:
+        text = text[text.index(marker) + len(marker):].strip()
+        reason = text.split(". ")[0].split("\n")[0].strip()
+        if reason.startswith("Unsupported global"):
+            reason += (" (outside megatron.core.safe_globals.SAFE_GLOBALS and "
+                       "fp4_dist.checkpoint.safe_load.NVFP4_GLOBALS)")
+        return f"{type(error).__name__}: {reason}"
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 
 def failing_checkpoint_exits() -> None:

@@ -42,6 +42,8 @@ class Default:
     values: tuple[str, ...]
     needed: Callable[[Machine], bool]
     why: str
+    only_with: tuple[str, ...] = ()
+    """Flags of which the command line must give one for this default to apply (none: it always may)."""
 
 
 PLATFORM_DEFAULTS = (
@@ -61,6 +63,12 @@ LAUNCHER_DEFAULTS = PLATFORM_DEFAULTS + (
     Default("--eval-interval", ("1000000000",), lambda m: True,
             "Megatron 0.19 sizes its validation set by train_iters // eval_interval; this value means no "
             "evaluation during training (the final one still runs)"),
+    # Megatron's default format, torch_dist, saves here but cannot be loaded back without TransformerEngine or apex
+    # (distrib_optimizer.py asserts on the torch.optim fallback's state): a run would save checkpoints it cannot
+    # resume from. An explicit --ckpt-format torch_dist still saves; its --load is refused at start-up.
+    Default("--ckpt-format", ("torch",), lambda m: not (m.te or m.apex),
+            "no TransformerEngine or apex: megatron-core cannot load its default torch_dist checkpoints back "
+            "without them", only_with=("--save", "--load")),
 )
 """What ``fp4_dist.megatron.run`` adds to Megatron-LM's own scripts."""
 
@@ -73,7 +81,8 @@ def given(argv: Sequence[str]) -> set[str]:
 def missing(argv: Sequence[str], machine: Machine, defaults: Sequence[Default] = LAUNCHER_DEFAULTS) -> list[Default]:
     """The defaults this machine needs whose flag `argv` does not give."""
     flags = given(argv)
-    return [d for d in defaults if d.needed(machine) and d.flag not in flags]
+    return [d for d in defaults if d.needed(machine) and d.flag not in flags
+            and (not d.only_with or flags & set(d.only_with))]
 
 
 def as_arguments(defaults: Sequence[Default]) -> list[str]:

@@ -12,8 +12,10 @@ The script runs unmodified (Megatron-LM's own ``pretrain_gpt.py``, or any script
   TransformerEngine; Hopper GPUs and CPU ranks), the linear weights become NVFP4 parameters inside Megatron's own
   build path (after ``.cuda()`` and Float16Module, before DDP), and what fp4_dist does not serve is refused at
   start-up;
-- makes megatron-core's checkpoint code end a run it stops (a checkpoint it cannot read) with exit status 1, not
-  upstream's 0;
+- makes a torchrun rank end when its agent does (`fp4_dist.launch.end_with_launcher`: torchrun starts each rank in
+  a session of its own, which a kill of the launcher's process group does not reach);
+- makes megatron-core's checkpoint code end a run it stops (a checkpoint it refuses) with exit status 1 and one line
+  per rank naming what it refused, not upstream's status 0;
 - adds the Megatron flags this machine needs that the command line does not give (`defaults.LAUNCHER_DEFAULTS`:
   ``--distributed-backend gloo`` on a machine without CUDA, which then runs Megatron on CPU ranks through fp4_dist's
   CPU layer; ``--transformer-impl local`` without TransformerEngine; the fusions that need apex or Megatron's
@@ -210,6 +212,7 @@ def deliberate(error: BaseException) -> bool:
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:
+    launch.end_with_launcher()  # a rank whose torchrun is killed (with its process group) ends instead of training on
     opts = _parser().parse_args(argv)
     script = opts.script
     if not os.path.isfile(script):
@@ -230,6 +233,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     from . import adapter, checkpoint, enable
 
     adapter.python_311_shim()
+    spawned_processes_get_the_shim(script)
     # The script's own folder first on the path, as `python script.py` would have it (pretrain_gpt.py imports
     # gpt_builders and model_provider from beside it).
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
@@ -240,6 +244,31 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     runpy.run_path(script, run_name="__main__")
     launch.shutdown()  # not after an error: its barrier would wait for ranks that may never come
     return 0
+
+
+def spawned_processes_get_the_shim(script: str) -> None:
+    """On Python 3.11, make a process that multiprocessing spawns from this rank run `fp4_dist.megatron.spawned` as
+    its main, which provides ``typing.override`` before running `script` as upstream's child would (the child would
+    otherwise import megatron.training through the script and fail: Megatron's default checkpoint format spawns one
+    at the first save)."""
+    if sys.version_info >= (3, 12):
+        return
+    import multiprocessing.spawn as spawn
+
+    from . import spawned
+
+    path = os.path.normpath(os.path.abspath(script))
+    os.environ[spawned.SCRIPT] = path
+    original = spawn.get_preparation_data
+
+    def get_preparation_data(name):
+        data = original(name)
+        if data.get("init_main_from_path") == path:
+            del data["init_main_from_path"]
+            data["init_main_from_name"] = "fp4_dist.megatron.spawned"
+        return data
+
+    spawn.get_preparation_data = get_preparation_data
 
 
 if __name__ == "__main__":

@@ -254,24 +254,70 @@ def test_unsupported_runs_are_refused_at_start_up_on_every_rank(tmp_path, data):
     assert "Transformer Engine >=" not in proc.stderr
 
 
-def test_a_checkpoint_megatron_cannot_read_fails_the_run_on_every_rank(tmp_path, data):
-    # A --ckpt-format torch file holding a class outside the allow-list: megatron-core prints torch's refusal and
-    # calls sys.exit(), exit status 0 upstream; a scheduler would read that as success.
+REFUSED = {  # what the checkpoint's file holds -> what every rank's one line names
+    "a class outside the allow-list": ({"model": {}, "iteration": 1, "stray": "fraction"},
+                                       "Unsupported global: GLOBAL fractions.Fraction"),
+    "no iteration number": ({"model": {}}, "holds no iteration number"),
+    "no checkpoint at all": (None, "--exit-on-missing-checkpoint, and"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_a_checkpoint_megatron_refuses_fails_the_run_naming_what_was_refused(tmp_path, data, case):
+    # megatron-core's torch-format loader prints its reason on rank 0 (or nowhere) and calls sys.exit(), exit status
+    # 0 upstream; a scheduler would read that as success.
     import fractions
 
     import torch
 
+    content, named = REFUSED[case]
     folder = tmp_path / "ckpt"
-    (folder / "iter_0000001" / "mp_rank_00").mkdir(parents=True)
-    (folder / "latest_checkpointed_iteration.txt").write_text("1")
-    torch.save({"model": {}, "stray": fractions.Fraction(1, 3)}, folder / "iter_0000001" / "mp_rank_00" /
-               "model_optim_rng.pt")  # fmt: skip
+    folder.mkdir()
+    extra = ["--exit-on-missing-checkpoint"] if content is None else []
+    if content is not None:
+        (folder / "iter_0000001" / "mp_rank_00").mkdir(parents=True)
+        (folder / "latest_checkpointed_iteration.txt").write_text("1")
+        content = {k: fractions.Fraction(1, 3) if v == "fraction" else v for k, v in content.items()}
+        torch.save(content, folder / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt")
     proc = launch(2, ["--data-path", data, "--train-iters", "2", "--fp4-param-gather", "--load", str(folder),
-                      "--ckpt-format", "torch"], refused=True)  # fmt: skip
-    assert "Unsupported global" in proc.stdout + proc.stderr
+                      "--ckpt-format", "torch", *extra], refused=True)  # fmt: skip
     for rank in (0, 1):
-        assert "megatron-core's checkpoint code stopped the run" in refusal(proc, rank)
+        line = refusal(proc, rank)
+        assert "CheckpointingStopped: megatron-core refused to load the checkpoint: " in line and named in line, line
+        if content is not None:
+            assert str(folder / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt") in line, line
+    assert f'File "{REPO / "fp4_dist"}' not in proc.stderr  # the line, no traceback through fp4_dist
     assert "iteration        1/" not in proc.stdout
+
+
+def test_save_without_a_format_resumes_and_the_default_format_saves_on_this_python(tmp_path, data):
+    # README's launch line plus --save: on this machine (no TransformerEngine or apex) the launcher adds
+    # --ckpt-format torch, since Megatron cannot load its default torch_dist format back here; the run saves and a
+    # second launch resumes from it. An explicit torch_dist save completes too: on Python 3.11 its save spawns a
+    # process that re-ran the script without the typing.override shim (ImportError there, EOFError on every rank,
+    # an empty iter folder left behind).
+    from fp4_dist.megatron import defaults
+
+    machine = defaults.probe()
+    ckpt = tmp_path / "ckpt"
+    base = ["--data-path", data, "--fp4-param-gather", "--save", str(ckpt), "--save-interval", "2"]
+    proc = launch(2, [*base, "--train-iters", "4", "--exit-interval", "2"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if not (machine.te or machine.apex):
+        assert "added --ckpt-format torch (no TransformerEngine or apex" in proc.stdout
+        assert (ckpt / "iter_0000002" / "mp_rank_00").is_dir()
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    proc = launch(2, [*base, "--train-iters", "4", "--load", str(ckpt)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "iteration        3/" in proc.stdout and "iteration        1/" not in proc.stdout
+
+    dist_ckpt = tmp_path / "torch_dist"
+    proc = launch(2, ["--data-path", data, "--fp4-param-gather", "--train-iters", "2", "--save", str(dist_ckpt),
+                      "--save-interval", "2", "--ckpt-format", "torch_dist"])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ImportError" not in proc.stderr and "EOFError" not in proc.stderr
+    assert {"metadata.json", ".metadata"} <= {f.name for f in (dist_ckpt / "iter_0000002").iterdir()}
+    assert (dist_ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
 
 
 def refusal(proc: subprocess.CompletedProcess, rank: int) -> str:
