@@ -14,6 +14,7 @@ bit-identical to `fp4_dist.quantize` of the full fp32 master (assembled from all
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -26,10 +27,13 @@ import torch
 import fp4_dist
 from examples.model import TinyLMConfig, build_model
 from fp4_dist.launch import end_with_launcher, init_distributed, launch_rank, shutdown
-from fp4_dist.checkpoint import (DamagedCheckpointError, RootLockedError, latest_complete_checkpoint, lock_root,
-                                 release_root, step_folder)
+from fp4_dist import checkpoint
+from fp4_dist.checkpoint import (DamagedCheckpointError, RootLockedError, SafeReader, latest_complete_checkpoint,
+                                 load_distributed_checkpoint, lock_root, release_root, step_folder,
+                                 verify_folder_collective)
 from fp4_dist.checkpoint import options as checkpoint_options
-from fp4_dist.optim import Zero1Config, Zero1Optimizer, load_checkpoint, save_checkpoint
+from fp4_dist.optim import Zero1Config, Zero1Optimizer, load_checkpoint
+from fp4_dist.optim.zero1_state import sharded_state_dict
 from fp4_dist.cast import CommStats
 from fp4_dist.cast.collectives import all_reduce_sum_
 from fp4_dist.compute.fp8_copy import fp8_copy_bytes
@@ -91,7 +95,8 @@ def parse_args(argv=None):
     ap.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
     ap.add_argument("--save", type=Path, default=None,
                     help="checkpoint folder: a checkpoint every --save-every steps (DIR/step_<n>, committed whole), "
-                         "and a run started again resumes from the newest complete one, bit for bit")
+                         "and a run started again resumes from the newest complete one, bit for bit (one saved with "
+                         "other options is refused, naming them; --steps, --save-every, paths and logging may differ)")
     checkpoint_options.add_arguments(ap)
     ap.add_argument("--save-every", type=_at_least(1), default=None,
                     help=f"steps between checkpoints (with --save; {SAVE_EVERY} when not given)")
@@ -112,6 +117,43 @@ def parse_args(argv=None):
 
 
 SAVE_EVERY = 50
+
+MAY_DIFFER = ("steps", "save_every", "save", "data", "log_every", "no_progress", "no_verify", "take_over_lock",
+              "backend", "bucket_numel")
+"""Options a resumed run may change: its length (the schedule follows --steps), where files are, what it prints,
+how it checks and locks, the collective backend and the gather's bucket size (neither changes a value). Every other
+option is recorded with each checkpoint, and a --save folder saved with other values is refused."""
+OPTIONS_KEY = "train_lm_options"
+"""The checkpoint entry holding the recorded options (JSON text)."""
+
+
+def recorded_options(args) -> dict:
+    """The options `MAY_DIFFER` leaves, as their values print on a command line."""
+    return {k: str(v) for k, v in sorted(vars(args).items()) if k not in MAY_DIFFER}
+
+
+def check_options(args, path: Path, verify: bool) -> None:
+    """Refuse to resume from `path` (collective) when it was saved with other options than `args`, naming each one
+    with both values; a checkpoint saved before options were recorded resumes with a note. `verify`: check its
+    files against their digests first (DamagedCheckpointError names a damaged one), so that the load after this
+    need not."""
+    if verify:
+        verify_folder_collective(path)
+    reader = SafeReader(path)
+    if OPTIONS_KEY not in reader.read_metadata().state_dict_metadata:
+        if launch_rank() == 0:
+            print(f"train_lm: {path} records no options (saved before they were): not compared with this run's",
+                  flush=True)  # fmt: skip
+        return
+    box = {OPTIONS_KEY: ""}
+    load_distributed_checkpoint(box, path, checked=reader)
+    saved, ours = json.loads(box[OPTIONS_KEY]), recorded_options(args)
+    differ = [f"--{k.replace('_', '-')} {saved.get(k, '(none)')} there, {ours.get(k, '(none)')} here"
+              for k in sorted(saved.keys() | ours.keys()) if saved.get(k) != ours.get(k)]  # fmt: skip
+    if differ:
+        raise SystemExit(f"train_lm: --save {args.save} holds checkpoints of a run with other options "
+                         f"({'; '.join(differ)}): give it those options to resume that run, or give this run "
+                         "another --save folder")
 
 
 def _callers(path: Path) -> Path:
@@ -264,7 +306,9 @@ def main(argv=None) -> int:
         progress.update(step, last_loss)
         if args.save is not None and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
             folder = step_folder(args.save, step + 1)
-            save_checkpoint(opt, folder)  # every rank; committed whole
+            # every rank; committed whole, with the options that made it
+            checkpoint.save({"optimizer": sharded_state_dict(opt), OPTIONS_KEY: json.dumps(recorded_options(args))},
+                            folder)  # fmt: skip
             say(f"saved step {step + 1} to {folder}")
     seconds = time.perf_counter() - t0
     if start < args.steps:
@@ -285,8 +329,9 @@ def resume(args, opt: Zero1Optimizer, say) -> int:
     found = latest_complete_checkpoint(args.save) if args.save is not None else None
     if found is None:
         return 0
-    try:  # refuses a damaged file and another model's checkpoint before loading anything
-        load_checkpoint(opt, found.path, verify=not args.no_verify)
+    try:  # refuses a damaged file, other options and another model's checkpoint before loading anything
+        check_options(args, found.path, verify=not args.no_verify)
+        load_checkpoint(opt, found.path, verify=False)  # check_options checked its files
     except DamagedCheckpointError as e:
         raise SystemExit(f"train_lm: {e}") from None
     # The folder's name gives the step; AdamW's own count says which step the state is of (every weight steps).

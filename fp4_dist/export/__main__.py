@@ -2,8 +2,9 @@
                                    [--no-verify]
 
 Export the NVFP4 weights of a Megatron checkpoint (written with --save SAVE_DIR --ckpt-format torch by a run through
-fp4_dist.megatron.run or the example trainer) as a compressed-tensors checkpoint folder that vLLM serves and
-transformers loads (docs/export.md), and print the report."""
+fp4_dist.megatron.run or the example trainer) as a compressed-tensors checkpoint folder under Megatron's parameter
+names, and print the report. There is no architecture mapping: fp4_dist.export.load_compressed_tensors loads the
+folder into a Megatron GPTModel with NVFP4 weights; transformers and vLLM do not (docs/export.md)."""
 
 from __future__ import annotations
 

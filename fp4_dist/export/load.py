@@ -73,7 +73,9 @@ def load_compressed_tensors(model: nn.Module, folder, *, strict: bool = True, ve
     for module_name in ct_format.nvfp4_modules(tensors):
         name = f"{module_name}.weight"
         staged[name] = _nvfp4_fields(model, module_name, tensors, amaxes.get(name), report)
-    targets = model.state_dict(keep_vars=True)
+    # Tensors only: a module's extra state (Megatron's ``_extra_state`` entries, None or bytes) is no weight, and an
+    # export holds none
+    targets = {n: t for n, t in model.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)}
     dense = {n: t for n, t in tensors.items() if not n.endswith(ct_format.SUFFIXES)}
     side = ct_format.read_side_fields(folder)
     for name in [n for n in dense if f"{n}.rowwise_data" in side and n in targets and is_nvfp4_tensor(targets[n])]:

@@ -162,3 +162,34 @@ def test_the_checkpoint_recipe_runs_as_written_and_resumes_from_the_newest_save(
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stdout.count("RECIPE trained steps 0..4") == 2 and proc.stdout.count("RECIPE trained steps 4..6") == 2
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000002", "step_00000004", "step_00000006"]
+    if doc == "fsdp2.md":  # docs/export.md's row for an FSDP2 DCP checkpoint, on the recipe's last save
+        assert_export_md_loads_the_fsdp2_recipe_checkpoint(tmp_path)
+
+
+EXPORT_FSDP2 = FSDP2_RECIPE_PREAMBLE + '''
+import fp4_dist.checkpoint
+from fp4_dist.export import export_compressed_tensors, load_compressed_tensors
+fp4_dist.launch.init_distributed()
+model, _ = build()
+path = "ckpt/step_00000006"
+before = [p.full_tensor().clone() for p in model.parameters()]
+LOAD
+after = [p.full_tensor() for p in model.parameters()]
+assert all(not torch.equal(a, b) for a, b in zip(after, before)), "nothing loaded"
+export_compressed_tensors(model, "out")
+print("EXPORTED", flush=True)
+fp4_dist.launch.shutdown()
+'''
+
+
+def assert_export_md_loads_the_fsdp2_recipe_checkpoint(tmp_path) -> None:
+    from . import forked_ranks
+
+    row = next(line for line in (REPO / "docs" / "export.md").read_text().splitlines()
+               if line.startswith("| an FSDP2 DCP checkpoint"))  # fmt: skip
+    load = re.search(r"`(fp4_dist\.checkpoint\.load_distributed_checkpoint\(.*?\))`", row).group(1)
+    script = tmp_path / "export_fsdp2.py"
+    script.write_text(EXPORT_FSDP2.replace("LOAD", load))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", str(script)]
+    proc = forked_ranks.run(cmd, env=_env(), cwd=tmp_path, timeout=TIMEOUT_S)
+    assert proc.returncode == 0 and "EXPORTED" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]

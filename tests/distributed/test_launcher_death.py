@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from .forked_ranks import _children
 from .test_launch import REPO, _env, megatron_env
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -27,19 +28,6 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 GONE_S = 10.0  # every rank is gone this soon after the kill
 START_S = 240.0  # the ranks are training by then (on a loaded 2-core machine)
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
 
 
 def _alive(pid: int) -> bool:

@@ -104,7 +104,7 @@ def test_a_tensor_parallel_checkpoint_holds_each_ranks_slices_and_resumes_bit_fo
         assert proc.returncode == 0, proc.stderr[-3000:]
     whole, resumed = (json.loads(logs[n].read_text()) for n in ("whole", "resumed"))
     assert sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*")) == [
-        "iter_0000002", "iter_0000002/common.pt", "iter_0000002/mp_rank_00", "iter_0000002/mp_rank_00/distrib_optim.pt",
+        "iter_0000002", "iter_0000002/common.pt", "iter_0000002/fp4_dist_manifest.json", "iter_0000002/mp_rank_00", "iter_0000002/mp_rank_00/distrib_optim.pt",
         "iter_0000002/mp_rank_00/model.pt", "iter_0000002/mp_rank_01", "iter_0000002/mp_rank_01/distrib_optim.pt",
         "iter_0000002/mp_rank_01/model.pt", "iter_0000002/rng.pt", "latest_checkpointed_iteration.txt"]
     assert resumed["start_iteration"] == 2

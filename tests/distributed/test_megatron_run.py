@@ -123,6 +123,11 @@ def assert_exports_the_saved_weights(folder: Path, out: Path) -> None:
     assert torch.equal(tensors["decoder.layers.1.self_attention.linear_qkv.weight_packed"], qkv.rowwise_data)
     assert amaxes["decoder.layers.1.self_attention.linear_qkv.weight"] == float(qkv.amax)
     assert torch.equal(tensors["embedding.word_embeddings.weight"], saved["embedding.word_embeddings.weight"])
+    # docs/export.md's load back, into a Megatron GPTModel of the run's shape (its _extra_state entries hold no weight)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+           str(REPO / "tests" / "distributed" / "megatron_export_load.py"), str(out)]  # fmt: skip
+    proc = run_or_dump_stacks(cmd, megatron_env())
+    assert proc.returncode == 0 and "LOADED 8 NVFP4 weights" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
 def test_dp1_trains_like_bf16_from_the_bf16_init(tmp_path, data):
