@@ -24,18 +24,18 @@ def mismatches(pairs) -> list[str]:
     where they live, and one host read of all the verdicts follows (a GPU's tensors are not copied to the host
     unless they differ, and then only to say where)."""
     pairs = list(pairs)
-    verdicts, shaped = [], []
-    for label, got, ref in pairs:
-        if tuple(got.shape) != tuple(ref.shape):
-            verdicts.append(None)
-            continue
-        g = _flat_bytes(got)
-        r = _flat_bytes(ref).to(g.device)
-        shaped.append(torch.ne(g, r).any())
-        verdicts.append(len(shaped) - 1)
-    differ = torch.stack(shaped).tolist() if shaped else []
-    return [bytes_mismatch(got, ref, label) for (label, got, ref), v in zip(pairs, verdicts)
-            if v is None or differ[v]]
+    shaped = [tuple(got.shape) == tuple(ref.shape) for _, got, ref in pairs]
+    flags = [differs(got, ref) for (_, got, ref), same in zip(pairs, shaped) if same]
+    verdicts = iter(torch.stack([f.to(flags[0].device) for f in flags]).tolist() if flags else [])
+    # A pair of other shapes has no verdict: it differs, and `next` is not called for it.
+    return [bytes_mismatch(got, ref, label) for (label, got, ref), same in zip(pairs, shaped)
+            if not same or next(verdicts)]
+
+
+def differs(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """A 0-dim bool tensor on `got`'s device: whether the bytes of `got` and `ref` (same shape) differ anywhere. No
+    host read: the caller reads many at once."""
+    return torch.ne(_flat_bytes(got), _flat_bytes(ref).to(got.device)).any()
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:

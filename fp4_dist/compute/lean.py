@@ -81,7 +81,8 @@ class LeanView:
         then records what proved the values (`buffer.token`: `pool.copy_token`, None where nothing did)."""
         if w is not self.weight or self.buffer.retired or not bound(self.fields, w):
             self._bind(w)
-        if kernels.capturing():
+        captured = kernels.capturing()
+        if captured:
             self.graphed_fill()
         else:
             self._fill_unless_held(w, d)
@@ -92,17 +93,12 @@ class LeanView:
         # holder of it then shows in the buffer's reference count at the next write.
         if not grad:
             return buf.tensor.view(self.key[0])
-        if kernels.capturing():
+        if captured:
             # An alias of its own: the kept one's autograd node was recorded on an eager stream, which a captured
             # backward may not wait on (`fp4_dist.compute.view` says more).
-            before = use_count(buf.tensor)
-            alias = alias_onto(w, buf.tensor)
-            buf.adopt(alias, before)
-            return alias
+            return _adopted_alias(w, buf)
         if self.alias is None:
-            before = use_count(buf.tensor)
-            self.alias = alias_onto(w, buf.tensor)
-            buf.adopt(self.alias, before)
+            self.alias = _adopted_alias(w, buf)
         return self.alias.view(self.key[0]) if fresh_tensor else self.alias
 
     def _fill_unless_held(self, w: NVFP4Tensor, d: int) -> None:
@@ -168,6 +164,14 @@ class LeanView:
 
     def __reduce__(self):
         return LeanView, ()
+
+
+def _adopted_alias(w: NVFP4Tensor, buf: Buffer) -> torch.Tensor:
+    """An alias of pool buffer `buf` linked to `w` (`alias_onto`), accounted for by the buffer while it lives."""
+    before = use_count(buf.tensor)
+    alias = alias_onto(w, buf.tensor)
+    buf.adopt(alias, before)
+    return alias
 
 
 def lean_view(module: torch.nn.Module) -> LeanView:

@@ -32,6 +32,7 @@ import weakref
 import torch
 
 from .._user import user_stacklevel
+from ..compare import differs
 from ..tensor.copy import version_key
 
 
@@ -147,9 +148,7 @@ class _Audit:
         self.on, self.flags = False, []
 
     def note(self, value: torch.Tensor, w) -> None:
-        fresh = w.dequantize(value.dtype).view(value.shape)
-        self.flags.append((w, torch.ne(value.view(torch.int16), fresh.view(torch.int16)).any()
-                           if value.element_size() == 2 else torch.ne(value, fresh).any()))
+        self.flags.append((w, differs(value, w.dequantize(value.dtype).view(value.shape))))
 
 
 AUDIT = _Audit()
