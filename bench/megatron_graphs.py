@@ -1,7 +1,7 @@
 """Step time and peak memory of Megatron's own training loop with CUDA graphs, per compute mode, on one GPU.
 
     python bench/megatron_graphs.py [--graphs full_iteration] [--rounds 3] [--iters 16] [--shape llama|tiny]
-        [--modes bf16,lean,kept,fp8] [--out DIR]
+        [--modes bf16,lean,kept,fp8] [--check-every N] [--out DIR]
 
 One process per run (`examples/pretrain_gpt.py` through ``python -m fp4_dist.megatron.run``), the modes taking turns
 (bf16, lean, kept, fp8, then again, --rounds times), so a slowdown that lasts a run lands on one mode only:
@@ -17,6 +17,11 @@ SwiGLU, RoPE, untied embeddings, vocab 32,000, seq 2,048, micro-batch 1, global 
 time per iteration"), the median over the iterations after the capture (``--cuda-graph-warmup-steps`` + 1) of every
 round; peak memory (allocated and reserved, the graph pools included) is the run record's. The table gives each
 mode's median and its ratio to bf16's, and the spread of the per-round medians.
+
+With ``--check-every N`` the NVFP4 runs check their gathered weights every N iterations (the launcher's
+``--check-every``). Those iterations (the check, and the lean audit of the step before it) are left out of the
+median, and a second table gives the check's own time (the run record's ``check_ms``) and what it adds to a step on
+average: (check iteration - median) / N.
 """
 
 from __future__ import annotations
@@ -57,6 +62,8 @@ def run(out: Path, name: str, mode: str, a) -> dict:
            "-m", "fp4_dist.megatron.run", "--log-json", str(record), *runner, str(REPO / "examples" / "pretrain_gpt.py"),
            *SHAPES[a.shape].split(), *COMMON.split(), "--train-iters", str(a.iters), "--data-path", a.data,
            *graphs, *(["--fp4-param-gather"] if fp4 else [])]  # fmt: skip
+    if fp4 and a.check_every:
+        cmd[cmd.index("--log-json"):cmd.index("--log-json")] = ["--check-every", str(a.check_every)]
     env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     with open(log, "w") as f:
@@ -66,21 +73,30 @@ def run(out: Path, name: str, mode: str, a) -> dict:
         print(f"{name}: exit {rc}\n{text[-4000:]}", flush=True)
         return {"rc": rc}
     steps = {int(m.group(1)): float(m.group(2)) for m in STEP.finditer(text)}
-    kept = [t for i, t in steps.items() if i > WARMUP + 1]
     rec = json.loads(record.read_text())
-    result = {"rc": 0, "median_ms": statistics.median(kept), "steps": steps,
+    checked = {it["iteration"]: it["check_ms"] for it in rec["iterations"] if "check_ms" in it}
+    kept = [t for i, t in steps.items() if i > WARMUP + 1 and i not in checked]
+    result = {"rc": 0, "median_ms": statistics.median(kept), "steps": steps, "checked": checked,
               "allocated_mib": rec.get("peak_allocated_mib"), "reserved_mib": rec.get("peak_reserved_mib"),
               "losses": [it["loss"] for it in rec["iterations"]]}
+    for i, ms in checked.items():
+        print(f"{name}: iteration {i} checked: step {steps.get(i, float('nan')):.1f} ms, of which the check "
+              f"{ms:.1f} ms", flush=True)
     print(f"{name}: median {result['median_ms']:.1f} ms over {len(kept)} steps, peak allocated "
           f"{result['allocated_mib']:.0f} MiB, reserved {result['reserved_mib']:.0f} MiB", flush=True)
     return result
 
 
+def _timed(x: dict) -> list:
+    """A run's step times, past the capture and not checked."""
+    return [s for i, s in x["steps"].items() if i > WARMUP + 1 and i not in x.get("checked", {})]
+
+
 def table(results: dict, a, rounds: int) -> None:
-    """The markdown table of the runs so far."""
+    """The markdown tables of the runs so far."""
     modes = list(results)
     ok = {m: [x for x in rs if x["rc"] == 0] for m, rs in results.items()}
-    base = statistics.median([s for x in ok.get("bf16", []) for i, s in x["steps"].items() if i > WARMUP + 1] or [0])
+    base = statistics.median([s for x in ok.get("bf16", []) for s in _timed(x)] or [0])
     print(f"\n{a.shape}, --cuda-graph-impl {a.graphs}, {rounds} rounds of {a.iters} iterations (median step over "
           f"iterations > {WARMUP + 1} of every round)")
     print("| mode | step (ms) | / bf16 | per-round medians | peak allocated (MiB) | peak reserved (MiB) |")
@@ -89,11 +105,24 @@ def table(results: dict, a, rounds: int) -> None:
         if not ok[m]:
             print(f"| {m} | failed | | | | |")
             continue
-        med = statistics.median([s for x in ok[m] for i, s in x["steps"].items() if i > WARMUP + 1])
+        med = statistics.median([s for x in ok[m] for s in _timed(x)])
         per_round = ", ".join(f"{x['median_ms']:.1f}" for x in ok[m])
         ratio = f"{med / base:.3f}x" if base else ""
         print(f"| {m} | {med:.1f} | {ratio} | {per_round} | {max(x['allocated_mib'] for x in ok[m]):.0f} | "
               f"{max(x['reserved_mib'] for x in ok[m]):.0f} |")
+    if not a.check_every:
+        return
+    print(f"\nThe parity check every {a.check_every} iterations (the checked iterations against the mode's median)")
+    print("| mode | checks | check (ms) | checked step (ms) | added per step |")
+    print("|---|---:|---:|---:|---:|")
+    for m in modes:
+        checks = [(x["steps"][i], ms, statistics.median(_timed(x))) for x in ok[m] for i, ms in
+                  x.get("checked", {}).items() if i in x["steps"]]  # fmt: skip
+        if not checks:
+            continue
+        step, ms, med = (statistics.median(c[k] for c in checks) for k in range(3))
+        added = statistics.median((c[0] - c[2]) / a.check_every / c[2] for c in checks)
+        print(f"| {m} | {len(checks)} | {ms:.1f} | {step:.1f} | {100 * added:.1f}% |")
 
 
 def main(argv=None) -> int:
@@ -103,6 +132,7 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=16)
     p.add_argument("--shape", default="llama", choices=list(SHAPES))
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--check-every", type=int, default=0, help="the NVFP4 runs' parity check interval (0: none)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "graphs")
     a = p.parse_args(argv)
     modes = a.modes.split(",")

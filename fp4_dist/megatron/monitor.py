@@ -10,13 +10,15 @@ weights after setup in every ``--fp4-param-gather`` run and does the rest when t
   error on every rank, naming the weights, before a step trains on them;
 - rank 0 writes a JSON record after setup and after every iteration: the NVFP4 weights of each rank, the digest of
   every full fp32 master after setup (a fresh run's equals a bf16 run's init; a resumed run's equals the saved masters), each iteration's
-  loss, grad norm and check, and the masters' digest at the last iteration.
+  loss, grad norm and check (with the check's wall time, `check_ms`), and the masters' digest at the last
+  iteration.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import time
 from typing import Any, Optional
 
 import torch
@@ -85,7 +87,9 @@ class Monitor:
             entry: dict[str, Any] = {"iteration": iteration, "loss": _last_stage_loss(out[0]),
                                      "skipped": bool(out[1]), "grad_norm": _float(out[5])}  # fmt: skip
             if options.check_every and iteration % options.check_every == 0:
+                start = _synced_clock()
                 entry["check"] = self.check(iteration)
+                entry["check_ms"] = round(1e3 * (_synced_clock() - start), 3)
             args = get_args()
             exit_interval = getattr(args, "exit_interval", None)  # Megatron stops after such an iteration too
             last = iteration == args.train_iters or bool(exit_interval and iteration % exit_interval == 0)
@@ -146,6 +150,13 @@ class Monitor:
         if dist.get_rank() != 0:
             return
         atomic.write_file_atomically(path, json.dumps(self.record, indent=1))
+
+
+def _synced_clock() -> float:
+    """Seconds, once the device is idle: a check's time is its own, not the tail of the step before it."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 def peak_allocated_mib(reserved: bool = False) -> Optional[float]:

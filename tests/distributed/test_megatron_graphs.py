@@ -55,11 +55,11 @@ def data(tmp_path_factory) -> str:
     return prefix
 
 
-def _run(tmp: Path, name: str, runner: list, args: list) -> dict:
+def _run(tmp: Path, name: str, runner: list, args: list, check_every: int = 1) -> dict:
     log = tmp / f"{name}.json"
     port = 29500 + (abs(hash(name)) % 2000)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--master-port", str(port),
-           "-m", "fp4_dist.megatron.run", "--check-every", "1", "--log-json", str(log), *runner, str(SCRIPT),
+           "-m", "fp4_dist.megatron.run", "--check-every", str(check_every), "--log-json", str(log), *runner, str(SCRIPT),
            *MODEL, *args]  # fmt: skip
     env = dict(_env(), CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONFAULTHANDLER="1")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests" / "distributed" / "without_transformers"),
