@@ -32,7 +32,7 @@ def consumed_pairs(name: str, w: NVFP4Tensor, holders, reference: NVFP4Tensor) -
             continue
         if want is None:
             want = Fp8Operand.weight(reference)
-        for field in ("bits", "scales", "cublas_scales", "cublas_scales_t"):
+        for field in ("bits", "scales", "cublas_scales", "cublas_scales_t", "bits_t"):
             got = getattr(operand, field)
             if got is not None:
                 yield f"{name} FP8 copy ({field})", got, getattr(want, field)

@@ -114,14 +114,14 @@ def _reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
 
 def saved_weight(w: Fp8Operand) -> tuple:
     """What a linear's forward saves of its weight's FP8 block copy for the backward (`save_for_backward` takes
-    tensors or None): the copy and its scales, in both layouts."""
-    return w.bits, w.scales, w.cublas_scales, w.cublas_scales_t
+    tensors or None): the copy and its scales, in both layouts, and its transpose where it has one."""
+    return w.bits, w.scales, w.cublas_scales, w.cublas_scales_t, w.bits_t
 
 
 def weight_from_saved(saved) -> Fp8Operand:
     """The block operand `saved_weight` saved."""
-    bits, scales, cublas_scales, cublas_scales_t = saved
-    return Fp8Operand(bits, scales, True, cublas_scales, cublas_scales_t)
+    bits, scales, cublas_scales, cublas_scales_t, bits_t = saved
+    return Fp8Operand(bits, scales, True, cublas_scales, cublas_scales_t, bits_t)
 
 
 def output(y: torch.Tensor, input_shape) -> torch.Tensor:

@@ -7,8 +7,9 @@ The copy is remade in place: its tensors keep their addresses for the layer's li
 GEMM reading them (Megatron's ``--cuda-graph-impl local`` / ``full_iteration``) then reads each step's copy on
 replay, with no Python deciding anything at the use: the decision is made once per gather, outside the graph.
 
-1 byte per weight and one fp32 per 128 x 128 block, beside the packed 0.5 bytes: 1.5 bytes per weight against bf16's
-2. The copy proves itself current as the lean copies do (`pool.copy_token`: the weight's cast count and the
+1 byte per weight and one fp32 per 128 x 128 block, beside the packed 0.5 bytes, and on a GPU the copy's transpose
+(1 byte per weight, the dgrad's operand), all written by one launch per remake (`Fp8Operand.rewrite_block_copy`):
+2.5 bytes per weight on a GPU (1.5 on the CPU) against bf16's 2. The copy proves itself current as the lean copies do (`pool.copy_token`: the weight's cast count and the
 version counters of its bytes); between a cast and its all-gather's processing nothing proves a copy current, and
 each use makes one of its own (not kept).
 """
@@ -53,13 +54,20 @@ class Fp8Copy:
             self._write(w, token)
 
     def _write(self, w, token) -> None:
-        fresh = Fp8Operand.weight(w)
         # A forward saved these tensors for its backward: the write bumps their version counters, so a backward
         # through a graph recorded before it raises, as for a parameter changed in place.
+        tensors = [t for t in self.operand if isinstance(t, torch.Tensor)]
         with torch.no_grad():
-            for dst, src in zip(self.operand, fresh):
-                if isinstance(dst, torch.Tensor):
-                    dst.copy_(src)
+            if self.operand.rewrite_block_copy(w.rowwise_data, w.rowwise_scale_inv, w.amax):  # one launch
+                for t in tensors:
+                    torch.autograd.graph.increment_version(t)
+            else:
+                fresh = Fp8Operand.weight(w)
+                if fresh.bits_t is None:  # made by the reference: its transpose as a view
+                    fresh = fresh._replace(bits_t=fresh.bits.t())
+                for dst, src in zip(self.operand, fresh):
+                    if isinstance(dst, torch.Tensor):
+                        dst.copy_(src)
         self.token = token
 
     def __deepcopy__(self, memo):  # a copied layer makes its own from its own weight
@@ -106,7 +114,7 @@ def fp8_copy_bytes(model: torch.nn.Module) -> int:
         kept = m.__dict__.get(_ATTR)
         if kept is not None:
             op = kept.operand
-            for t in (op.bits, op.scales, op.cublas_scales, op.cublas_scales_t):
+            for t in (op.bits, op.scales, op.cublas_scales, op.cublas_scales_t, op.bits_t):
                 if t is not None:
                     storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(storages.values())

@@ -33,13 +33,15 @@ class Fp8Operand(NamedTuple):
     per 1 x 128 group ([rows, ceil(K/128)]) or one per 128 x 128 block ([ceil(rows/128), ceil(K/128)]).
 
     A block operand may carry its scales as cuBLAS reads them, for itself and for its transpose
-    (`with_cublas_scales`: made once with a weight's copy, instead of at every GEMM that reads it)."""
+    (`with_cublas_scales`: made once with a weight's copy, instead of at every GEMM that reads it), and its bits
+    transposed, row-major (`bits_t`: made by the CUDA copy in the same launch, instead of by every dgrad)."""
 
     bits: torch.Tensor
     scales: torch.Tensor
     blocks: bool
     cublas_scales: Optional[torch.Tensor] = None
     cublas_scales_t: Optional[torch.Tensor] = None
+    bits_t: Optional[torch.Tensor] = None
 
     @classmethod
     def rows(cls, x: torch.Tensor) -> Fp8Operand:
@@ -73,14 +75,32 @@ class Fp8Operand(NamedTuple):
         fields = (rowwise_data, scale_inv, amax)
         if rowwise_data.is_cuda:
             if device_report(rowwise_data.device).block_kernel and fp8_block.can_copy(*fields[:2]):
-                return cls(*fp8_block.fp8_block_copy(*fields), blocks=True).with_cublas_scales()
+                return cls._of_block_operand(fp8_block.fp8_block_operand(*fields))
             return cls(*fp8_block_copy(*fields), blocks=True).with_cublas_scales()
         return cls(*fp8_block_copy(*fields), blocks=True)
+
+    @classmethod
+    def _of_block_operand(cls, op: fp8_block.BlockOperand) -> Fp8Operand:
+        return cls(op.bits, op.scales, True, op.cublas_scales, op.cublas_scales_t, op.bits_t)
+
+    def rewrite_block_copy(self, rowwise_data: torch.Tensor, scale_inv: torch.Tensor, amax: torch.Tensor) -> bool:
+        """Write the FP8 block copy of the NVFP4 weight these fields hold (as `block_copy`) into this operand's
+        tensors in place, by the one launch that made them (`fp8_block.fp8_block_operand`), and say so; False (and
+        nothing written) where this operand was not made so (the reference's copies, a CPU weight)."""
+        if not (self.blocks and self.bits_t is not None and self.bits.is_cuda and rowwise_data.is_cuda
+                and device_report(rowwise_data.device).block_kernel
+                and fp8_block.can_copy(rowwise_data, scale_inv)):  # fmt: skip
+            return False
+        out = fp8_block.BlockOperand(self.bits, self.scales, self.bits_t, self.cublas_scales, self.cublas_scales_t)
+        fp8_block.fp8_block_operand(rowwise_data, scale_inv, amax, out=out)
+        return True
 
     def t(self) -> Fp8Operand:
         """The transposed operand: only a 128 x 128 block copy transposes without requantizing."""
         if not self.blocks:
             raise ValueError("a 1 x 128 operand does not transpose: quantize the transposed tensor instead")
+        if self.bits_t is not None:  # the copy's transpose, made with it
+            return Fp8Operand(self.bits_t, self.scales.t(), True, self.cublas_scales_t, self.cublas_scales, self.bits)
         return Fp8Operand(self.bits.t(), self.scales.t(), True, self.cublas_scales_t, self.cublas_scales)
 
     def with_cublas_scales(self) -> Fp8Operand:
@@ -379,11 +399,27 @@ def _block_kernel_agrees(device: torch.device) -> bool:
                 warnings.warn(f"fp4_dist: the CUDA FP8 weight copy does not run on {device} ({e}); the PyTorch "
                               "reference makes the copies instead (the same bits, far slower)", stacklevel=2)
                 return False
-            if not _same_bits(got, fp8_block_copy(data, scales, amax)):
+            want = fp8_block_copy(data, scales, amax)
+            if not (_same_bits(got, want) and _fused_copy_agrees(data.to(device), scales.to(device), amax.to(device),
+                                                                  want)):  # fmt: skip
                 warnings.warn(f"fp4_dist: the CUDA FP8 weight copy disagrees with its reference on {device}; the "
                               "PyTorch reference makes the copies instead (the same bits, far slower)", stacklevel=2)
                 return False
     return True
+
+
+def _fused_copy_agrees(data: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor, want: tuple) -> bool:
+    """Whether the one-launch copy (`fp8_block.fp8_block_operand`, what a weight update makes) gives the
+    reference's bits and scales `want`, its transpose, and the scales as `_block_scales` lays them out for cuBLAS
+    (padding included)."""
+    got = fp8_block.fp8_block_operand(data, scales, amax)
+    bits, block = want
+    m, k = bits.shape
+    kg, rg = ceil_div(k, FP8_BLOCK), ceil_div(m, FP8_BLOCK)
+    laid_out = (_block_scales(block, m, kg), _block_scales(block.t(), k, rg))
+    return (_same_bits((got.bits, got.scales), want) and torch.equal(got.bits_t.cpu(), bits.t())
+            and all(g.stride() == w.stride() and torch.equal(g.cpu().view(torch.int32), w.view(torch.int32))
+                    for g, w in zip((got.cublas_scales, got.cublas_scales_t), laid_out)))  # fmt: skip
 
 
 def check_cases(device) -> dict:

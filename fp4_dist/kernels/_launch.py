@@ -63,13 +63,27 @@ KERNELS: dict[tuple[str, str], tuple[str, str]] = {
        for d in ("LoadBf16", "LoadFp16", "LoadFp32")},
     **{("cols_1x128", d): ("fp8_rows.cu", f"fp4d::cols_1x128_kernel<fp4d::{d}>")
        for d in ("LoadBf16", "LoadFp16", "LoadFp32")},
-    **{("both_1x128", d): ("fp8_rows.cu", f"fp4d::both_1x128_kernel<fp4d::{d}>") for d in ("LoadBf16", "LoadFp16")},
+    **{(stage, d): ("fp8_rows.cu", f"fp4d::{stage}_kernel<fp4d::{d}>")
+       for stage in ("both_1x128", "both_1x128_vec", "both_1x128_stream") for d in ("LoadBf16", "LoadFp16")},
     ("fp8_block_copy", ""): ("fp8_block.cu", "fp4d::fp8_block_copy_kernel"),
+    ("fp8_block_copy_fused", ""): ("fp8_block.cu", "fp4d::fp8_block_copy_fused_kernel"),
     ("transpose_bytes", ""): ("fp8_block.cu", "fp4d::transpose_bytes_kernel"),
 }
 
 # E2M1 rounding of partial_cast (a key of _E2M1): the one with fewer instructions per element by default.
 CAST_E2M1 = "E2M1Min"
+
+# The kernels that quantize a tensor both ways in one read (cuda/fp8_rows.cu), all with the same bits, by variant:
+# "tile" (one group per warp at a time, byte stores), "vec" (16 values a thread, 16-byte loads and stores, one
+# block per tile), "stream" (the vec path in as many blocks as are resident, each loading its next tile while it
+# quantizes the current one's columns). BOTH_1X128 is the one `launch_both_1x128` takes unless told.
+BOTH_1X128_VARIANTS = {"tile": "both_1x128", "vec": "both_1x128_vec", "stream": "both_1x128_stream"}
+BOTH_1X128 = "vec"
+
+# How `fp8_block.fp8_block_operand` makes a weight's FP8 copy, its transpose and their cuBLAS scales (the same
+# bytes either way): "fused" (one launch, fp8_block_copy_fused_kernel) or "split" (the copy's kernel, the byte
+# transpose and torch copies).
+FP8_BLOCK_COPY = "fused"
 
 # Launch grid per stage. "resident": min(units, blocks that fit on the device at once), each block looping over
 # units (partial_amax needs it: one atomic merge of the tensor amax per block). "units": one block per unit,
@@ -81,7 +95,8 @@ GRID = {"partial_amax": "resident", "fused_scale": "resident", "partial_cast": "
         "owner_scales": "resident", "expand_scales": "resident", "nibble_transpose": "units",
         "scale_transpose": "resident", "dequantize": "units", "e2m1_codes": "resident",
         "e4m3_codes": "resident", "rows_1x128": "units", "rows_1x128_vec": "units",
-        "cols_1x128": "units", "both_1x128": "units", "fp8_block_copy": "units", "transpose_bytes": "units"}  # fmt: skip
+        "cols_1x128": "units", "both_1x128": "units", "both_1x128_vec": "units", "both_1x128_stream": "resident",
+        "fp8_block_copy": "units", "fp8_block_copy_fused": "units", "transpose_bytes": "units"}  # fmt: skip
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 
@@ -454,13 +469,15 @@ def launch_cols_1x128(y: torch.Tensor, bits: torch.Tensor, scales: torch.Tensor,
 
 
 def launch_both_1x128(x: torch.Tensor, bits: torch.Tensor, scales: torch.Tensor, bits_t: torch.Tensor,
-                      scales_t: torch.Tensor, via=None) -> None:  # fmt: skip
+                      scales_t: torch.Tensor, via=None, variant: str | None = None) -> None:  # fmt: skip
     """Both 1 x 128 FP8 quantizations of x [rows, cols] (bf16 or fp16, unit column stride): along its rows into
     bits [rows, cols] and scales [rows, ceil(cols/128)], along its columns (of x^T) into bits_t [cols, rows] and
-    scales_t [cols, ceil(rows/128)]; scales outer-dim-major. One block per 128 x 128 tile."""
+    scales_t [cols, ceil(rows/128)]; scales outer-dim-major. `variant`: a key of BOTH_1X128_VARIANTS (default
+    BOTH_1X128); all give the same bits. One block per 128 x 128 tile ("stream": at most the resident blocks)."""
     rows, cols = x.shape
     tiles = (-(-rows // 128)) * (-(-cols // 128))
-    (via or launch_now)(x.device.index, ("both_1x128", _LOAD[x.dtype]), tiles,
+    stage = BOTH_1X128_VARIANTS[variant or BOTH_1X128]
+    (via or launch_now)(x.device.index, (stage, _LOAD[x.dtype]), tiles,
             (x.data_ptr(), np.int64(rows), np.int64(cols), np.int64(x.stride(0)), bits.data_ptr(),
              scales.data_ptr(), bits_t.data_ptr(), scales_t.data_ptr()))  # fmt: skip
 
@@ -475,6 +492,22 @@ def launch_fp8_block_copy(data: torch.Tensor, scales: torch.Tensor, scale_row_di
             (data.data_ptr(), np.int64(data.stride(0)), scales.data_ptr(), np.int64(scales.stride(0)),
              np.int64(scale_row_div), np.int64(m), np.int64(k), amax.data_ptr(), bits.data_ptr(),
              out_scales.data_ptr()))  # fmt: skip
+
+
+def launch_fp8_block_copy_fused(data: torch.Tensor, scales: torch.Tensor, scale_row_div: int, m: int, k: int,
+                                amax: torch.Tensor, bits: torch.Tensor, out_scales: torch.Tensor,
+                                bits_t: torch.Tensor | None, cublas_scales: torch.Tensor | None,
+                                cublas_scales_t: torch.Tensor | None, via=None) -> None:  # fmt: skip
+    """`launch_fp8_block_copy`, and in the same launch, each where given: bits_t (uint8 [k, m], contiguous: the
+    copy transposed), cublas_scales and cublas_scales_t (the block scales as cuBLAS's 128 x 128 recipe reads them
+    for the copy and for its transpose: `fp8_gemm._block_scales`' layouts, padding included). The caller checks
+    shapes and layouts (`fp8_block.fp8_block_operand`). One 256-thread block per 128 x 128 block."""
+    blocks = (-(-m // 128)) * (-(-k // 128))
+    ptr = [0 if t is None else t.data_ptr() for t in (bits_t, cublas_scales, cublas_scales_t)]
+    (via or launch_now)(data.device.index, ("fp8_block_copy_fused", ""), blocks,
+            (data.data_ptr(), np.int64(data.stride(0)), scales.data_ptr(), np.int64(scales.stride(0)),
+             np.int64(scale_row_div), np.int64(m), np.int64(k), amax.data_ptr(), bits.data_ptr(),
+             out_scales.data_ptr(), *ptr))  # fmt: skip
 
 
 def launch_transpose_bytes(src: torch.Tensor, dst: torch.Tensor, via=None) -> None:

@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from fp4_dist.compute.fp8_gemm import _block_scales
 from fp4_dist.format import FP8_BLOCK, ceil_div
 from fp4_dist.kernels import _launch, fp8_block
 from fp4_dist.kernels import reference as nvfp4
@@ -48,6 +49,34 @@ def _check(data, scale_inv, amax, label):
     _launch.launch_fp8_block_copy(data.cuda(), tile_rows.cuda(), 16, m, k, amax.float().cuda(), bits, scales)
     assert torch.equal(bits.cpu(), want_bits), label
     assert torch.equal(scales.cpu().view(torch.int32), want_scales.view(torch.int32)), label
+    for variant in VARIANTS:  # the whole operand a weight update makes: copy, transpose, cuBLAS's scales
+        out = _poisoned_operand(m, k)
+        got = fp8_block.fp8_block_operand(data.cuda(), scale_inv.cuda(), amax.float().cuda(), out=out,
+                                          variant=variant)  # fmt: skip
+        assert all(g is o for g, o in zip(got, out)), "written in place"
+        _assert_operand(got, want_bits, want_scales, (label, variant))
+
+
+VARIANTS = ("fused", "split")
+
+
+def _poisoned_operand(m: int, k: int) -> fp8_block.BlockOperand:
+    out = fp8_block.block_operand_empty(m, k, "cuda")
+    for t in out:
+        t.fill_(0xA5 if t.dtype == torch.uint8 else -1.25)
+    return out
+
+
+def _assert_operand(got: fp8_block.BlockOperand, want_bits, want_scales, label) -> None:
+    m, k = want_bits.shape
+    kg, rg = ceil_div(k, FP8_BLOCK), ceil_div(m, FP8_BLOCK)
+    assert torch.equal(got.bits.cpu(), want_bits), label
+    assert torch.equal(got.scales.cpu().view(torch.int32), want_scales.view(torch.int32)), label
+    assert torch.equal(got.bits_t.cpu(), want_bits.t()), label
+    laid_out = (_block_scales(want_scales, m, kg), _block_scales(want_scales.t(), k, rg))
+    for g, w in zip((got.cublas_scales, got.cublas_scales_t), laid_out):
+        assert g.shape == w.shape and g.stride() == w.stride(), label
+        assert torch.equal(g.cpu().view(torch.int32), w.view(torch.int32)), label
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -95,3 +124,18 @@ def test_the_byte_transpose_equals_torchs(shape):
     out = torch.full((shape[1], shape[0]), 0xA5, dtype=torch.uint8, device="cuda")  # poisoned
     _launch.launch_transpose_bytes(x, out)
     assert torch.equal(out, x.t().contiguous())
+
+
+@pytest.mark.parametrize("shape", [(512, 384), (300, 272), (131, 48), (1040, 4096)])
+def test_the_operand_is_rewritten_in_place_as_a_new_one(shape):
+    # a kept copy remade after a weight update: the same addresses, the bytes of a copy made anew
+    g = torch.Generator().manual_seed(shape[0])
+    first, second = (nvfp4.quantize(torch.randn(*shape, generator=g) * s) for s in (1.0, 1e-3))
+    out = fp8_block.fp8_block_operand(*(t.cuda() for t in (first[0], first[1], first[2])))
+    addresses = [t.data_ptr() for t in out]
+    data, scales, amax = (t.cuda() for t in (second[0], second[3], second[2]))  # the compact tile grid this time
+    fp8_block.fp8_block_operand(data, scales, amax, out=out)
+    assert [t.data_ptr() for t in out] == addresses
+    _assert_operand(out, *fp8_block_copy(second[0], second[3], second[2]), shape)
+    with pytest.raises(ValueError, match="out.bits_t"):
+        fp8_block.fp8_block_operand(data, scales, amax, out=out._replace(bits_t=out.bits_t.t()))

@@ -61,15 +61,19 @@ def test_each_layout_takes_its_kernel():
     assert fp8_rows.path(x[::2]) == "rows"  # rows 512 elements apart: still aligned
 
 
+VARIANTS = sorted(_launch.BOTH_1X128_VARIANTS)  # every both-ways kernel, the default and the others
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("seed", range(40))
-def test_both_ways_in_one_read_give_the_references_bits(seed):
+def test_both_ways_in_one_read_give_the_references_bits(seed, variant):
     # an activation's forward and weight-gradient operands (or an output gradient's) from one read of it
     x = _case(seed)
     if x.dtype == torch.float32:
         x = x.to(random.Random(seed).choice([torch.bfloat16, torch.float16]))
     for xg in (x.cuda(), torch.cat([x, x], dim=1).cuda()[:, : x.shape[1]]):  # contiguous, and rows strided apart
         (bits, scales), (bits_t, scales_t) = _poisoned(*x.shape), _poisoned(x.shape[1], x.shape[0])
-        _launch.launch_both_1x128(xg, bits, scales, bits_t, scales_t)
+        _launch.launch_both_1x128(xg, bits, scales, bits_t, scales_t, variant=variant)
         for got_bits, got_scales, view in ((bits, scales, x), (bits_t, scales_t, x.t())):
             want_bits, want_scales = quantize_rows_1x128(view)
             assert torch.equal(got_bits.cpu(), want_bits), (seed, list(view.shape), xg.stride())
@@ -77,23 +81,43 @@ def test_both_ways_in_one_read_give_the_references_bits(seed):
     assert fp8_rows.quantize_both(x.float().cuda())[1][0].shape == (x.shape[1], x.shape[0])  # fp32: two launches
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_both_ways_over_whole_tiles_give_the_references_bits(seed):
-    # whole 128 x 128 tiles of an aligned x are read in 16-byte loads, the ragged edge and unaligned x element by
-    # element: both, side by side in one launch
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("seed", range(16))
+def test_both_ways_over_whole_tiles_give_the_references_bits(seed, variant):
+    # whole 128 x 128 tiles of an aligned x are read in 16-byte loads (and, but for "tile", quantized 16 values a
+    # thread), the ragged edge and unaligned x element by element: both, side by side in one launch
     rng = random.Random(seed)
-    rows, cols = rng.choice([128, 256, 300, 2048]), rng.choice([128, 384, 400, 1024])
+    rows, cols = rng.choice([128, 256, 264, 300, 2048]), rng.choice([128, 384, 400, 1024, 1040])
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, cols, generator=g) * torch.ldexp(torch.ones(rows, 1), torch.randint(-30, 30, (rows, 1),
                                                                                             generator=g))  # fmt: skip
-    x[rng.randrange(rows), rng.randrange(cols)] = rng.choice([float("nan"), float("inf"), 0.0])
+    for _ in range(rng.randint(1, 6)):  # specials in whole tiles: NaN and inf groups, signed zeros, extremes
+        x[rng.randrange(rows), rng.randrange(cols)] = rng.choice([float("nan"), float("inf"), -float("inf"), 0.0,
+                                                                  -0.0, 6.0e4, -3.0e38, 1e-45, -1e-40])  # fmt: skip
+    x[rng.randrange(rows)] = -0.0  # a row of negative zeros: groups along it and across it
+    x[:, rng.randrange(cols)] *= 2.0**-120  # a column of tiny values (subnormal E4M3 codes, and zeros)
     x = x.to(rng.choice([torch.bfloat16, torch.float16]))
     wide = torch.cat([x, x], dim=1).cuda()
     for xg in (x.cuda(), wide[:, :cols], wide[:, 8:8 + cols], wide[:, 1:1 + cols]):  # aligned; rows apart; 16 B off;
         (bits, scales), (bits_t, scales_t) = _poisoned(rows, cols), _poisoned(cols, rows)  # 2 B off: unaligned
-        _launch.launch_both_1x128(xg, bits, scales, bits_t, scales_t)
+        _launch.launch_both_1x128(xg, bits, scales, bits_t, scales_t, variant=variant)
         values = xg.cpu()  # what each view holds (the shifted ones: other columns of x)
         for got_bits, got_scales, view in ((bits, scales, values), (bits_t, scales_t, values.t())):
             want_bits, want_scales = quantize_rows_1x128(view)
             assert torch.equal(got_bits.cpu(), want_bits), (seed, list(view.shape), xg.stride(), xg.data_ptr() % 16)
             assert torch.equal(got_scales.cpu().view(torch.int32), want_scales.view(torch.int32)), seed
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_both_ways_over_more_tiles_than_resident_blocks_give_the_references_bits(variant):
+    # 4096 x 2048: 512 tiles, more than the "stream" kernel's blocks, so each of its blocks takes several (and
+    # loads each next one while it quantizes the current one)
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(4096, 2048, generator=g) * torch.logspace(-6, 6, 2048)).to(torch.bfloat16)
+    x[17, 300], x[1000, 5], x[4000, 2047] = float("nan"), -float("inf"), -0.0
+    (bits, scales), (bits_t, scales_t) = _poisoned(4096, 2048), _poisoned(2048, 4096)
+    _launch.launch_both_1x128(x.cuda(), bits, scales, bits_t, scales_t, variant=variant)
+    for got_bits, got_scales, view in ((bits, scales, x), (bits_t, scales_t, x.t())):
+        want_bits, want_scales = quantize_rows_1x128(view)
+        assert torch.equal(got_bits.cpu(), want_bits), (variant, list(view.shape))
+        assert torch.equal(got_scales.cpu().view(torch.int32), want_scales.view(torch.int32)), variant
