@@ -74,6 +74,8 @@ def _quantize(op: Operand, flags: int, seed: int, amax: Optional[torch.Tensor]) 
         amax = torch.zeros(1, dtype=torch.float32, device=device)
         if not empty:
             _launch.launch_amax_1x16(op, flags & ~SR, amax)
+    elif empty:  # the reference's amax of an empty tensor, whatever was given
+        amax = torch.zeros(1, dtype=torch.float32, device=device)
     else:
         amax = amax.reshape(1).to(device=device, dtype=torch.float32)
     data = outputs.empty(op.rows, ceil_div(op.out_cols, 2), dtype=torch.uint8, device=device)

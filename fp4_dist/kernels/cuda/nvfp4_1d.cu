@@ -26,7 +26,7 @@ namespace fp4d {
 constexpr i64 kFlagQFast = 1;   // thread u takes block (u % rows, u / rows), else (u / nb, u % nb)
 constexpr i64 kFlagRht = 2;     // the 16-point random Hadamard transform of each block first
 constexpr i64 kFlagSr = 4;      // stochastic rounding (quantize only)
-constexpr u32 kRhtSigns = 0xDAE8u;  // bit i set where RHT_SIGNS[i] == -1 (TransformerEngine's wgrad sign vector)
+constexpr u32 kRhtSigns = 0xD7E8u;  // bit i set where RHT_SIGNS[i] == -1 (TransformerEngine's wgrad sign vector)
 constexpr u32 kNanBits = 0x7fc00000u;
 
 // Sources: element i as fp32 (exact), 16 of them from a 16-byte aligned address in 16-byte loads, and the rounding

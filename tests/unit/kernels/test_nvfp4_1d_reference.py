@@ -183,3 +183,17 @@ def test_the_transform_adds_its_products_in_a_fixed_order_equal_to_the_exact_sum
     for i in range(16):
         acc = acc + wide[:, i : i + 1] * R.hadamard_16()[i]
     assert torch.equal(R.rht_16(wide), acc)
+
+
+def test_the_cuda_kernel_holds_the_references_sign_vector_and_hash_constants():
+    # read from the source, so a CPU machine catches a wrong constant before any GPU runs it
+    import re
+
+    from fp4_dist.kernels import _launch
+
+    source = (_launch.CUDA_DIR / "nvfp4_1d.cu").read_text()
+    signs = int(re.search(r"kRhtSigns = 0x([0-9A-Fa-f]+)u;", source).group(1), 16)
+    assert [(-1 if signs >> i & 1 else 1) for i in range(16)] == list(R.RHT_SIGNS)
+    for constant in (R._GAMMA, *R._MIX):
+        assert f"0x{constant:016X}ull" in source, hex(constant)
+    assert "z >> 30" in source and "z >> 27" in source and "z >> 31" in source and "z >> 56" in source
