@@ -112,7 +112,8 @@ def convert_linear_weights(
             plain nn.Linear, now or by an earlier call) compute in FP8; the report names the other linears holding
             NVFP4 weights (subclasses, plain owners of a tied weight), which compute in bf16. The FP8 copies take
             1 byte per weight beside the packed 0.5 (docs/fp8.md: what else a step holds for a while). "nvfp4":
-            the NVFP4 training recipe, every GEMM on NVFP4 operands, emulated on the CPU (docs/nvfp4_recipe.md).
+            the NVFP4 training recipe, every GEMM on NVFP4 operands, emulated (CPU, and CUDA GPUs of sm_80 to
+            sm_90 by CuPy kernels; docs/nvfp4_recipe.md).
         options: the compute mode's options, an instance of its row's ``options`` type (``compute="nvfp4"``:
             `fp4_dist.compute.nvfp4.Nvfp4Recipe`, which also names the linears kept in bf16); None: its defaults.
         verbose: print the report.

@@ -7,7 +7,8 @@ runs, bytes per weight) and one module each:
     bf16.py          the bf16 mode (the default): the GEMMs read the weight's values, kept or lean
     fp8.py           the FP8 mode: the GEMMs read FP8 block copies (cuBLAS on Hopper, emulated on the CPU)
     nvfp4.py         the nvfp4 mode: TransformerEngine's NVFP4 training recipe, every GEMM on NVFP4 operands
-                     (emulated on the CPU); its options `Nvfp4Recipe`
+                     (emulated: the reference on the CPU, CuPy kernels on sm_80 to sm_90); its options `Nvfp4Recipe`
+    nvfp4_gemm.py    its emulated GEMMs and operand kernels per device, and the per-device check table
 
 What the bf16 mode computes with:
 

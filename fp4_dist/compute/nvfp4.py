@@ -13,11 +13,15 @@ Each operand has its own per-tensor amax (the transformed ones after the transfo
 in the forward and kept for the backward in 4 bits. Tokens are zero-padded to a multiple of 16 for the transform (the
 padding adds nothing to dW; TransformerEngine asks for 16 | T instead).
 
-The GEMMs are emulated exactly up to the order of additions: each operand's values e2m1 * float(scale) are exact in
-fp32, the products of two such values too, the sums accumulate in fp32 (one fp32 matmul), and the epilogue
+The GEMMs are emulated exactly up to the order of additions (`nvfp4_gemm`): each operand's values e2m1 * float(scale)
+are exact in fp32 (and in bf16), the products of two such values too, the sums accumulate in fp32, and the epilogue
 multiplies by alpha = (amax_a * amax_b) * fp32(1/2688^2), adds the bias in fp32 and rounds once to the output dtype,
-as a block-scaled NVFP4 GEMM on Blackwell does. Only the CPU runs it: other devices are refused at set-up until a
-kernel has been run and checked there (CuPy for Hopper, the native NVFP4 ``scaled_mm`` on sm_100).
+as a block-scaled NVFP4 GEMM on Blackwell does. On the CPU the operands come from the PyTorch reference and one fp32
+matmul multiplies them; on a CUDA GPU (sm_80 to sm_90) from the CuPy kernels (`kernels.nvfp4_1d`, the same bits) and
+a bf16 matmul with an fp32 result. sm_100+ is refused until its native NVFP4 ``scaled_mm`` has been run there.
+
+Stochastic rounding takes one seed per quantization, drawn on the host from torch's default CPU generator (dgrad's
+operand first, then wgrad's): ``torch.manual_seed`` reproduces a run, on the CPU and on a GPU alike, with the same bits.
 
 Which layers compute in it is the recipe's (`Nvfp4Recipe`): by default the first and the last linear keep the bf16
 mode, as the recipe's paper keeps the first and last layers in higher precision.
@@ -26,7 +30,7 @@ mode, as the recipe's paper keeps the first and last layers in higher precision.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -36,10 +40,12 @@ from ..kernels import nvfp4_1d_reference as q1d
 from ..kernels.reference import expand_rowwise_scales
 from ..tensor import NVFP4Tensor
 from ..tensor.copy import raise_changed
+from . import nvfp4_gemm
 from .fp8_autograd import _gather_sequence, _reduce_scatter_sequence, _stamp, output  # one TP communication
+from .nvfp4_gemm import emulated_mm, operand_kernels, unscaled_values
 
 __all__ = ["Nvfp4Recipe", "check_device", "linear", "parallel_linear", "Nvfp4Linear", "nvfp4_linear",
-           "emulated_mm", "weight_rows"]  # fmt: skip
+           "emulated_mm", "weight_rows", "wgrad_operand"]  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,8 +55,8 @@ class Nvfp4Recipe:
 
     stochastic_rounding: bool = True
     """Round the output gradient's E2M1 values stochastically (dgrad and wgrad operands); False: to nearest even
-    (the paper's ablation). 8 random bits per element from torch's default generator of the device, so
-    ``torch.manual_seed`` reproduces a run."""
+    (the paper's ablation). 8 random bits per element, a hash of the element and a seed drawn per quantization from
+    torch's default CPU generator, so ``torch.manual_seed`` reproduces a run, with the same bits on CPU and GPU."""
     rht: bool = True
     """Apply the 16-point random Hadamard transform to both wgrad operands; False: quantize them as they are."""
     bf16_first: int = 1
@@ -72,22 +78,21 @@ class Nvfp4Recipe:
         kept.update({n: f"one of the last {self.bf16_last} (Nvfp4Recipe.bf16_last)" for n in last if n not in kept})
         return kept
 
-    def gradient_quantizer(self) -> Callable[[torch.Tensor], q1d.Nvfp4Rows]:
-        """The 1 x 16 quantizer of the output gradient's operands."""
-        return q1d.quantize_rows_1x16_sr if self.stochastic_rounding else q1d.quantize_rows_1x16
+    def gradient_rows(self, dy: torch.Tensor) -> q1d.Nvfp4Rows:
+        """The dgrad operand: the output gradient dy [T, N] in 1 x 16 blocks along N, on dy's device."""
+        kernels = operand_kernels(dy.device)
+        if self.stochastic_rounding:
+            return kernels.quantize_rows_1x16_sr(dy, q1d.draw_seed())
+        return kernels.quantize_rows_1x16(dy)
 
 
 DEFAULT_RECIPE = Nvfp4Recipe()
 
 
 def check_device(device: torch.device) -> Optional[str]:
-    """None on the CPU, where the emulation runs; elsewhere the sentence that refuses the device: no kernel of this
-    mode has been run and checked there yet."""
-    if device.type == "cpu":
-        return None
-    return (f"the nvfp4 compute mode runs on the CPU only so far (its GEMMs and quantizers are emulated in PyTorch "
-            f"and were never run on {device}: the CuPy kernels for Hopper and the native NVFP4 GEMM of sm_100 are "
-            "not built yet)")
+    """None on the CPU and on CUDA GPUs of sm_80 to sm_90 whose kernels give the reference's bits (checked once);
+    elsewhere the sentence that refuses the device (`nvfp4_gemm.check_device`)."""
+    return nvfp4_gemm.check_device(device)
 
 
 def weight_rows(w: NVFP4Tensor) -> q1d.Nvfp4Rows:
@@ -99,24 +104,14 @@ def weight_rows(w: NVFP4Tensor) -> q1d.Nvfp4Rows:
     return q1d.Nvfp4Rows(w.rowwise_data, scale_inv[:n, : ceil_div(k, TILE)], w.amax.reshape(1), k)
 
 
-def emulated_mm(a: torch.Tensor, amax_a: torch.Tensor, b: torch.Tensor, amax_b: torch.Tensor, out_dtype: torch.dtype,
-                bias: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
-    """The block-scaled NVFP4 GEMM a @ b^T from the operands' unscaled values (`nvfp4_1d_reference.unscaled_values`,
-    fp32 [M, K] and [N, K]) and amaxes: fp32 sums, then alpha, the bias (fp32) and one rounding to `out_dtype`."""
-    y = (a @ b.t()) * q1d.gemm_alpha(amax_a, amax_b)
-    if bias is not None:
-        y = y + bias.to(torch.float32)
-    return y.to(out_dtype)
-
-
-def wgrad_operand(t: torch.Tensor, quantize, rht: bool) -> q1d.Nvfp4Rows:
+def wgrad_operand(t: torch.Tensor, stochastic: bool, rht: bool) -> q1d.Nvfp4Rows:
     """t [T, C] (tokens first) as a wgrad operand: t^T [C, T16] (tokens zero-padded to 16 | T16), transformed along
-    the tokens when `rht`, then quantized in 1 x 16 blocks along the tokens by `quantize`."""
-    tokens = t.shape[0]
-    padded = t.new_zeros(ceil_div(tokens, TILE) * TILE, t.shape[1])
-    padded[:tokens] = t
-    transposed = padded.t().contiguous()
-    return quantize(q1d.rht_16(transposed) if rht else transposed)
+    the tokens when `rht`, then quantized in 1 x 16 blocks along the tokens, stochastically when `stochastic` (a
+    seed drawn now), on t's device."""
+    kernels = operand_kernels(t.device)
+    if stochastic:
+        return kernels.quantize_cols_1x16_sr(t, rht, q1d.draw_seed())
+    return kernels.quantize_cols_1x16(t, rht)
 
 
 def _saved(q: q1d.Nvfp4Rows) -> tuple:
@@ -134,12 +129,11 @@ class Nvfp4Linear(torch.autograd.Function):
         total = _gather_sequence(x, tp_group) if sequence_parallel else x
         x2 = total.reshape(-1, total.shape[-1])
         w = weight_rows(weight)
-        wv = q1d.unscaled_values(w)
-        xq = q1d.quantize_rows_1x16(x2)
-        y = emulated_mm(q1d.unscaled_values(xq), xq.amax, wv, w.amax, x.dtype, bias)
+        xq = operand_kernels(x2.device).quantize_rows_1x16(x2)
+        y = emulated_mm(unscaled_values(xq), xq.amax, unscaled_values(w), w.amax, x.dtype, bias)
         kept = (x2.new_empty(0),) * 3
         if ctx.needs_input_grad[1]:  # x^T transformed and quantized now: 4 bits per element kept, not x's 16
-            kept = _saved(wgrad_operand(x2, q1d.quantize_rows_1x16, recipe.rht))
+            kept = _saved(wgrad_operand(x2, False, recipe.rht))
         ctx.save_for_backward(*kept, *_saved(w))
         ctx.sizes = (x2.shape[0], weight.shape[0], weight.shape[1])
         ctx.has_bias, ctx.weight, ctx.stamp, ctx.recipe = bias is not None, weight, _stamp(weight), recipe
@@ -153,22 +147,22 @@ class Nvfp4Linear(torch.autograd.Function):
             raise_changed(ctx.weight)
         tokens, n, k = ctx.sizes
         allreduce_dgrad, sequence_parallel, tp_group = ctx.comm
-        quantize = ctx.recipe.gradient_quantizer()
+        recipe = ctx.recipe
         dy2 = dy.reshape(-1, dy.shape[-1])
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dyq = quantize(dy2)
-            wv = q1d.unscaled_values(q1d.Nvfp4Rows(w_data, w_scales, w_amax, k))
-            dx = emulated_mm(q1d.unscaled_values(dyq), dyq.amax, wv.t(), w_amax, dy.dtype)
+            dyq = recipe.gradient_rows(dy2)
+            wv = unscaled_values(q1d.Nvfp4Rows(w_data, w_scales, w_amax, k))
+            dx = emulated_mm(unscaled_values(dyq), dyq.amax, wv.t(), w_amax, dy.dtype)
             dx = dx.view(*dy.shape[:-1], k)
             if sequence_parallel:
                 dx = _reduce_scatter_sequence(dx, tp_group)
             elif allreduce_dgrad:
                 dist.all_reduce(dx, group=tp_group)
         if ctx.needs_input_grad[1]:
-            dyt = wgrad_operand(dy2, quantize, ctx.recipe.rht)
+            dyt = wgrad_operand(dy2, recipe.stochastic_rounding, recipe.rht)
             xt = q1d.Nvfp4Rows(xt_data, xt_scales, xt_amax, dyt.cols)
-            dw = emulated_mm(q1d.unscaled_values(dyt), dyt.amax, q1d.unscaled_values(xt), xt_amax, ctx.weight.dtype)
+            dw = emulated_mm(unscaled_values(dyt), dyt.amax, unscaled_values(xt), xt_amax, ctx.weight.dtype)
         db = dy2.sum(dim=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         assert dy2.shape[0] == tokens, "the output gradient's tokens differ from the forward's"
         return dx, dw, db, None, None, None, None
@@ -176,7 +170,8 @@ class Nvfp4Linear(torch.autograd.Function):
 
 def nvfp4_linear(x: torch.Tensor, weight: NVFP4Tensor, bias: Optional[torch.Tensor] = None,
                  recipe: Nvfp4Recipe = DEFAULT_RECIPE) -> torch.Tensor:  # fmt: skip
-    """`F.linear(x, weight, bias)` with the NVFP4 recipe's GEMMs, for an NVFP4 weight (emulated on the CPU)."""
+    """`F.linear(x, weight, bias)` with the NVFP4 recipe's GEMMs, for an NVFP4 weight (emulated: the reference on the
+    CPU, the CUDA kernels on a GPU)."""
     return Nvfp4Linear.apply(x, weight, bias, recipe)
 
 

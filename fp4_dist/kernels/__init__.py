@@ -13,8 +13,9 @@ Modules, and the one way a call travels through them::
     fp8_rows.py     activations and gradients in FP8 with one scale per 1 x 128 group; fp8_rows_reference.py
                     likewise
     nvfp4_1d_reference.py  activations and gradients in NVFP4 with one E4M3 scale per 1 x 16 block (round to
-                    nearest even or stochastic) and the 16-point random Hadamard transform of the wgrad operands,
-                    bit for bit TransformerEngine's reference quantizer; no CUDA kernel yet
+                    nearest even or stochastic, with hashed random bits) and the 16-point random Hadamard transform
+                    of the wgrad operands, bit for bit TransformerEngine's reference quantizer where that is defined;
+                    nvfp4_1d.py + cuda/nvfp4_1d.cu, its kernels (the same bits; the GEMM's bf16 unscaled values)
     outputs.py      kernel outputs allocated without the fill of torch's deterministic mode (written whole)
 """
 

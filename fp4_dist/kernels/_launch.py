@@ -30,10 +30,11 @@ import torch
 from .cuda_plans import current_raw_stream
 
 CUDA_DIR = Path(__file__).resolve().parent / "cuda"
-SOURCES = ("amax.cu", "scale.cu", "cast.cu", "transpose.cu", "dequant.cu", "fp8_rows.cu", "fp8_block.cu")
-# Compiled at the first launch of one of their kernels, not with the stage kernels: the FP8 compute mode's alone,
-# so that nothing of it stands between a run that does not use it and the NVFP4 stages.
-LAZY_SOURCES = ("fp8_rows.cu", "fp8_block.cu")
+SOURCES = ("amax.cu", "scale.cu", "cast.cu", "transpose.cu", "dequant.cu", "fp8_rows.cu", "fp8_block.cu",
+           "nvfp4_1d.cu")
+# Compiled at the first launch of one of their kernels, not with the stage kernels: the FP8 and nvfp4 compute modes'
+# alone, so that nothing of them stands between a run that does not use them and the NVFP4 stages.
+LAZY_SOURCES = ("fp8_rows.cu", "fp8_block.cu", "nvfp4_1d.cu")
 THREADS = 256  # every kernel is written for 256-thread blocks (kThreads in common.cuh)
 
 COMPILE_OPTIONS = ("-std=c++17", "-fmad=false", "-ftz=false", "-prec-div=true", "-prec-sqrt=true")
@@ -68,6 +69,11 @@ KERNELS: dict[tuple[str, str], tuple[str, str]] = {
     ("fp8_block_copy", ""): ("fp8_block.cu", "fp4d::fp8_block_copy_kernel"),
     ("fp8_block_copy_fused", ""): ("fp8_block.cu", "fp4d::fp8_block_copy_fused_kernel"),
     ("transpose_bytes", ""): ("fp8_block.cu", "fp4d::transpose_bytes_kernel"),
+    **{("amax_1x16", d): ("nvfp4_1d.cu", f"fp4d::amax_1x16_kernel<fp4d::{d}>")
+       for d in ("SrcBf16", "SrcFp16", "SrcFp32")},
+    **{("quantize_1x16", d): ("nvfp4_1d.cu", f"fp4d::quantize_1x16_kernel<fp4d::{d}>")
+       for d in ("SrcBf16", "SrcFp16", "SrcFp32")},
+    ("unscaled_bf16", ""): ("nvfp4_1d.cu", "fp4d::unscaled_bf16_kernel"),
 }
 
 # E2M1 rounding of partial_cast (a key of _E2M1): the one with fewer instructions per element by default.
@@ -96,7 +102,8 @@ GRID = {"partial_amax": "resident", "fused_scale": "resident", "partial_cast": "
         "scale_transpose": "resident", "dequantize": "units", "e2m1_codes": "resident",
         "e4m3_codes": "resident", "rows_1x128": "units", "rows_1x128_vec": "units",
         "cols_1x128": "units", "both_1x128": "units", "both_1x128_vec": "units", "both_1x128_stream": "resident",
-        "fp8_block_copy": "units", "fp8_block_copy_fused": "units", "transpose_bytes": "units"}  # fmt: skip
+        "fp8_block_copy": "units", "fp8_block_copy_fused": "units", "transpose_bytes": "units",
+        "amax_1x16": "resident", "quantize_1x16": "units", "unscaled_bf16": "units"}  # fmt: skip
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 
@@ -516,6 +523,45 @@ def launch_transpose_bytes(src: torch.Tensor, dst: torch.Tensor, via=None) -> No
     rows, cols = src.shape
     (via or launch_now)(src.device.index, ("transpose_bytes", ""), (-(-rows // 64)) * (-(-cols // 64)),
             (src.data_ptr(), np.int64(rows), np.int64(cols), dst.data_ptr()))  # fmt: skip
+
+
+_SRC = {torch.bfloat16: "SrcBf16", torch.float16: "SrcFp16", torch.float32: "SrcFp32"}
+
+
+def launch_amax_1x16(view, flags: int, amax: torch.Tensor, via=None) -> None:
+    """max|w| over the NVFP4 1 x 16 operand `view` (an `nvfp4_1d.Operand`: the source tensor read as Q [rows,
+    out_cols] through strides, with the transform when `flags` asks) into `amax` (fp32 [1], zero before). A
+    resident grid, one thread per 16-element block."""
+    blocks = -(-view.rows * (-(-view.out_cols // 16)) // THREADS)
+    (via or launch_now)(view.src.device.index, ("amax_1x16", _SRC[view.src.dtype]), blocks,
+            (view.src.data_ptr(), *_operand_args(view), np.int64(flags), amax.data_ptr()))  # fmt: skip
+
+
+def launch_quantize_1x16(view, flags: int, seed: int, amax: torch.Tensor, data: torch.Tensor, scales: torch.Tensor,
+                         via=None) -> None:  # fmt: skip
+    """NVFP4 1 x 16 codes (uint8 [rows, ceil(out_cols / 2)], contiguous) and E4M3 block scales (uint8 [rows,
+    ceil(out_cols / 16)], contiguous) of the operand `view` with the tensor amax `amax` (fp32 [1] on the device);
+    `seed` (0 <= seed < 2^63) picks the stochastic rounding's bits when `flags` asks for it. One thread per block."""
+    blocks = -(-view.rows * (-(-view.out_cols // 16)) // THREADS)
+    (via or launch_now)(view.src.device.index, ("quantize_1x16", _SRC[view.src.dtype]), blocks,
+            (view.src.data_ptr(), *_operand_args(view), np.int64(flags), np.int64(seed), amax.data_ptr(),
+             data.data_ptr(), scales.data_ptr()))  # fmt: skip
+
+
+def _operand_args(view) -> tuple:
+    return (np.int64(view.rows), np.int64(view.length), np.int64(view.out_cols), np.int64(view.s_q),
+            np.int64(view.s_j))  # fmt: skip
+
+
+def launch_unscaled_bf16(data: torch.Tensor, scales: torch.Tensor, rows: int, cols: int, out: torch.Tensor,
+                         via=None) -> None:  # fmt: skip
+    """e2m1(code) * float(scale) of the NVFP4 1 x 16 tensor (packed `data` [rows, >= ceil(cols / 2)] and E4M3
+    `scales` [rows, >= ceil(cols / 16)], each with unit column stride) into `out` (bf16 [rows, cols], contiguous).
+    One thread per 16-element block."""
+    blocks = -(-rows * (-(-cols // 16)) // THREADS)
+    (via or launch_now)(data.device.index, ("unscaled_bf16", ""), blocks,
+            (data.data_ptr(), np.int64(data.stride(0)), scales.data_ptr(), np.int64(scales.stride(0)),
+             np.int64(rows), np.int64(cols), out.data_ptr()))  # fmt: skip
 
 
 def launch_pointwise(index, key: str, args: tuple, n: int, variant: str = "") -> None:

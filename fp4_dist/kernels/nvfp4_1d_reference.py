@@ -1,5 +1,5 @@
 """Activations and gradients as NVFP4 with one E4M3 scale per 1 x 16 block, in plain eager PyTorch: the CPU path of
-the nvfp4 compute mode and the oracle of kernels to come. Equal, bit for bit, to TransformerEngine's pure-PyTorch
+the nvfp4 compute mode and the oracle of its CUDA kernels (`kernels.nvfp4_1d`). Equal, bit for bit, to TransformerEngine's pure-PyTorch
 reference quantizer (`NVFP4QuantizerRef`, 1 x 16 tiles) on the golden data of tests/unit/kernels/golden/.
 
 A row of x [R, C] is cut into blocks of 16 along C (the last one ragged: zero padding, which changes no amax), and
@@ -16,12 +16,16 @@ Stochastic rounding takes 8 random bits r per element, as TransformerEngine's so
 spacing at |y| (0.5 below 2, 1 below 4, else 2), t = |y| + r * step / 256 (exact: one fp32 add, no product rounds),
 then t floored to the E2M1 grid at t's own spacing and saturated at 6; NaN gives +6. |y| rounds up to the next grid
 value with probability (|y| - lo) / step, to 1/256: unbiased wherever that fraction is a multiple of 1/256. The bits
-come from a torch generator, so a seed reproduces them; TransformerEngine draws its bits from Philox streams laid
-out by its kernels' threads, which no CPU code reproduces (docs/nvfp4_recipe.md).
+are a counter-based hash: the top byte of splitmix64 at (seed, i) for element i of the block-padded tensor
+(`stochastic_bits`), computed here in torch int64 and in the CUDA kernel in uint64, so one seed gives the same bits
+on the CPU and on a GPU. Each quantization takes one seed (`draw_seed`: from torch's default CPU generator, a host
+draw). TransformerEngine draws its bits from Philox streams laid out by its kernels' threads, which no other code
+reproduces (docs/nvfp4_recipe.md).
 
 The random Hadamard transform (`rht_16`) multiplies each 16-element group of a row by H = diag(signs) @ H16 / 4,
 H16 the Sylvester Hadamard matrix and `signs` TransformerEngine's fixed sign vector: fp32 sums of the 16 products
-(each exact), rounded once to the input's dtype, as TransformerEngine's kernels and its reference give. H is
+(each exact) in a fixed order, rounded once to the input's dtype, as TransformerEngine's kernels and its reference
+give wherever the sum is exact (bf16 data spanning up to 16 binades in a group; the golden cases). H is
 orthogonal, so (a H)(b H)^T = a b^T: applied to both operands along the contraction, it changes nothing but the
 rounding.
 
@@ -42,7 +46,8 @@ from ..format import E2M1_VALUES, TILE, ceil_div
 from .reference import e2m1_codes, e4m3_to_float, encode_multipliers, pack_nibbles, tile_scales, unpack_nibbles
 
 __all__ = ["RHT_SIGNS", "Nvfp4Rows", "hadamard_16", "rht_16", "quantize_rows_1x16", "quantize_rows_1x16_sr",
-           "stochastic_e2m1_codes", "unscaled_values", "values", "gemm_alpha"]  # fmt: skip
+           "transposed_operand", "quantize_cols_1x16", "quantize_cols_1x16_sr", "draw_seed", "splitmix64",
+           "stochastic_bits", "stochastic_e2m1_codes", "unscaled_values", "values", "gemm_alpha"]  # fmt: skip
 
 BLOCK = TILE
 """Elements per scale along a row."""
@@ -80,11 +85,18 @@ def hadamard_16(device=None) -> torch.Tensor:
 
 
 def rht_16(x: torch.Tensor) -> torch.Tensor:
-    """x [R, C] (C % 16 == 0) with each 16-element group of a row times `hadamard_16`, in x's dtype."""
+    """x [R, C] (C % 16 == 0) with each 16-element group of a row times `hadamard_16`, in x's dtype: out_k = the fp32
+    products x_i * H[i, k] (each exact) added to +0 in the order i = 0..15, rounded once to x's dtype. The order is
+    fixed (not a matmul's) so that the CUDA kernel gives the same bits where a sum rounds (fp32 inputs, or bf16 ones
+    whose 16 values span more than 16 binades)."""
     if x.dim() != 2 or x.shape[1] % BLOCK:
         raise ValueError(f"rht_16: x must be 2D with a multiple of {BLOCK} columns, got shape {list(x.shape)}")
     groups = x.to(torch.float32).reshape(-1, BLOCK)
-    return (groups @ hadamard_16(x.device)).reshape(x.shape).to(x.dtype)
+    h = hadamard_16(x.device)
+    out = torch.zeros_like(groups)
+    for i in range(BLOCK):
+        out = out + groups[:, i : i + 1] * h[i]
+    return out.reshape(x.shape).to(x.dtype)
 
 
 def _blocks(x: torch.Tensor) -> torch.Tensor:
@@ -115,14 +127,77 @@ def quantize_rows_1x16(x: torch.Tensor, amax: Optional[torch.Tensor] = None) -> 
     return Nvfp4Rows(_packed(e2m1_codes(y), x.shape[1]), scales, a, x.shape[1])
 
 
-def quantize_rows_1x16_sr(x: torch.Tensor, generator: Optional[torch.Generator] = None,
+def quantize_rows_1x16_sr(x: torch.Tensor, seed: Optional[int] = None,
                           amax: Optional[torch.Tensor] = None) -> Nvfp4Rows:  # fmt: skip
-    """`quantize_rows_1x16` with stochastic rounding of the E2M1 values (module docstring): 8 random bits per
-    element from `generator` (None: torch's default generator of x's device), so the same seed gives the same
-    bits. The scales and amax are those of round to nearest."""
+    """`quantize_rows_1x16` with stochastic rounding of the E2M1 values (module docstring): the 8 random bits of
+    element i of the block-padded [R, 16 ceil(C/16)] are `stochastic_bits` of (`seed`, i) (None: `draw_seed()`), so
+    a seed gives the same bits on every device. The scales and amax are those of round to nearest."""
     y, scales, a = _scaled(x, amax)
-    rbits = torch.randint(0, 256, y.shape, generator=generator, device=y.device, dtype=torch.int16)
+    rbits = stochastic_bits(draw_seed() if seed is None else seed, y.shape[0], y.shape[1], y.device)
     return Nvfp4Rows(_packed(stochastic_e2m1_codes(y, rbits), x.shape[1]), scales, a, x.shape[1])
+
+
+def transposed_operand(t: torch.Tensor, rht: bool) -> torch.Tensor:
+    """t [T, C] (tokens first) as the wgrad GEMM reads it before quantization: pad16(t)^T [C, T16] (tokens
+    zero-padded to 16 | T16), through `rht_16` along the tokens when `rht`."""
+    padded = t.new_zeros(ceil_div(t.shape[0], BLOCK) * BLOCK, t.shape[1])
+    padded[: t.shape[0]] = t
+    transposed = padded.t().contiguous()
+    return rht_16(transposed) if rht else transposed
+
+
+def quantize_cols_1x16(t: torch.Tensor, rht: bool) -> Nvfp4Rows:
+    """`quantize_rows_1x16` of `transposed_operand(t, rht)`: a wgrad operand, round to nearest even (its amax the
+    transformed values' when `rht`)."""
+    return quantize_rows_1x16(transposed_operand(t, rht))
+
+
+def quantize_cols_1x16_sr(t: torch.Tensor, rht: bool, seed: Optional[int] = None) -> Nvfp4Rows:
+    """`quantize_rows_1x16_sr` of `transposed_operand(t, rht)`: a wgrad operand, rounded stochastically."""
+    return quantize_rows_1x16_sr(transposed_operand(t, rht), seed)
+
+
+SEED_BOUND = 1 << 63
+"""Seeds of the stochastic rounding are integers in [0, SEED_BOUND) (int64 on both sides)."""
+
+
+def draw_seed(generator: Optional[torch.Generator] = None) -> int:
+    """A seed for one stochastic rounding, drawn from `generator` (None: torch's default CPU generator, so
+    ``torch.manual_seed`` reproduces it and a checkpoint's RNG state resumes it). A host draw: no device sync."""
+    return int(torch.randint(0, SEED_BOUND - 1, (1,), generator=generator, dtype=torch.int64))
+
+
+_GAMMA = 0x9E3779B97F4A7C15
+_MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+
+
+def _signed(c: int) -> int:
+    """The int64 with the 64 bits of c (0 <= c < 2^64)."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _shift_right(z: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical shift of int64 bits (torch's >> on int64 is arithmetic: the sign bits are masked off)."""
+    return (z >> n) & ((1 << (64 - n)) - 1)
+
+
+def splitmix64(seed: int, index: torch.Tensor) -> torch.Tensor:
+    """int64 bits of splitmix64's output at counter index + 1 of the stream `seed` (wrapping int64 arithmetic, the
+    same bits as the CUDA kernel's uint64): z = seed + (i + 1) * gamma, then the murmur3-style finalizer."""
+    if not 0 <= seed < SEED_BOUND:
+        raise ValueError(f"stochastic rounding seed must be in [0, 2^63), got {seed}")
+    z = (index + 1) * _signed(_GAMMA) + seed
+    z = (z ^ _shift_right(z, 30)) * _signed(_MIX[0])
+    z = (z ^ _shift_right(z, 27)) * _signed(_MIX[1])
+    return z ^ _shift_right(z, 31)
+
+
+def stochastic_bits(seed: int, rows: int, cols: int, device=None) -> torch.Tensor:
+    """int16 [rows, cols] in 0..255: the top byte of `splitmix64(seed, i)` for element i = r * cols + c. A pure
+    function of (seed, i), unlike TransformerEngine's Philox streams laid out by its kernels' threads, so the CPU
+    and the CUDA kernel (`cuda/nvfp4_1d.cu`, sr_byte) give the same bits."""
+    index = torch.arange(rows * cols, dtype=torch.int64, device=device).view(rows, cols)
+    return _shift_right(splitmix64(seed, index), 56).to(torch.int16)
 
 
 def _packed(codes: torch.Tensor, cols: int) -> torch.Tensor:

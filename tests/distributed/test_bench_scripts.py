@@ -137,7 +137,7 @@ def test_docs_fsdp2_quotes_the_projection_it_prints():
 
 
 @pytest.mark.parametrize("script", ["kernels.py", "linear.py", "host_per_use.py", "zero1_stack.py", "lean_l2.py",
-                                    "lean_overlap.py", "fp8_linear.py", "fp8_kernels.py"])
+                                    "lean_overlap.py", "fp8_linear.py", "fp8_kernels.py", "nvfp4_linear.py"])
 def test_gpu_only_benches_say_they_need_a_gpu(script):
     proc = _bench(f"bench/{script}")
     assert proc.returncode != 0

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import fp4_dist
-from fp4_dist.compute import nvfp4
+from fp4_dist.compute import nvfp4, nvfp4_gemm
 from fp4_dist.compute.modes import DEFAULT, MODES
 from fp4_dist.kernels import nvfp4_1d_reference as R
 
@@ -45,12 +45,12 @@ def _backward(seed: int, recipe=nvfp4.DEFAULT_RECIPE):
 
 def test_dgrad_and_wgrad_read_the_recipes_operands_bit_for_bit_and_a_seed_reproduces_them():
     w, x, dy = _backward(seed=5)
-    torch.manual_seed(5)  # the backward draws the dgrad's random bits first, then the wgrad's
-    dyq = R.quantize_rows_1x16_sr(dy)
+    torch.manual_seed(5)  # the backward draws the dgrad's seed first, then the wgrad's
+    dyq = R.quantize_rows_1x16_sr(dy, R.draw_seed())
     wq = nvfp4.weight_rows(w)
     dx = nvfp4.emulated_mm(R.unscaled_values(dyq), dyq.amax, R.unscaled_values(wq).t(), wq.amax, torch.bfloat16)
-    dyt = nvfp4.wgrad_operand(dy, R.quantize_rows_1x16_sr, rht=True)
-    xt = nvfp4.wgrad_operand(x.detach(), R.quantize_rows_1x16, rht=True)
+    dyt = nvfp4.wgrad_operand(dy, stochastic=True, rht=True)
+    xt = nvfp4.wgrad_operand(x.detach(), stochastic=False, rht=True)
     assert dyt.cols == xt.cols == 32, "tokens padded to a multiple of 16 for the transform"
     dw = nvfp4.emulated_mm(R.unscaled_values(dyt), dyt.amax, R.unscaled_values(xt), xt.amax, torch.bfloat16)
     assert torch.equal(x.grad, dx) and torch.equal(w.grad, dw)
@@ -119,11 +119,33 @@ def test_convert_takes_the_recipe_and_refuses_other_options():
         nvfp4.Nvfp4Recipe(bf16_last=-1)
 
 
-def test_devices_where_the_mode_never_ran_are_refused():
+def test_devices_where_the_mode_never_ran_are_refused(monkeypatch):
     assert MODE.check_device(torch.device("cpu")) is None
-    for device in ("cuda:0", "meta"):
-        why = MODE.check_device(torch.device(device))
-        assert why is not None and "CPU only" in why and "not built yet" in why
+    why = MODE.check_device(torch.device("meta"))
+    assert why is not None and "sm_80 to sm_90" in why
+    monkeypatch.setattr(nvfp4_gemm, "DEVICES", {})
+    for capability, words in (((10, 0), "native NVFP4 scaled_mm"), ((12, 0), "later drop-in"), ((7, 5), "sm_80")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
+        nvfp4_gemm.DEVICES.clear()
+        why = MODE.check_device(torch.device("cuda:0"))
+        assert why is not None and words in why and f"sm_{capability[0]}{capability[1]}" in why, why
+
+
+def test_every_unscaled_value_is_exact_in_bf16_so_the_gpu_gemm_reads_bf16_operands():
+    # all 16 signed E2M1 codes (a row) x all 127 finite E4M3 scales (zero included; one per row): what the GPU GEMM
+    # reads in bf16
+    nvfp4_gemm.check_bf16_exact()
+    q = _all_codes_and_scales()
+    u = R.unscaled_values(q)
+    assert u.shape == (127, 16) and torch.equal(u.to(torch.bfloat16).float(), u)
+    assert u.abs().max() == 6 * 448 and u[u != 0].abs().min() == 0.5 * 2**-9
+
+
+def _all_codes_and_scales() -> R.Nvfp4Rows:
+    """Rows r = 0..126 holding the codes 0..15 with the E4M3 scale byte r."""
+    codes = torch.arange(16, dtype=torch.uint8)
+    data = (codes[0::2] | codes[1::2] << 4).repeat(127, 1)
+    return R.Nvfp4Rows(data, torch.arange(127, dtype=torch.uint8)[:, None], torch.ones(1), 16)
 
 
 def test_a_weight_changed_between_forward_and_backward_is_refused():

@@ -95,9 +95,9 @@ def test_stochastic_rounding_saturates_at_six_and_keeps_a_negative_zero_sign():
 
 def test_stochastic_rounding_is_reproducible_from_a_seed_and_keeps_round_to_nearest_scales():
     x = torch.randn(48, 80).to(torch.bfloat16)
-    one = R.quantize_rows_1x16_sr(x, torch.Generator().manual_seed(7))
-    again = R.quantize_rows_1x16_sr(x, torch.Generator().manual_seed(7))
-    other = R.quantize_rows_1x16_sr(x, torch.Generator().manual_seed(8))
+    one = R.quantize_rows_1x16_sr(x, 7)
+    again = R.quantize_rows_1x16_sr(x, 7)
+    other = R.quantize_rows_1x16_sr(x, 8)
     rn = R.quantize_rows_1x16(x)
     assert torch.equal(one.data, again.data) and not torch.equal(one.data, other.data)
     assert torch.equal(one.scales, rn.scales) and torch.equal(one.amax, rn.amax) and one.data.shape == rn.data.shape
@@ -111,10 +111,10 @@ def test_stochastic_rounding_is_unbiased_and_its_mean_beats_round_to_nearest_as_
     for operand in (x, R.rht_16(x.t().contiguous())):
         ref = operand.float()
         rn = R.values(R.quantize_rows_1x16(operand))
-        mean = sum(R.values(R.quantize_rows_1x16_sr(operand, g)) for _ in range(32)) / 32
+        mean = sum(R.values(R.quantize_rows_1x16_sr(operand, R.draw_seed(g))) for _ in range(32)) / 32
         rmse_rn, rmse_sr = (rn - ref).pow(2).mean().sqrt(), (mean - ref).pow(2).mean().sqrt()
         assert rmse_sr < 0.5 * rmse_rn, f"SR mean RMSE {rmse_sr:.3e} vs RN {rmse_rn:.3e}"
-        one = R.values(R.quantize_rows_1x16_sr(operand, g))
+        one = R.values(R.quantize_rows_1x16_sr(operand, R.draw_seed(g)))
         assert abs(float((one - ref).mean())) < 0.05 * float((one - ref).abs().mean())
 
 
@@ -125,3 +125,75 @@ def test_unscaled_values_times_the_gemm_alpha_are_the_dequantized_values_to_an_u
     assert torch.equal(u.double().float(), u)  # exact products: e2m1 x E4M3
     per_operand = q.amax / 2688.0
     torch.testing.assert_close(u * per_operand, R.values(q), rtol=2**-23, atol=0)
+
+
+def test_the_random_bits_are_splitmix64_of_the_seed_and_the_element_index():
+    # splitmix64's published first outputs of seed 0 (the int64 steps wrap as the CUDA kernel's uint64 do)
+    z = R.splitmix64(0, torch.arange(3)).tolist()
+    assert [v & (2**64 - 1) for v in z] == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
+    seed = (1 << 63) - 12345  # near the top of the range: the sums wrap
+    bits = R.stochastic_bits(seed, 40, 48)
+    assert bits.dtype == torch.int16 and bits.min() >= 0 and bits.max() <= 255
+    flat = torch.arange(40 * 48).view(40, 48)
+    assert torch.equal(bits, (R.splitmix64(seed, flat) >> 56 & 0xFF).to(torch.int16))  # element i = r * cols + c
+    assert torch.equal(R.stochastic_bits(seed, 80, 24).view(40, 48), bits)  # a pure function of (seed, i)
+    with pytest.raises(ValueError, match="seed must be in"):
+        R.stochastic_bits(-1, 2, 2)
+
+
+def test_the_random_bytes_are_uniform_and_independent_across_seeds_and_neighbours():
+    bits = R.stochastic_bits(2024, 512, 512).long().flatten()
+    counts = torch.bincount(bits, minlength=256).double()
+    expected = bits.numel() / 256
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 255 + 6 * (2 * 255) ** 0.5, chi2  # 255 degrees of freedom: mean 255, sd 22.6
+    other = R.stochastic_bits(2025, 512, 512).long().flatten()
+    for a, b in ((bits, other), (bits[:-1], bits[1:])):  # neighbouring seeds, neighbouring elements
+        corr = torch.corrcoef(torch.stack([a.double(), b.double()]))[0, 1]
+        assert abs(float(corr)) < 0.01, float(corr)
+
+
+def test_a_seed_is_drawn_from_torchs_default_generator_on_the_host():
+    torch.manual_seed(3)
+    first = [R.draw_seed() for _ in range(3)]
+    torch.manual_seed(3)
+    assert [R.draw_seed() for _ in range(3)] == first and len(set(first)) == 3
+    assert all(0 <= s < R.SEED_BOUND for s in first)
+    assert R.draw_seed(torch.Generator().manual_seed(1)) == R.draw_seed(torch.Generator().manual_seed(1))
+
+
+def test_a_wgrad_operand_is_the_padded_transpose_through_the_transform_then_1x16():
+    t = torch.randn(37, 24).to(torch.bfloat16)  # 37 tokens: padded to 48
+    for rht in (False, True):
+        padded = torch.cat([t, torch.zeros(11, 24, dtype=t.dtype)]).t().contiguous()
+        operand = R.rht_16(padded) if rht else padded
+        assert torch.equal(R.transposed_operand(t, rht), operand)
+        got, want = R.quantize_cols_1x16(t, rht), R.quantize_rows_1x16(operand)
+        assert got.cols == 48 and torch.equal(got.data, want.data) and torch.equal(got.scales, want.scales)
+        got, want = R.quantize_cols_1x16_sr(t, rht, 9), R.quantize_rows_1x16_sr(operand, 9)
+        assert torch.equal(got.data, want.data) and torch.equal(got.amax, want.amax)
+
+
+def test_the_transform_adds_its_products_in_a_fixed_order_equal_to_the_exact_sum_where_that_is_exact():
+    x = torch.randn(64, 32).to(torch.bfloat16)  # one binade range per group: every fp32 sum exact
+    exact = (x.double().reshape(-1, 16) @ R.hadamard_16().double()).reshape(x.shape)
+    assert torch.equal(R.rht_16(x), exact.to(torch.bfloat16))
+    wide = torch.randn(8, 16) * torch.logspace(-20, 20, 16)  # fp32, 40 decades: the order decides the rounding
+    acc = torch.zeros(8, 16)
+    for i in range(16):
+        acc = acc + wide[:, i : i + 1] * R.hadamard_16()[i]
+    assert torch.equal(R.rht_16(wide), acc)
+
+
+def test_the_cuda_kernel_holds_the_references_sign_vector_and_hash_constants():
+    # read from the source, so a CPU machine catches a wrong constant before any GPU runs it
+    import re
+
+    from fp4_dist.kernels import _launch
+
+    source = (_launch.CUDA_DIR / "nvfp4_1d.cu").read_text()
+    signs = int(re.search(r"kRhtSigns = 0x([0-9A-Fa-f]+)u;", source).group(1), 16)
+    assert [(-1 if signs >> i & 1 else 1) for i in range(16)] == list(R.RHT_SIGNS)
+    for constant in (R._GAMMA, *R._MIX):
+        assert f"0x{constant:016X}ull" in source, hex(constant)
+    assert "z >> 30" in source and "z >> 27" in source and "z >> 31" in source and "z >> 56" in source
