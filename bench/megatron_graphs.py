@@ -14,9 +14,10 @@ One process per run (`examples/pretrain_gpt.py` through ``python -m fp4_dist.meg
 The llama shape is the one of the CUDA-graphs issue: hidden 4096 x 6 layers, ffn 11,008, GQA 8 groups, RMSNorm,
 SwiGLU, RoPE, untied embeddings, vocab 32,000, seq 2,048, micro-batch 1, global batch 4 (four microbatches a step),
 ``--transformer-impl local --bf16 --use-distributed-optimizer``. A step's time is Megatron's own log line ("elapsed
-time per iteration"), the median over the iterations after the capture (``--cuda-graph-warmup-steps`` + 1) of every
-round; peak memory (allocated and reserved, the graph pools included) is the run record's. The table gives each
-mode's median and its ratio to bf16's, and the spread of the per-round medians.
+time per iteration"), the median over every round's iterations after the capture (``--cuda-graph-warmup-steps`` +
+1) and before its last (which also hashes the masters for the run record); peak memory (allocated and reserved, the
+graph pools included) is the run record's. The table gives each mode's median and its ratio to bf16's, and the
+spread of the per-round medians.
 
 With ``--check-every N`` the NVFP4 runs check their gathered weights every N iterations (the launcher's
 ``--check-every``). Those iterations (the check, and the lean audit of the step before it) are left out of the
@@ -74,8 +75,10 @@ def run(out: Path, name: str, mode: str, a) -> dict:
         return {"rc": rc}
     steps = {int(m.group(1)): float(m.group(2)) for m in STEP.finditer(text)}
     rec = json.loads(record.read_text())
+    # The last iteration also hashes every fp32 master for the record (master_digest_final, seconds at this size):
+    # left out of the median and of the check's cost.
     checked = {it["iteration"]: it["check_ms"] for it in rec["iterations"] if "check_ms" in it}
-    kept = [t for i, t in steps.items() if i > WARMUP + 1 and i not in checked]
+    kept = [t for i, t in steps.items() if WARMUP + 1 < i < a.iters and i not in checked]
     result = {"rc": 0, "median_ms": statistics.median(kept), "steps": steps, "checked": checked,
               "allocated_mib": rec.get("peak_allocated_mib"), "reserved_mib": rec.get("peak_reserved_mib"),
               "losses": [it["loss"] for it in rec["iterations"]]}
@@ -89,7 +92,7 @@ def run(out: Path, name: str, mode: str, a) -> dict:
 
 def _timed(x: dict) -> list:
     """A run's step times, past the capture and not checked."""
-    return [s for i, s in x["steps"].items() if i > WARMUP + 1 and i not in x.get("checked", {})]
+    return [s for i, s in x["steps"].items() if WARMUP + 1 < i < max(x["steps"]) and i not in x.get("checked", {})]
 
 
 def table(results: dict, a, rounds: int) -> None:
@@ -117,7 +120,7 @@ def table(results: dict, a, rounds: int) -> None:
     print("|---|---:|---:|---:|---:|")
     for m in modes:
         checks = [(x["steps"][i], ms, statistics.median(_timed(x))) for x in ok[m] for i, ms in
-                  x.get("checked", {}).items() if i in x["steps"]]  # fmt: skip
+                  x.get("checked", {}).items() if i in x["steps"] and i < max(x["steps"])]  # fmt: skip
         if not checks:
             continue
         step, ms, med = (statistics.median(c[k] for c in checks) for k in range(3))

@@ -63,6 +63,9 @@ class ComputeMode:
     """The frozen dataclass of this mode's options (``convert_linear_weights(options=...)``), or None: it has none.
     An instance says which linears keep the default mode (``kept_in_default(names) -> {name: reason}``) and is
     each layer's ``fp4_options``."""
+    cuda_graphs: Optional[str] = None
+    """None where a captured CUDA graph replays this mode's GEMMs as they run eagerly; else why it does not, in a
+    clause (Megatron's start-up refuses its graphs with the mode, naming it)."""
     fsdp_unsharded: Optional[object] = None
     """FSDP2's unsharded weight in this mode, an object with ``make(fields, dtype) -> (held, parameter, tensors)``
     and ``write(held, fields)`` (the gathered ``(rowwise_data, scale_inv, amax)``); None: the dequantized values."""
@@ -95,7 +98,7 @@ MODES: dict[str, ComputeMode] = {
                     "TransformerEngine's, CuPy kernels on a GPU; the GPU path not yet run by CI); sm_100+ is refused "
                     "until its native NVFP4 GEMM is built and run", bytes_per_weight="0.5", kept_copies=False, lean_depth=False,
                     check_device=nvfp4.check_device, linear=nvfp4.linear, parallel_linear=nvfp4.parallel_linear,
-                    options=nvfp4.Nvfp4Recipe),
+                    options=nvfp4.Nvfp4Recipe, cuda_graphs=nvfp4.CUDA_GRAPHS),
     )
 }  # fmt: skip
 """Every compute mode by name: the one definition (module docstring)."""

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from ..format import TILE, ceil_div, is_tile_grid
 from ..kernels import nvfp4_1d_reference as q1d
+from ..kernels.cuda_plans import capturing
 from ..kernels.reference import expand_rowwise_scales
 from ..tensor import NVFP4Tensor
 from ..tensor.copy import raise_changed
@@ -87,6 +88,10 @@ class Nvfp4Recipe:
 
 
 DEFAULT_RECIPE = Nvfp4Recipe()
+
+CUDA_GRAPHS = ("its stochastic rounding draws each quantization's seed on the host, so a replayed graph would round "
+               "every step's gradients with the seeds drawn at capture")
+"""Why the mode does not run under CUDA graphs (its row's ``cuda_graphs``)."""
 
 
 def check_device(device: torch.device) -> Optional[str]:
@@ -142,6 +147,9 @@ class Nvfp4Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
+        if ctx.recipe.stochastic_rounding and dy.is_cuda and capturing():
+            raise RuntimeError(f"the nvfp4 compute mode cannot be captured in a CUDA graph: {CUDA_GRAPHS} (run "
+                               "eagerly, or with Nvfp4Recipe(stochastic_rounding=False))")
         xt_data, xt_scales, xt_amax, w_data, w_scales, w_amax = ctx.saved_tensors
         if _stamp(ctx.weight) != ctx.stamp:
             raise_changed(ctx.weight)

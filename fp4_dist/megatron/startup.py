@@ -133,14 +133,16 @@ def refuse_unsupported_args(args) -> None:
 
 def _graph_refusals(args) -> list:
     """(refused, what) rows of the CUDA-graph options that --fp4-param-gather does not take. Megatron's own graphs
-    (``--cuda-graph-impl local`` and ``full_iteration``) run every compute mode as it runs eagerly: what a replay
+    (``--cuda-graph-impl local`` and ``full_iteration``) run every compute mode whose row allows them (``cuda_graphs``) as it runs eagerly: what a replay
     reads is decided outside the captured region (`fp4_dist.compute.fp8_copy`, `pool.Buffer.graphed`)."""
     flag = _cuda_graphs(args)
     if flag is None:
         return []
     import torch
 
+    mode = MODES[current_options().compute]
     return [
+        (mode.cuda_graphs is not None, f"{flag} and {mode.flags()} ({mode.cuda_graphs})"),
         (not torch.cuda.is_available(), f"{flag} on CPU ranks (CUDA graphs need CUDA; run without them)"),
         (getattr(args, "cuda_graph_impl", None) == "transformer_engine" or getattr(args, "external_cuda_graph", False),
          f"{flag} (TransformerEngine's graphs; use --cuda-graph-impl local or full_iteration)"),

@@ -88,3 +88,22 @@ def test_every_graph_kind_trains_bit_for_bit_as_eager(tmp_path, data, mode):
         assert _trace(runs[graph]) == _trace(eager), (mode, graph, _trace(runs[graph]), _trace(eager))
         assert runs[graph]["master_digest_final"] == eager["master_digest_final"], (mode, graph)
     print(f"{mode}: {len(GRAPHS)} graph kinds equal, losses {[round(t[1], 4) for t in _trace(eager)]}")
+
+
+def test_the_nvfp4_mode_trains_on_a_gpu_with_every_check_passing_and_refuses_graphs(tmp_path, data):
+    # 4-bit activations and gradients (emulated GEMMs, CuPy quantizers): eager only; graphs would replay the
+    # stochastic rounding's seeds of the capture, so the start-up refuses them on every rank, naming both flags
+    args = ["--data-path", data, "--fp4-param-gather"]
+    runner = ["--compute", "nvfp4"]
+    with ThreadPoolExecutor(2) as pool:
+        eager, graphed = pool.map(lambda g: _run(tmp_path, f"nvfp4_{g}", runner, args + GRAPHS[g]),
+                                  ("eager", "full_iteration"))
+    assert eager["returncode"] == 0, f"{eager['stdout'][-3000:]}\n{eager['stderr'][-6000:]}"
+    losses = [t[1] for t in _trace(eager)]
+    assert len(losses) == ITERS and all(it["check"].startswith("ok") for it in eager["iterations"])
+    assert losses[-1] < losses[0], losses
+    assert graphed["returncode"] != 0
+    said = graphed["stdout"] + graphed["stderr"]
+    assert "--cuda-graph-impl full_iteration and --compute nvfp4" in said and "seeds drawn at capture" in said, \
+        said[-3000:]
+    print(f"nvfp4 on a GPU: losses {[round(x, 4) for x in losses]}")

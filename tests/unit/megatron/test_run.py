@@ -183,3 +183,21 @@ def test_a_checkpoint_of_the_other_parameter_layout_is_named_for_what_it_is():
     text = "Number of unpadded elements must be same in current run (22272) and checkpoint (120576)"
     assert "saved with --fp4-param-gather" in run.hint(text, lost=False)
     assert run.hint("something else", lost=False) == "" and "peer rank" in run.hint(text, lost=True)
+
+
+def test_graphs_with_a_mode_whose_row_refuses_them_are_refused_naming_both():
+    # the nvfp4 mode draws its stochastic rounding's seeds on the host: a replay would reuse the captured ones
+    pytest.importorskip("megatron.core")
+    from fp4_dist.compute.modes import MODES
+    from fp4_dist.megatron.options import AdapterOptions, current_options, set_options
+
+    refusing = [m for m in MODES.values() if m.cuda_graphs is not None]
+    assert [m.name for m in refusing] == ["nvfp4"]
+    before = current_options()
+    try:
+        set_options(AdapterOptions(compute="nvfp4"))
+        with pytest.raises(ValueError, match=r"--cuda-graph-impl local and --compute nvfp4 .*seeds drawn at capture"):
+            refuse_unsupported_args(_args(cuda_graph_impl="local"))
+        refuse_unsupported_args(_args())  # eager: runs
+    finally:
+        set_options(before)
