@@ -95,6 +95,13 @@ def run_python(cmd: list, *, env: dict, cwd=REPO, timeout: float) -> subprocess.
     return zygote.run(cmd, job, env, str(cwd), timeout, False)
 
 
+def prepare(env: dict) -> None:
+    """Start the zygote that `run` would use for commands with environment `env` now, so that a launch a test times
+    against something already running does not include its start-up."""
+    if _enabled():
+        _zygote_for(env)
+
+
 def _parse_python(cmd: list) -> Optional[dict]:
     """`_parse`'s job for ``python [-u] [-m] TARGET ARGS`` run by this interpreter, or None for any other form."""
     if len(cmd) < 2 or str(cmd[0]) != sys.executable:
