@@ -110,13 +110,15 @@ def _parse_python(cmd: list) -> Optional[dict]:
     unbuffered = rest[0] == "-u"
     if unbuffered:
         rest.pop(0)
-    module = rest[0] == "-m"
-    if module:
+    job = {"nproc": 1, "monitor_s": 0.1, "module": False, "plain": True, "unbuffered": unbuffered}
+    if rest[0] == "-c" and len(rest) > 1:
+        return dict(job, command=rest[1], target="-c", args=rest[2:])
+    if rest[0] == "-m":
+        job["module"] = True
         rest.pop(0)
     if not rest or rest[0].startswith("-"):
         return None
-    return {"nproc": 1, "monitor_s": 0.1, "module": module, "plain": True, "unbuffered": unbuffered, "target": rest[0],
-            "args": rest[1:]}
+    return dict(job, target=rest[0], args=rest[1:])
 
 
 def _enabled() -> bool:
@@ -489,7 +491,16 @@ def _rank(job: dict, rank: int, port: int, run_id: str, base_path: list) -> None
     first = os.getcwd() if job["module"] else str(Path(target).resolve().parent)
     sys.path[:] = [first, *own_path, *base_path]
     sys.argv = [target, *args]
-    if job["module"]:
+    if "command" in job:  # `python -c COMMAND ARGS`: '' first on sys.path, argv[0] "-c", a fresh __main__
+        import types
+
+        sys.path[:] = ["", *own_path, *base_path]
+        sys.argv = ["-c", *args]
+        main = types.ModuleType("__main__")
+        main.__builtins__ = __builtins__
+        sys.modules["__main__"] = main
+        exec(compile(job["command"], "<string>", "exec"), main.__dict__)
+    elif job["module"]:
         runpy.run_module(target, run_name="__main__", alter_sys=True)
     else:
         runpy.run_path(target, run_name="__main__")

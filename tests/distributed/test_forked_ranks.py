@@ -79,7 +79,7 @@ PLAIN = textwrap.dedent(f"""
     import torch
     seen = {{k: os.environ.get(k) for k in {SEEN!r} + {SET!r}}}
     signals = {{s: str(signal.getsignal(getattr(signal, s))) for s in ("SIGPIPE", "SIGINT", "SIGTERM", "SIGCHLD")}}
-    print(json.dumps(dict(seen, argv=sys.argv[1:], path0=sys.path[0], cwd=os.getcwd(), name=__name__,
+    print(json.dumps(dict(seen, argv=sys.argv, path0=sys.path[0], cwd=os.getcwd(), name=__name__,
                           unbuffered=sys.stdout.write_through, line_buffered=sys.stderr.line_buffering,
                           signals=signals)))
     print("to stderr", file=sys.stderr)
@@ -96,14 +96,14 @@ def test_a_forked_plain_process_sees_what_a_fresh_interpreter_sees(tmp_path):
     script.write_text(PLAIN)
     env = dict(_env(), FP4_DIST_PROBE="plain")
     for args, code in ((["-u", str(script), "a", "0"], 0), ([str(script), "--b", "3"], 3),
-                       ([str(script), "kill", "0"], -9)):  # fmt: skip
+                       ([str(script), "kill", "0"], -9), (["-c", PLAIN, "c", "0"], 0)):  # fmt: skip
         cmd = [sys.executable, *args]
         real = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
         forked = forked_ranks.run_python(cmd, env=env, timeout=120)
         assert real.returncode == forked.returncode == code, (args, real.returncode, forked.returncode, forked.stderr)
         assert json.loads(forked.stdout) == json.loads(real.stdout), (args, forked.stdout, real.stdout)
         assert forked.stderr == real.stderr == "to stderr\n", (args, forked.stderr, real.stderr)
-    assert forked_ranks._parse_python([sys.executable, "-c", "pass"]) is None  # not a target: a fresh interpreter
+    assert forked_ranks._parse_python([sys.executable, "-X", "importtime", "x.py"]) is None  # a fresh interpreter
 
 
 def test_other_commands_run_as_they_are(tmp_path):
