@@ -16,9 +16,10 @@ would give to ``subprocess.run`` and runs it as torchrun would, on ranks forked 
                 exits as a rank does (atexit handlers, exit status 1 on an uncaught exception)
 
 What the ranks run is the same code on the same real torch.distributed (gloo) and Megatron-Core: only the start-up
-differs. `run_python` does the same for a plain ``python [-m] TARGET ARGS`` process (a bench script, a command-line
-tool): one process, forked as a rank is, without the launcher's variables. A zygote serves only commands whose environment equals its own (outside the variables a rank gets from
-the launcher and a few read only at run time), so nothing read at import time can differ from a fresh rank's.
+differs. `run_python` does the same for a plain ``python [-m|-c] TARGET ARGS`` process (a bench script, a
+command-line tool): one process, forked as a rank is, without the launcher's variables. A zygote serves only commands
+whose environment equals its own (outside the variables a rank gets from the launcher and a few read only at run
+time), so nothing read at import time can differ from a fresh rank's.
 Real torchrun runs instead when this cannot serve the command faithfully: ``FP4_DIST_TEST_FORK=0``, a CUDA machine
 (a forked process cannot use CUDA once its parent touched it), a launcher option other than the ones above, or a
 zygote that failed to start. Tests of launching itself (the documented launch lines, mpirun, a rank's failure
