@@ -16,8 +16,10 @@ would give to ``subprocess.run`` and runs it as torchrun would, on ranks forked 
                 exits as a rank does (atexit handlers, exit status 1 on an uncaught exception)
 
 What the ranks run is the same code on the same real torch.distributed (gloo) and Megatron-Core: only the start-up
-differs. A zygote serves only commands whose environment equals its own (outside the variables a rank gets from
-the launcher and a few read only at run time), so nothing read at import time can differ from a fresh rank's.
+differs. `run_python` does the same for a plain ``python [-m|-c] TARGET ARGS`` process (a bench script, a
+command-line tool): one process, forked as a rank is, without the launcher's variables. A zygote serves only commands
+whose environment equals its own (outside the variables a rank gets from the launcher and a few read only at run
+time), so nothing read at import time can differ from a fresh rank's.
 Real torchrun runs instead when this cannot serve the command faithfully: ``FP4_DIST_TEST_FORK=0``, a CUDA machine
 (a forked process cannot use CUDA once its parent touched it), a launcher option other than the ones above, or a
 zygote that failed to start. Tests of launching itself (the documented launch lines, mpirun, a rank's failure
@@ -78,6 +80,46 @@ def run(cmd: list, *, env: dict, cwd=REPO, timeout: float, dump_stacks: bool = F
     if zygote is None:
         return _real(cmd, env, cwd, timeout, dump_stacks)
     return zygote.run(cmd, job, env, str(cwd), timeout, dump_stacks)
+
+
+def run_python(cmd: list, *, env: dict, cwd=REPO, timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)`` for a plain
+    ``python [-u] [-m] TARGET ARGS`` command (no launcher: none of torchrun's variables), the process forked from a
+    zygote as `run` forks a rank: the same target, argv, sys.path, environment, working directory and exit status
+    (minus its signal when one ended it), a second or more of interpreter and torch start-up fewer."""
+    job = _parse_python(cmd)
+    if job is None or not _enabled():
+        return _real(cmd, env, cwd, timeout, False)
+    zygote = _zygote_for(env)
+    if zygote is None:
+        return _real(cmd, env, cwd, timeout, False)
+    return zygote.run(cmd, job, env, str(cwd), timeout, False)
+
+
+def prepare(env: dict) -> None:
+    """Start the zygote that `run` would use for commands with environment `env` now, so that a launch a test times
+    against something already running does not include its start-up."""
+    if _enabled():
+        _zygote_for(env)
+
+
+def _parse_python(cmd: list) -> Optional[dict]:
+    """`_parse`'s job for ``python [-u] [-m] TARGET ARGS`` run by this interpreter, or None for any other form."""
+    if len(cmd) < 2 or str(cmd[0]) != sys.executable:
+        return None
+    rest = [str(a) for a in cmd[1:]]
+    unbuffered = rest[0] == "-u"
+    if unbuffered:
+        rest.pop(0)
+    job = {"nproc": 1, "monitor_s": 0.1, "module": False, "plain": True, "unbuffered": unbuffered}
+    if rest[0] == "-c" and len(rest) > 1:
+        return dict(job, command=rest[1], target="-c", args=rest[2:])
+    if rest[0] == "-m":
+        job["module"] = True
+        rest.pop(0)
+    if not rest or rest[0].startswith("-"):
+        return None
+    return dict(job, target=rest[0], args=rest[1:])
 
 
 def _enabled() -> bool:
@@ -359,6 +401,13 @@ def _agent(job: dict, base_path: list) -> None:
                 if r not in codes:
                     _signal(-p, signal.SIGKILL)
         time.sleep(0.02)
+    if job.get("plain"):  # the process's own exit status, or the signal that ended it
+        code = codes[0]
+        if code < 0:
+            if -code != signal.SIGKILL:  # SIGKILL's disposition is fixed; another's may be the zygote's
+                signal.signal(-code, signal.SIG_DFL)
+            os.kill(os.getpid(), -code)
+        os._exit(code)
     bad = {r: c for r, c in sorted(codes.items()) if c != 0}
     if bad:
         os.write(2, f"forked_ranks: ranks failed, exit codes by rank: {bad}\n".encode())
@@ -409,19 +458,24 @@ def _rank(job: dict, rank: int, port: int, run_id: str, base_path: list) -> None
     os.dup2(os.open(out / "stderr", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), 2)
     n = job["nproc"]
     env = dict(job["env"])
-    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n), GROUP_RANK="0",
-               GROUP_WORLD_SIZE="1", ROLE_RANK=str(rank), ROLE_NAME="default", ROLE_WORLD_SIZE=str(n),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RUN_ID=run_id,
-               TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_USE_AGENT_STORE="False",
-               TORCH_NCCL_ASYNC_ERROR_HANDLING=env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"))  # fmt: skip
+    if not job.get("plain"):
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n), GROUP_RANK="0",
+                   GROUP_WORLD_SIZE="1", ROLE_RANK=str(rank), ROLE_NAME="default", ROLE_WORLD_SIZE=str(n),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RUN_ID=run_id,
+                   TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_USE_AGENT_STORE="False",
+                   TORCH_NCCL_ASYNC_ERROR_HANDLING=env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"))  # fmt: skip
     if n > 1 and "OMP_NUM_THREADS" not in job["env"]:
         env["OMP_NUM_THREADS"] = "1"  # torchrun's default with several ranks per node
     os.environ.clear()
     os.environ.update(env)
     os.chdir(job["cwd"])
-    for fd, name in ((1, "stdout"), (2, "stderr")):  # `python -u`: unbuffered, written through
-        stream = io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
-                                  write_through=True)  # fmt: skip
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        raw = io.FileIO(fd, "w", closefd=False)
+        if job.get("unbuffered", True) or env.get("PYTHONUNBUFFERED"):  # `python -u`: written through
+            stream = io.TextIOWrapper(raw, encoding="utf-8", errors="backslashreplace", write_through=True)
+        else:  # `python` into a file: stdout block-buffered, stderr line-buffered
+            stream = io.TextIOWrapper(io.BufferedWriter(raw), encoding="utf-8", errors="backslashreplace",
+                                      line_buffering=name == "stderr")  # fmt: skip
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
     import faulthandler
@@ -438,7 +492,16 @@ def _rank(job: dict, rank: int, port: int, run_id: str, base_path: list) -> None
     first = os.getcwd() if job["module"] else str(Path(target).resolve().parent)
     sys.path[:] = [first, *own_path, *base_path]
     sys.argv = [target, *args]
-    if job["module"]:
+    if "command" in job:  # `python -c COMMAND ARGS`: '' first on sys.path, argv[0] "-c", a fresh __main__
+        import types
+
+        sys.path[:] = ["", *own_path, *base_path]
+        sys.argv = ["-c", *args]
+        main = types.ModuleType("__main__")
+        main.__builtins__ = __builtins__
+        sys.modules["__main__"] = main
+        exec(compile(job["command"], "<string>", "exec"), main.__dict__)
+    elif job["module"]:
         runpy.run_module(target, run_name="__main__", alter_sys=True)
     else:
         runpy.run_path(target, run_name="__main__")

@@ -24,13 +24,13 @@ TIMEOUT_S = 240
 
 
 def _bench(*args: str, ranks: int = 0) -> subprocess.CompletedProcess:
-    """`bench/SCRIPT args` on `ranks` gloo CPU ranks under torchrun, or as a plain process (0), CUDA hidden."""
+    """`bench/SCRIPT args` on `ranks` gloo CPU ranks under torchrun, or as a plain process (0), CUDA hidden; either
+    forked from a process that has imported torch already (tests/distributed/forked_ranks.py)."""
     env = dict(megatron_env(), PYTHONWARNINGS="ignore")
     if ranks:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *args]
         return forked_ranks.run(cmd, env=env, timeout=TIMEOUT_S)
-    return subprocess.run([sys.executable, *args], env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=TIMEOUT_S)  # fmt: skip
+    return forked_ranks.run_python([sys.executable, *args], env=env, timeout=TIMEOUT_S)
 
 
 def _ran(proc: subprocess.CompletedProcess, *expected: str) -> None:

@@ -74,6 +74,38 @@ def test_a_failing_rank_fails_the_job_as_under_torchrun(tmp_path):
         assert len(proc.stdout.splitlines()) == 3
 
 
+PLAIN = textwrap.dedent(f"""
+    import json, os, signal, sys
+    import torch
+    seen = {{k: os.environ.get(k) for k in {SEEN!r} + {SET!r}}}
+    signals = {{s: str(signal.getsignal(getattr(signal, s))) for s in ("SIGPIPE", "SIGINT", "SIGTERM", "SIGCHLD")}}
+    print(json.dumps(dict(seen, argv=sys.argv, path0=sys.path[0], cwd=os.getcwd(), name=__name__,
+                          unbuffered=sys.stdout.write_through, line_buffered=sys.stderr.line_buffering,
+                          signals=signals)))
+    print("to stderr", file=sys.stderr)
+    if "kill" in sys.argv:
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise SystemExit(int(sys.argv[-1]))
+""")
+
+
+@pytest.mark.skipif(not forked_ranks._enabled(), reason="forked ranks are off here")
+def test_a_forked_plain_process_sees_what_a_fresh_interpreter_sees(tmp_path):
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN)
+    env = dict(_env(), FP4_DIST_PROBE="plain")
+    for args, code in ((["-u", str(script), "a", "0"], 0), ([str(script), "--b", "3"], 3),
+                       ([str(script), "kill", "0"], -9), (["-c", PLAIN, "c", "0"], 0)):  # fmt: skip
+        cmd = [sys.executable, *args]
+        real = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+        forked = forked_ranks.run_python(cmd, env=env, timeout=120)
+        assert real.returncode == forked.returncode == code, (args, real.returncode, forked.returncode, forked.stderr)
+        assert json.loads(forked.stdout) == json.loads(real.stdout), (args, forked.stdout, real.stdout)
+        assert forked.stderr == real.stderr == "to stderr\n", (args, forked.stderr, real.stderr)
+    assert forked_ranks._parse_python([sys.executable, "-X", "importtime", "x.py"]) is None  # a fresh interpreter
+
+
 def test_other_commands_run_as_they_are(tmp_path):
     proc = forked_ranks.run([sys.executable, "-c", "import os; print(os.environ['FP4_DIST_PROBE'])"],
                             env=dict(os.environ, FP4_DIST_PROBE="plain"), timeout=60)  # fmt: skip

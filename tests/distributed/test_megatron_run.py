@@ -109,8 +109,8 @@ def assert_exports_the_saved_weights(folder: Path, out: Path) -> None:
     """`python -m fp4_dist.export megatron` writes the checkpoint's NVFP4 bytes under Megatron's names."""
     import torch
 
-    proc = subprocess.run([sys.executable, "-m", "fp4_dist.export", "megatron", str(folder), str(out)], cwd=REPO,
-                          env=_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = forked_ranks.run_python([sys.executable, "-m", "fp4_dist.export", "megatron", str(folder), str(out)],
+                                   env=_env(), timeout=120)  # fmt: skip
     assert proc.returncode == 0 and "exported 8 NVFP4 weights" in proc.stdout, proc.stdout + proc.stderr[-3000:]
     from fp4_dist.export import ct_format
     from fp4_dist.megatron.safe_globals import megatron_checkpoint_globals

@@ -68,23 +68,37 @@ def test_a_flipped_byte_in_a_dcp_file_is_refused_on_every_rank_naming_it_and_not
         assert all(x["zero1"]["error"] is None and x["zero1"]["state"] == saved[0]["saved"] for x in r), r
 
 
+def _train_cmd(root: Path, steps: int, every: int) -> list:
+    return [*TORCHRUN, "-m", "examples.train_lm", "--steps", str(steps), "--dim", "32", "--hidden", "64", "--seq",
+            "32", "--backend", "gloo", "--no-progress", "--save", str(root), "--save-every", str(every)]
+
+
 def _train(root: Path, steps: int, every: int = 2) -> subprocess.Popen:
-    cmd = [*TORCHRUN, "-m", "examples.train_lm", "--steps", str(steps), "--dim", "32", "--hidden", "64", "--seq",
-           "32", "--backend", "gloo", "--no-progress", "--save", str(root), "--save-every", str(every)]
+    """The job started under real torchrun, running beside the test (whose launcher a kill of a rank ends)."""
+    cmd = _train_cmd(root, steps, every)
     return subprocess.Popen(cmd, env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _train_to_end(root: Path, steps: int, every: int = 2) -> subprocess.CompletedProcess:
+    """The job to its end, its ranks forked (forked_ranks), stderr after stdout in `stdout`."""
+    proc = forked_ranks.run(_train_cmd(root, steps, every), env=_env(), timeout=TIMEOUT_S)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout + proc.stderr)
 
 
 def test_a_second_job_saving_into_the_same_root_is_refused_on_every_rank_and_the_first_is_intact(tmp_path):
     root = tmp_path / "ckpt"
-    first = _train(root, 300, every=50)  # long enough to outlive the second job's start-up
+    # The second job's ranks fork from a process that has imported torch: started before the first job, it does not
+    # delay the second while the first trains.
+    forked_ranks.prepare(_env())
+    first = _train(root, 120, every=20)  # long enough to outlive the second job's start-up (ranks forked: 1-3 s)
     deadline = time.monotonic() + TIMEOUT_S
     while not (root / LOCK).is_file():  # the first job holds the root from its start-up
         assert first.poll() is None and time.monotonic() < deadline, first.communicate()[0][-3000:]
         time.sleep(0.2)
     holder = json.loads((root / LOCK).read_text())
     t0 = time.monotonic()
-    second = _train(root, 300, every=50)
-    out, _ = second.communicate(timeout=TIMEOUT_S)
+    second = _train_to_end(root, 120, every=20)
+    out = second.stdout
     took = time.monotonic() - t0
     assert first.poll() is None, "the first job ended before the second was refused: make it longer"
     assert second.returncode != 0, out[-3000:]
@@ -95,11 +109,10 @@ def test_a_second_job_saving_into_the_same_root_is_refused_on_every_rank_and_the
     log, _ = first.communicate(timeout=TIMEOUT_S)
     assert first.returncode == 0 and "PASS (bit-identical)" in log, log[-3000:]
     steps = sorted(p.name for p in root.iterdir())
-    assert steps == [f"step_{s:08d}" for s in range(50, 301, 50)], steps  # every save, and the lock released
+    assert steps == [f"step_{s:08d}" for s in range(20, 121, 20)], steps  # every save, and the lock released
     assert all(verify_folder(root / s) for s in steps)
-    resumed = _train(root, 302)
-    log, _ = resumed.communicate(timeout=TIMEOUT_S)
-    assert resumed.returncode == 0 and "step 300 of 302" in log, log[-3000:]
+    resumed = _train_to_end(root, 122)
+    assert resumed.returncode == 0 and "step 120 of 122" in resumed.stdout, resumed.stdout[-3000:]
 
 
 def test_a_lock_left_by_a_killed_job_is_taken_over_and_its_unfinished_save_deleted(tmp_path):
@@ -114,8 +127,8 @@ def test_a_lock_left_by_a_killed_job_is_taken_over_and_its_unfinished_save_delet
     first.communicate(timeout=TIMEOUT_S)
     left = root / ".step_00000004.tmp-otherhost-1-0123abcd"  # what a save killed mid-write leaves
     shutil.copytree(root / "step_00000002", left)
-    proc = _train(root, 4)
-    log, _ = proc.communicate(timeout=TIMEOUT_S)
+    proc = _train_to_end(root, 4)
+    log = proc.stdout
     assert proc.returncode == 0, log[-3000:]
     assert f"took over {root / LOCK}, left by pid {holder['pid']} on host {holder['host']}" in log, log[-3000:]
     assert f"deleted {left}" in log and not left.exists(), log[-3000:]

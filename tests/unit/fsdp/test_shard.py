@@ -1,13 +1,15 @@
-"""fp4_dist.fsdp.shard in one gloo process (a subprocess: the process group is global state)."""
+"""fp4_dist.fsdp.shard in one gloo process (a subprocess, forked from one that has imported torch
+(tests/distributed/forked_ranks.py): the process group is global state)."""
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.distributed import forked_ranks
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -36,8 +38,7 @@ shutdown()
 def test_unshard_right_after_a_step_names_the_step_and_the_remedy():
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                MASTER_ADDR="127.0.0.1", MASTER_PORT="29871", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")  # fmt: skip
-    proc = subprocess.run([sys.executable, "-c", _UNSHARD_AFTER_STEP], env=env, capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    proc = forked_ranks.run_python([sys.executable, "-c", _UNSHARD_AFTER_STEP], env=env, timeout=120)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("ERROR")), proc.stdout + proc.stderr[-2000:])
     assert "0.weight are stale" in line and "an optimizer step" in line and "precompute_nvfp4(model)" in line, line
 
@@ -81,7 +82,7 @@ def test_a_linear_weight_tied_to_an_embedding_stays_tied_in_high_precision(order
     # It became an NVFP4 master of the head alone: the embedding and the head trained as two weights, silently;
     # converted first, FSDP2 met the embedding's NVFP4Tensor and blamed the user for not calling fully_shard_nvfp4.
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "-c", _TIED, order], env=env, capture_output=True, text=True, timeout=120)
+    proc = forked_ranks.run_python([sys.executable, "-c", _TIED, order], env=env, timeout=120)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")), proc.stdout + proc.stderr[-3000:])
     assert line.startswith("RESULT ['mid.weight'] ['head.weight'] True True shared with emb.weight"), line
     assert ("it was an NVFP4 weight" in line) == (order == "converted"), line
@@ -118,7 +119,7 @@ dist.destroy_process_group()
 def test_a_gather_before_any_cast_and_an_assigning_load_are_named_for_what_they_are():
     # The first was called stale ("its fp32 master changed"), the second an unsharded weight ("call reshard()").
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "-c", _MESSAGES], env=env, capture_output=True, text=True, timeout=120)
+    proc = forked_ranks.run_python([sys.executable, "-c", _MESSAGES], env=env, timeout=120)
     said = dict(ln.split(" ", 1) for ln in proc.stdout.splitlines() if ln.startswith(("UNSHARD", "ASSIGN")))
     assert "0.weight are not cast yet" in said.get("UNSHARD", ""), proc.stdout + proc.stderr[-3000:]
     assert "0.weight is no NVFP4 master any more" in said.get("ASSIGN", "") and "assign=True" in said["ASSIGN"], said
@@ -158,7 +159,7 @@ dist.destroy_process_group()
 def test_an_evaluation_forward_between_steps_under_reshard_after_forward_false_trains_on():
     # FSDP2 keeps the evaluated layers unsharded; the next forward's cast refused them though no master had changed.
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "-c", _EVAL_BETWEEN], env=env, capture_output=True, text=True, timeout=120)
+    proc = forked_ranks.run_python([sys.executable, "-c", _EVAL_BETWEEN], env=env, timeout=120)
     assert "LOSSES True" in proc.stdout, proc.stdout + proc.stderr[-3000:]
 
 
@@ -183,7 +184,6 @@ def test_two_linears_sharing_a_converted_weight_both_stay_tied():
     # Made plain for the first holder, the weight was a new parameter the second holder's check did not know:
     # the second became an NVFP4 master of its own, untied.
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "-c", _TWO_TIED_LINEARS], env=env, capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    proc = forked_ranks.run_python([sys.executable, "-c", _TWO_TIED_LINEARS], env=env, timeout=120)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")), proc.stdout + proc.stderr[-3000:])
     assert line == "RESULT [] ['0.weight', '2.weight'] True", line
