@@ -111,7 +111,11 @@ def _parse_python(cmd: list) -> Optional[dict]:
     unbuffered = rest[0] == "-u"
     if unbuffered:
         rest.pop(0)
-    job = {"nproc": 1, "monitor_s": 0.1, "module": False, "plain": True, "unbuffered": unbuffered}
+    # A fresh interpreter keeps an ignored SIGINT ignored (pytest-xdist's workers ignore it), else raises
+    # KeyboardInterrupt on it: the forked process takes the disposition this caller would pass on.
+    sigint_ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    job = {"nproc": 1, "monitor_s": 0.1, "module": False, "plain": True, "unbuffered": unbuffered,
+           "sigint_ignored": sigint_ignored}  # fmt: skip
     if rest[0] == "-c" and len(rest) > 1:
         return dict(job, command=rest[1], target="-c", args=rest[2:])
     if rest[0] == "-m":
@@ -447,10 +451,11 @@ def _rank(job: dict, rank: int, port: int, run_id: str, base_path: list) -> None
 
     os.setsid()
     # the dispositions a fresh interpreter starts with: SIGPIPE ignored (a write to a dead peer's socket is an error
-    # the rank reports, not a silent death), SIGINT to KeyboardInterrupt, the others default
+    # the rank reports, not a silent death), SIGINT to KeyboardInterrupt (a plain process: ignored where its caller
+    # ignores it, as a fresh interpreter inherits), the others default
     for sig in (signal.SIGTERM, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.SIG_IGN if job.get("sigint_ignored") else signal.default_int_handler)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     out = Path(job["out"])
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
