@@ -262,7 +262,7 @@ def main(argv=None) -> int:
                        seq=args.seq)
     model, init = build_model(cfg, seed=args.seed, device=info.device)
     try:
-        fp4_dist.convert_linear_weights(model, dtype=torch.bfloat16, compute=args.fp4_compute)
+        converted = fp4_dist.convert_linear_weights(model, dtype=torch.bfloat16, compute=args.fp4_compute)
     except RuntimeError as e:  # --fp4-compute fp8 on a GPU without the FP8 block GEMMs: every rank says why
         raise SystemExit(f"train_lm: {e} (here: drop --fp4-compute fp8)") from None
     names = [n for n, _ in model.named_parameters()]
@@ -276,6 +276,8 @@ def main(argv=None) -> int:
         f"launcher {info.launcher}")
     say(f"model: {n_params:,} parameters ({sum(p.numel() for p in opt.nvfp4_params):,} in {n_nvfp4} NVFP4 "
         f"weights, GEMMs in {args.fp4_compute}), vocab {len(vocab)}, {len(tokens):,} characters of text")
+    for line in converted.compute_lines():  # which linears compute in the mode, and why the others do not
+        say(line)
     if args.save is not None:  # one job per --save folder: a second one stops here, on every rank, before a step
         try:
             lock_root(args.save, take_over_other_host=args.take_over_lock)

@@ -98,7 +98,8 @@ MODES: dict[str, ComputeMode] = {
                     "TransformerEngine's, CuPy kernels on a GPU; the GPU path not yet run by CI); sm_100+ is refused "
                     "until its native NVFP4 GEMM is built and run", bytes_per_weight="0.5", kept_copies=False, lean_depth=False,
                     check_device=nvfp4.check_device, linear=nvfp4.linear, parallel_linear=nvfp4.parallel_linear,
-                    options=nvfp4.Nvfp4Recipe, cuda_graphs=nvfp4.CUDA_GRAPHS),
+                    options=nvfp4.Nvfp4Recipe, cuda_graphs=nvfp4.CUDA_GRAPHS,
+                    fsdp_unsharded=nvfp4.FsdpUnsharded),
     )
 }  # fmt: skip
 """Every compute mode by name: the one definition (module docstring)."""

@@ -35,7 +35,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..format import TILE, ceil_div, is_tile_grid
+from .. import kernels
+from ..format import TILE, ceil_div, is_tile_grid, rowwise_scale_shape
 from ..kernels import nvfp4_1d_reference as q1d
 from ..kernels.cuda_plans import capturing
 from ..kernels.reference import expand_rowwise_scales
@@ -45,8 +46,8 @@ from . import nvfp4_gemm
 from .fp8_autograd import _gather_sequence, _reduce_scatter_sequence, _stamp, output  # one TP communication
 from .nvfp4_gemm import emulated_mm, operand_kernels, unscaled_values
 
-__all__ = ["Nvfp4Recipe", "check_device", "linear", "parallel_linear", "Nvfp4Linear", "nvfp4_linear",
-           "emulated_mm", "weight_rows", "wgrad_operand"]  # fmt: skip
+__all__ = ["Nvfp4Recipe", "check_device", "linear", "parallel_linear", "FsdpUnsharded", "Nvfp4Linear",
+           "nvfp4_linear", "emulated_mm", "weight_rows", "wgrad_operand"]  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -190,8 +191,7 @@ def linear(module: torch.nn.Module, input: torch.Tensor, compiling: bool = False
     if type(w) is not NVFP4Tensor:  # never bf16 in its place without a word
         raise RuntimeError(
             f"NVFP4Linear computes in the nvfp4 mode but its weight is now a {type(w).__name__}, not an NVFP4Tensor: "
-            "the mode multiplies the weight's NVFP4 codes (FSDP2's unsharded weights are not built for it yet); "
-            "convert with compute='bf16'")
+            "the mode multiplies the weight's NVFP4 codes; convert with compute='bf16'")
     return Nvfp4Linear.apply(input, w, module.bias, getattr(module, "fp4_options", None) or DEFAULT_RECIPE)
 
 
@@ -200,3 +200,53 @@ def parallel_linear(layer, input: torch.Tensor, weight: NVFP4Tensor, bias: Optio
     """A Megatron parallel linear's GEMMs in this mode, with its tensor-parallel communication."""
     recipe = getattr(layer, "fp4_options", None) or DEFAULT_RECIPE
     return Nvfp4Linear.apply(input, weight, bias, recipe, allreduce_dgrad, sequence_parallel, tp_group)
+
+
+class FsdpUnsharded:
+    """FSDP2's unsharded weight in this mode (`fp4_dist.fsdp.master`): an `NVFP4Tensor` on the gathered
+    ``(rowwise_data, scale_inv, amax)``, whose codes the GEMMs multiply as they do any NVFP4 weight's.
+
+    Its ``rowwise_data`` is the gathered bytes themselves, no copy: FSDP2 gathers into the same tensors every
+    time (freeing their memory at each reshard, allocating it again before the next gather), and so does the
+    post-gather quantize of a weight gathered in bf16. Two fields are the weight's own, written in place at each
+    gather so that every field keeps its tensor (what a layer's forward saved for its backward is what the
+    backward's gather refills): the tile scales, which the gather carries as the [ceil(M/16), ceil(K/16)] grid, in
+    the tensor's row-expanded layout; and the amax, which travels as the gather's metadata in the cast's own buffer
+    (the next cast rewrites it, and a new cast makes a new one). FSDP2 frees and allocates those two with the
+    gathered bytes."""
+
+    @staticmethod
+    def make(fields: tuple, dtype: torch.dtype) -> tuple:
+        """(what the weight holds, the unsharded parameter, its tensors FSDP2 manages) at the first gather."""
+        data, scale_inv, amax = fields
+        m, k = data.shape[0], 2 * data.shape[1]
+        with torch.inference_mode(False):  # normal tensors even under inference mode: later gathers write them
+            own_amax = torch.empty(1, dtype=torch.float32, device=data.device)
+            own_scales = (torch.empty(rowwise_scale_shape(m, k), dtype=torch.uint8, device=data.device)
+                          if is_tile_grid(scale_inv.shape, m, k) else scale_inv)  # fmt: skip
+        held = NVFP4Tensor((m, k), dtype, data, own_scales, own_amax, compute_copy=False)
+        FsdpUnsharded.write(held, fields)
+        tensors = (own_amax,) if own_scales is scale_inv else (own_scales, own_amax)
+        return held, held, tensors
+
+    @staticmethod
+    def write(held: NVFP4Tensor, fields: tuple) -> None:
+        """Write a gather's scales and amax into the tensors `make` gave; its bytes are `held`'s already."""
+        data, scale_inv, amax = fields
+        m, k = held.shape
+        grid = is_tile_grid(scale_inv.shape, m, k)
+        in_place = [data] if grid else [data, scale_inv]
+        assert all(t.data_ptr() == getattr(held, f).data_ptr() for t, f in zip(in_place, _FIELDS)), (
+            "FSDP2 gathered into other tensors than at its first gather; the nvfp4 mode's unsharded weight reads "
+            "the gathered fields where the first gather put them")
+        # The forward saved these fields for the backward, whose gather writes the same values again: autograd and
+        # the layer's stamp (`tensor.copy.stamp`) must not take that for an in-place change (FSDP2 writes its own
+        # unsharded parameters so too).
+        own = (held.rowwise_scale_inv, held.amax)
+        with torch.inference_mode(False), torch.autograd._unsafe_preserve_version_counter(own):
+            held.amax.copy_(amax.reshape(1))
+            if grid:
+                kernels.expand_scales(scale_inv.reshape(-1), [(m, k)], [[(0, 0)]], [held.rowwise_scale_inv])
+
+
+_FIELDS = ("rowwise_data", "rowwise_scale_inv", "amax")

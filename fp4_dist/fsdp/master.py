@@ -11,9 +11,10 @@ so the shard FSDP2 keeps is still an NVFP4Master. Its all-gather goes through FS
     (FSDP2 all-gathers those bytes: 0.504 B per element instead of 2)
     fsdp_post_all_gather  a dequantize of the gathered bytes and tile scales into the bf16 compute copy, which is
                           the unsharded parameter the forward and backward read (a plain tensor: no per-op overhead);
-                          one launch for each FSDP2 parameter group's weights (`dequant_batch`). In the FP8 compute
-                          mode (``compute="fp8"``) the unsharded parameter is the FP8 block copy of the gathered
-                          bytes instead (`fp4_dist.compute.fp8_param.Fp8Param`), written per weight
+                          one launch for each FSDP2 parameter group's weights (`dequant_batch`). A compute mode
+                          with an unsharded weight of its own (its row's ``fsdp_unsharded``) makes that instead, per
+                          weight: the FP8 block copy of the gathered bytes (`fp4_dist.compute.fp8_param.Fp8Param`),
+                          or an NVFP4Tensor on the gathered bytes themselves (`fp4_dist.compute.nvfp4`)
 
 Weights whose rows do not split into whole 16-row tile bands per rank ("bf16" mode) gather their bf16 values
 instead and are quantized after the gather (every rank quantizes the same full weight, so the bytes are those
@@ -83,7 +84,8 @@ class WeightState:
     """What the GEMMs read of the unsharded weight (a name in `compute.modes.MODES`): the dequantized values
     (`value`), or what the mode's ``fsdp_unsharded`` makes (`held`)."""
     held: Any = None
-    """What a mode with an unsharded weight of its own holds of it (the FP8 block copy), valid while unsharded."""
+    """What a mode with an unsharded weight of its own holds of it (the FP8 block copy, the NVFP4Tensor on the
+    gathered bytes), valid while unsharded."""
 
     def __post_init__(self):
         self.grid = tile_grid(*self.shape)
@@ -206,9 +208,12 @@ class NVFP4Master(torch.Tensor):
         else:
             (values,) = outputs
             data, amax, scale_inv = b["data"], b["amax"], b["scale_inv"]
-            kernels.quantize_rowwise(values[:m].reshape(-1), (m, k), round_to=state.model_dtype,
-                                     numerics=state.numerics, rowwise_data=data, scale_inv=scale_inv,
-                                     amax=amax, name=state.fqn)  # fmt: skip
+            # In the nvfp4 compute mode these are the unsharded weight's own fields, which a forward saves for its
+            # backward, whose gather writes the same values again: not an in-place change (as FSDP2's own writes).
+            with torch.autograd._unsafe_preserve_version_counter((data, scale_inv, amax)):
+                kernels.quantize_rowwise(values[:m].reshape(-1), (m, k), round_to=state.model_dtype,
+                                         numerics=state.numerics, rowwise_data=data, scale_inv=scale_inv,
+                                         amax=amax, name=state.fqn)  # fmt: skip
         state.gathered_fields = (data, scale_inv, amax)
         if unsharded is not None:
             if first:

@@ -29,7 +29,7 @@ from ..shared_amax import check_patterns, group_of, sibling_groups
 from ..tensor import NVFP4Tensor
 from ..cast.core import DeferredCheck
 from ..compute.fp8_param import allocated
-from ..compute.linear import NVFP4Linear
+from ..compute.linear import NVFP4Linear, ready_for_compile
 from ..compute.modes import DEFAULT, MODES, ComputeMode, mode_named, prepare
 from ..convert import ConversionReport, skipped_linears, warn_shared_amax, weight_owners
 from . import dequant_batch, wire
@@ -111,11 +111,14 @@ def fully_shard_nvfp4(
         shared_amax: sibling linears whose weights share one amax (`fp4_dist.shared_amax`), e.g.
             ``fp4_dist.export.VLLM_FUSED``; groups already on NVFP4 weights (`convert_linear_weights`) are kept.
             Every member must be gathered as NVFP4 (a bf16-gathered weight is quantized alone after its gather).
-        compute: what the NVFP4 weights' GEMMs read: "bf16" (their dequantized values, the unsharded parameter a
-            bf16 tensor) or "fp8" (the FP8 compute mode: the unsharded parameter is the FP8 block copy of the
-            gathered bytes, `fp4_dist.compute.fp8_param.Fp8Param`, 1 byte per weight; cuBLAS's block-scaled GEMMs
-            on Hopper, emulated on the CPU; docs/fp8.md). Layers converted with
-            ``convert_linear_weights(compute="fp8")`` compute in FP8 whatever this says.
+        compute: what the NVFP4 weights' GEMMs read (a name in `fp4_dist.compute.modes.MODES`): "bf16" (their
+            dequantized values, the unsharded parameter a bf16 tensor), "fp8" (the FP8 compute mode: the unsharded
+            parameter is the FP8 block copy of the gathered bytes, `fp4_dist.compute.fp8_param.Fp8Param`, 1 byte
+            per weight; cuBLAS's block-scaled GEMMs on Hopper, emulated on the CPU; docs/fp8.md) or "nvfp4" (the
+            NVFP4 training recipe, `fp4_dist.compute.nvfp4`: the unsharded parameter is an NVFP4Tensor on the
+            gathered bytes, with the recipe's defaults; docs/nvfp4_recipe.md). A plain nn.Linear computing in
+            a mode becomes an `NVFP4Linear`. Layers converted with ``convert_linear_weights(compute=...)``
+            compute in their mode whatever this says (there, ``options=`` sets the nvfp4 recipe).
         verbose: print the report.
     Returns:
         `FSDPReport`; weights gathered in bf16 or kept in high precision are also named in one warning.
@@ -128,7 +131,7 @@ def fully_shard_nvfp4(
     mode_named(compute, "fully_shard_nvfp4")
     for name in {compute} | {getattr(m, "fp4_compute", DEFAULT) for m in model.modules()}:
         if name != DEFAULT and MODES[name].fsdp_unsharded is None:  # its linears would get dequantized values
-            raise ValueError(f"fully_shard_nvfp4: the {name} compute mode has no FSDP2 unsharded weight yet; "
+            raise ValueError(f"fully_shard_nvfp4: the {name} compute mode has no FSDP2 unsharded weight; "
                              f"shard with compute={DEFAULT!r}, or train it with convert_linear_weights")
         _prepare(MODES[name], model, mesh)
     if isinstance(model, FSDPModule) or any(isinstance(p, DTensor) for p in model.parameters()):
@@ -261,8 +264,10 @@ def _convert(name, module, world, mp_policy, numerics, skip, report, compute, ho
     if layer_mode != DEFAULT:
         report.compute = layer_mode
         report.in_mode.append(fqn)
-        if hasattr(module, "fp4_compute"):  # an NVFP4Linear says what its GEMMs read
-            module.fp4_compute = layer_mode
+        if type(module) is nn.Linear:  # its F.linear would compute on the values of an unsharded NVFP4Tensor
+            ready_for_compile()
+            module.__class__ = NVFP4Linear
+        module.fp4_compute = layer_mode  # an NVFP4Linear says what its GEMMs read
     module.weight = nn.Parameter(NVFP4Master(master, state), requires_grad=w.requires_grad)
     return state
 

@@ -2,8 +2,8 @@
 
 Three kinds of handler (the tensor module's docstring says why):
 
-- storage-preserving ops (detach, alias, clone, view to the same shape, _to_copy to another device, copy_) keep
-  the packed form and the Python attributes a parameter carries;
+- storage-preserving ops (detach, alias, clone, view or as_strided to the same shape, _to_copy to another device,
+  copy_) keep the packed form and the Python attributes a parameter carries;
 - in-place ops that would reinterpret or mutate the packed bytes raise NotImplementedError naming the op;
 - everything else runs on the weight's compute value (`NVFP4Tensor.compute_value`).
 
@@ -112,6 +112,17 @@ def _view(cls, func, args, kwargs):
         return src._alias()
     _refuse_fsdp(func)
     return func(src.compute_value(), *args[1:], **kwargs)
+
+
+@_implements(aten.as_strided.default)
+def _as_strided(cls, func, args, kwargs):
+    # FSDP2 makes its unsharded parameter as as_strided(output, its shape, contiguous strides, 0): a weight that
+    # is FSDP2's unsharded parameter itself (the nvfp4 compute mode's) must come through it whole, with its codes.
+    src, size, stride = args[0], list(args[1]), list(args[2])
+    offset = args[3] if len(args) > 3 else kwargs.get("storage_offset", 0)
+    if size == list(src.shape) and stride == list(src.stride()) and not offset:
+        return src._alias()
+    return compute(cls, func, args, kwargs)
 
 
 @_implements(aten.split.Tensor, aten.split_with_sizes.default, aten.new_zeros.default)

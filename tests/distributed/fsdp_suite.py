@@ -7,6 +7,9 @@
 train-fp8: the same net with ``compute="fp8"``: the unsharded weights are FP8 block copies of quantize(full master)
 and the run equals a single process computing the same FP8 GEMMs (emulated on the CPU), and layers converted with
 ``compute="fp8"`` first compute in FP8.
+train-nvfp4: the same net with ``compute="nvfp4"``: the unsharded weights are NVFP4Tensors on the gathered bytes,
+equal to quantize(full master), and the run (stochastic-rounding seeds included) equals a single process running
+each rank's micro-batch with the recipe's GEMMs; layers converted with ``compute="nvfp4"`` first keep their recipe.
 compiled: torch.compile (aot_eager) over the net in both compute modes trains bit for bit like the same net eagerly,
 every weight with a gradient.
 train: a small net (weights gathered as NVFP4, weights whose shards are not whole 16-row tile bands gathered in
@@ -41,6 +44,8 @@ import fp4_dist  # noqa: E402
 from fp4_dist.fsdp import fully_shard_nvfp4, nvfp4_weights  # noqa: E402
 from fp4_dist.compute.fp8_gemm import Fp8Operand  # noqa: E402
 from fp4_dist.compute.fp8_param import Fp8Param  # noqa: E402
+from fp4_dist.compute.linear import NVFP4Linear, ready_for_compile  # noqa: E402
+from fp4_dist.kernels import nvfp4_1d_reference as q1d  # noqa: E402
 from fp4_dist.fsdp.master import local_master  # noqa: E402
 from fp4_dist.launch import init_distributed, shutdown  # noqa: E402
 from fp4_dist.testing import bytes_mismatch  # noqa: E402
@@ -123,23 +128,33 @@ class Reference:
     dequantized; every other param master.to(bf16); each rank's micro-batch backward alone, the bf16 grads
     summed in rank order and averaged (as OrderedReduceScatter and FSDP2's AVG do), then cast to fp32."""
 
-    def __init__(self, init: dict, nvfp4: set, compute: str = "bf16"):
+    def __init__(self, init: dict, nvfp4: set, compute: str = "bf16", seed_of=None):
         self.net = Net().to(DEVICE)
         self.masters = {n: t.clone() for n, t in init.items()}
-        self.nvfp4, self.compute = nvfp4, compute
+        self.nvfp4, self.compute, self.seed_of = nvfp4, compute, seed_of
         self.opt = torch.optim.AdamW(list(self.masters.values()), lr=LR, foreach=False)
+        if compute == "nvfp4":  # the layers multiply NVFP4 weights by the recipe's GEMMs
+            ready_for_compile()
+            for fqn in nvfp4:
+                layer = self.net.get_submodule(fqn[: -len(".weight")])
+                layer.__class__, layer.fp4_compute = NVFP4Linear, compute
 
     def weight(self, master: torch.Tensor) -> torch.Tensor:
         """What the layer computes with: quantize(master in bf16) dequantized, or in the FP8 mode its FP8 block
-        copy as a parameter (F.linear on it runs the FP8 GEMMs; the gradient comes back plain)."""
+        copy as a parameter (F.linear on it runs the FP8 GEMMs; the gradient comes back plain), or in the nvfp4
+        mode the NVFP4 weight itself."""
         q = fp4_dist.quantize(master.to(torch.bfloat16))
         if self.compute == "fp8":
             return Fp8Param(Fp8Operand.weight(q), torch.bfloat16)
+        if self.compute == "nvfp4":
+            return q
         return q.dequantize(torch.bfloat16)
 
     def step(self, step: int, world: int) -> list[float]:
         grads, losses = None, []
         for r in range(world):
+            if self.seed_of is not None:  # rank r's generator as that rank sets it before its micro-batch
+                torch.manual_seed(self.seed_of(step, r))
             params = {}
             for n, m in self.masters.items():
                 v = self.weight(m) if n in self.nvfp4 else m.to(torch.bfloat16)
@@ -307,6 +322,97 @@ def suite_train_fp8(ctx, world, rank) -> dict:
     with torch.no_grad():
         kept(batch(3, rank).to(torch.bfloat16))  # resharded as the message says: the forward runs
     return {"losses": losses, "fp8": report.fp8}
+
+
+NVFP4_STEPS = 4
+
+
+def nvfp4_seed(step: int, rank: int) -> int:
+    """The seed of torch's default CPU generator before each step's micro-batch on `rank` (and in the reference
+    before that rank's micro-batch): the stochastic roundings draw their seeds from it."""
+    return 1000 + 7919 * step + rank
+
+
+def suite_train_nvfp4(ctx, world, rank) -> dict:
+    """compute="nvfp4": inside every forward each NVFP4 linear's unsharded weight is an NVFP4Tensor whose codes,
+    scales and amax are quantize(full master)'s, its bytes FSDP2's gathered bytes themselves (no copy) and its
+    fields the same tensors at every gather; the gathered bytes are quantize(full master); the stochastic roundings
+    draw the same seeds in the same order as one process running each rank's micro-batch with that rank's
+    generator; and losses and masters equal that process's, bit for bit."""
+    model, opt, init, report, _ = build(compute="nvfp4")
+    states = model._fp4_dist_nvfp4.states
+    ctx.check(sorted(report.in_mode) == sorted(states), f"nvfp4 weights {report.in_mode}, NVFP4 {sorted(states)}")
+    ctx.check(model._fp4_dist_nvfp4.batches == [], "a dequantize batch for weights that compute in the nvfp4 mode")
+    gathered, seen, fields = Gathered(model), {}, {}
+
+    def take(module, fqn):  # clones: FSDP2 frees the unsharded weight's memory when it reshards
+        w, st = module.weight, states[fqn]
+        if not ctx.check(type(w) is fp4_dist.NVFP4Tensor, f"{fqn} computed with a {type(w).__name__}"):
+            return
+        seen[fqn] = {f: getattr(w, f).clone() for f in FIELDS}
+        ctx.check(w.rowwise_data.data_ptr() == st.gathered_fields[0].data_ptr(),
+                  f"{fqn}: the unsharded weight's bytes are not the gathered bytes (a copy)")
+        ids = tuple(id(getattr(w, f)) for f in FIELDS)
+        ctx.check(fields.setdefault(fqn, ids) == ids, f"{fqn}: the unsharded weight's fields are new tensors")
+
+    for fqn in states:
+        model.get_submodule(fqn[: -len(".weight")]).register_forward_pre_hook(lambda m, a, fqn=fqn: take(m, fqn))
+    drawn, real_draw = [], q1d.draw_seed
+
+    def recording_draw(generator=None):
+        drawn.append(real_draw(generator))
+        return drawn[-1]
+
+    q1d.draw_seed = recording_draw
+    try:
+        ref = Reference(init, set(states), compute="nvfp4", seed_of=nvfp4_seed)
+        losses, ref_losses, seeds, ref_seeds = [], [], [], []
+        for step in range(NVFP4_STEPS):
+            masters = full_masters(model)
+            gathered.seen.clear()
+            seen.clear()
+            torch.manual_seed(nvfp4_seed(step, rank))
+            drawn.clear()
+            loss = loss_of(model(batch(step, rank).to(torch.bfloat16)))
+            loss.backward()
+            seeds.append(list(drawn))
+            opt.step()
+            opt.zero_grad()
+            check_gathered(ctx, step, masters, gathered, states)
+            ctx.check(sorted(seen) == sorted(states), f"step {step}: forwards of {sorted(seen)}")
+            for fqn, got in seen.items():
+                want = fp4_dist.quantize(masters[fqn].to(torch.bfloat16))
+                for f in FIELDS:
+                    msg = bytes_mismatch(got[f], getattr(want, f), f"step {step}: {fqn}'s unsharded weight's {f}")
+                    ctx.check(msg is None, msg or "")
+            losses.append(loss.item())
+            drawn.clear()
+            ref_losses.append(ref.step(step, world)[rank])
+            per_rank = len(drawn) // world
+            ref_seeds.append(drawn[rank * per_rank: (rank + 1) * per_rank])
+    finally:
+        q1d.draw_seed = real_draw
+    # two per layer with an input gradient (dgrad, then wgrad), one for the first layer (wgrad only)
+    ctx.check(seeds == ref_seeds and all(len(s) == 2 * len(states) - 1 for s in seeds),
+              f"stochastic-rounding seeds differ from the reference's: {seeds} vs {ref_seeds}")
+    agree_with_reference(ctx, losses, ref_losses, model, ref)
+    # Layers converted with compute="nvfp4" first keep their recipe under the default compute: its first and last
+    # linears compute in bf16, the others multiply the unsharded NVFP4 weights
+    torch.manual_seed(1)
+    converted = Net().to(DEVICE)
+    fp4_dist.convert_linear_weights(converted, dtype=torch.bfloat16, compute="nvfp4")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        second = fully_shard_nvfp4(converted, mp_policy=BF16)
+    kinds = {}
+    for name in ("inp", "mix", "odd"):
+        converted.get_submodule(name).register_forward_pre_hook(
+            lambda m, a, name=name: kinds.update({name: type(m.weight).__name__}))
+    loss_of(converted(batch(0, rank).to(torch.bfloat16))).backward()
+    ctx.check(sorted(second.in_mode) == ["hid.weight", "mix.weight"]
+              and [n for n, kind in kinds.items() if kind == "NVFP4Tensor"] == ["mix"] and len(kinds) == 3,
+              f"converted in the nvfp4 mode first: in the mode {second.in_mode}, computed with {kinds}")
+    return {"losses": losses, "nvfp4": report.in_mode, "seeds_per_step": len(seeds[0])}
 
 
 class OwnForward(nn.Linear):
@@ -540,7 +646,8 @@ def suite_compiled(ctx, world, rank) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=("train", "train-fp8", "compiled", "save", "load"), default="train")
+    ap.add_argument("--mode", choices=("train", "train-fp8", "train-nvfp4", "compiled", "save", "load"),
+                    default="train")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -561,6 +668,7 @@ def main() -> int:
                         ("orderings", suite_orderings)] + ([("hsdp", suite_hsdp)] if world == 4 else [])
               if DEVICE.type == "cpu" else [("train", suite_train), ("non_finite", suite_non_finite)],
               "train-fp8": [("train_fp8", suite_train_fp8)],
+              "train-nvfp4": [("train_nvfp4", suite_train_nvfp4)],
               "compiled": [("compiled", suite_compiled)],
               "save": [("checkpoint", lambda c, w, r: suite_checkpoint(c, w, r, "save", args.dir))],
               "load": [("checkpoint", lambda c, w, r: suite_checkpoint(c, w, r, "load", args.dir))]}[args.mode]

@@ -207,8 +207,9 @@ def test_the_megatron_launcher_holds_the_port_it_names_until_the_job_binds_it(la
     assert sorted(ranks) == expect, proc.stdout
 
 
-# The FP8 compute mode changes what the GEMMs read, never the NVFP4 bytes: its run passes the same parity check.
-@pytest.mark.parametrize("compute", ["bf16", "fp8"])
+# The FP8 and nvfp4 compute modes change what the GEMMs read, never the NVFP4 bytes: their runs (Zero1Optimizer)
+# pass the same parity check.
+@pytest.mark.parametrize("compute", ["bf16", "fp8", "nvfp4"])
 def test_train_lm_example_runs_on_two_ranks_and_passes_its_parity_check(tmp_path, compute):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
            "examples.train_lm", "--steps", "6", "--dim", "32", "--hidden", "64", "--seq", "32",
@@ -219,6 +220,8 @@ def test_train_lm_example_runs_on_two_ranks_and_passes_its_parity_check(tmp_path
     assert "PASS (bit-identical)" in proc.stdout and "bf16 gather" in proc.stdout, log[-4000:]
     assert f"GEMMs in {compute}" in proc.stdout, log[-4000:]
     assert ("FP8 copies of the NVFP4 weights" in proc.stdout) == (compute == "fp8"), log[-4000:]
+    if compute == "nvfp4":  # the recipe's first and last linears keep bf16
+        assert "NVFP4 compute: 7 linears, 2 with NVFP4 weights in bf16" in proc.stdout, log[-4000:]
 
 
 def test_the_main_job_resumes_from_its_newest_complete_checkpoint_bit_for_bit(tmp_path):

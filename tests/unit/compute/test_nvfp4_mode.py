@@ -4,6 +4,8 @@ Hadamard transform), multiplied exactly up to the order of fp32 additions; the f
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
@@ -158,10 +160,46 @@ def test_a_weight_changed_between_forward_and_backward_is_refused():
         y.sum().backward()
 
 
-def test_fsdp2_refuses_the_mode_until_it_has_an_unsharded_weight_of_its_own():
+def test_fsdp2_refuses_a_mode_without_an_unsharded_weight_of_its_own(monkeypatch):
     from fp4_dist.fsdp import fully_shard_nvfp4
 
+    monkeypatch.setitem(MODES, "nvfp4", replace(MODES["nvfp4"], fsdp_unsharded=None))
     model = nn.Sequential(nn.Linear(32, 32))
-    with pytest.raises(ValueError, match="nvfp4 compute mode has no FSDP2 unsharded weight yet"):
+    with pytest.raises(ValueError, match="nvfp4 compute mode has no FSDP2 unsharded weight"):
         fully_shard_nvfp4(model, compute="nvfp4")
     assert type(model[0].weight) is nn.Parameter
+
+
+@pytest.mark.parametrize("gathered", ["tile-grid", "row-expanded"])
+def test_fsdp2_unsharded_weight_is_an_nvfp4_tensor_on_the_gathered_bytes_written_in_place(gathered):
+    """What FSDP2's post-gather makes in the mode (`nvfp4.FsdpUnsharded`): an NVFP4Tensor equal to the gathered
+    weight, its bytes the gathered ones (no copy), and a later gather written into the same tensors without a
+    version change (its layer's forward saved them for the backward); FSDP2's as_strided keeps it whole."""
+    m, k = 48, 80
+    first, later = fp4_dist.quantize(torch.randn(m, k)), fp4_dist.quantize(torch.randn(m, k))
+
+    def fields(q):  # as the gather gives them: tile grid (NVFP4 gather) or row-expanded (bf16 gather, quantized)
+        if gathered == "row-expanded":
+            return q.rowwise_data, q.rowwise_scale_inv, q.amax
+        grid = q.rowwise_scale_inv[:m:16, : k // 16].contiguous()
+        return q.rowwise_data, grid, q.amax.clone()
+
+    gathered_fields = fields(first)
+    held, param, tensors = nvfp4.FsdpUnsharded.make(gathered_fields, torch.bfloat16)
+    assert param is held and type(param) is fp4_dist.NVFP4Tensor and param.rowwise_data is first.rowwise_data
+    for f in ("rowwise_data", "rowwise_scale_inv", "amax"):
+        assert torch.equal(getattr(param, f), getattr(first, f)), f
+    own = [held.amax] if gathered == "row-expanded" else [held.rowwise_scale_inv, held.amax]
+    assert [id(t) for t in tensors] == [id(t) for t in own]  # FSDP2 frees and allocates them; the bytes are its own
+    same = torch.as_strided(param, (m, k), (k, 1), 0)
+    assert type(same) is fp4_dist.NVFP4Tensor and same.rowwise_data is param.rowwise_data
+    ids, versions = [id(getattr(held, f)) for f in ("rowwise_scale_inv", "amax")], held.amax._version
+    # the next gather: FSDP2 gathers the bytes into the same buffer (a bf16 gather is quantized into its own)
+    in_place = ("rowwise_data",) if gathered == "tile-grid" else ("rowwise_data", "rowwise_scale_inv", "amax")
+    for f in in_place:
+        getattr(first, f).copy_(getattr(later, f))
+    nvfp4.FsdpUnsharded.write(held, (first.rowwise_data, *fields(later)[1:]) if gathered == "tile-grid" else
+                              gathered_fields)  # fmt: skip
+    assert [id(getattr(held, f)) for f in ("rowwise_scale_inv", "amax")] == ids and held.amax._version == versions
+    for f in ("rowwise_data", "rowwise_scale_inv", "amax"):
+        assert torch.equal(getattr(held, f), getattr(later, f)), f
