@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 from torch import nn
@@ -33,7 +32,7 @@ from fp4_dist.compute.fp8_gemm import Fp8Operand, cublas_mm, require_fp8_gemm  #
 from fp4_dist.kernels import fp8_block, fp8_rows  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import copy_bandwidth, median_ms, publish, require_gpu  # noqa: E402 - bench/timing.py, beside this script
+from timing import copy_bandwidth, host_ms, median_ms, publish, require_gpu  # noqa: E402 - bench/timing.py, beside this script
 
 
 def gemm_rows(t: int, n: int, k: int, reps: int) -> list[dict]:
@@ -107,15 +106,8 @@ def layer_rows(t: int, n: int, k: int, reps: int) -> list[dict]:
     out = []
     for name, fn in (("bf16 nn.Linear", step(bf16)), ("fp8, copy kept", step(fp8)),
                      ("fp8, copy remade", step(fp8, remake=True))):  # fmt: skip
-        device_ms = median_ms(fn, reps)
-        torch.cuda.synchronize()
-        host = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            host.append(1e3 * (time.perf_counter() - t0))
-            torch.cuda.synchronize()
-        out.append(dict(shape=f"{n}x{k}", layer=name, ms=device_ms, host_ms=sorted(host)[len(host) // 2]))
+        device_ms, host = median_ms(fn, reps), host_ms(fn, reps)
+        out.append(dict(shape=f"{n}x{k}", layer=name, ms=device_ms, host_ms=host))
         x.grad = None
     base = out[0]["ms"]
     for r in out:

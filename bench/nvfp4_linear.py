@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 from torch import nn
@@ -31,7 +30,7 @@ from fp4_dist.compute import nvfp4, nvfp4_gemm  # noqa: E402
 from fp4_dist.kernels import nvfp4_1d  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import copy_bandwidth, median_ms, publish, require_gpu  # noqa: E402 - bench/timing.py, beside this script
+from timing import copy_bandwidth, host_ms, median_ms, publish, require_gpu  # noqa: E402 - bench/timing.py, beside this script
 
 
 def _quant_bytes(rows: int, cols: int, passes: int) -> int:
@@ -72,15 +71,8 @@ def layer_rows(t: int, n: int, k: int, reps: int) -> list[dict]:
 
     out = []
     for name, fn in (("bf16 nn.Linear", step(bf16)), ("nvfp4 recipe (SR, RHT)", step(fp4))):
-        device_ms = median_ms(fn, reps)
-        torch.cuda.synchronize()
-        host = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            host.append(1e3 * (time.perf_counter() - t0))
-            torch.cuda.synchronize()
-        out.append(dict(case=f"{t}x{n}x{k}", layer=name, ms=device_ms, host_ms=sorted(host)[len(host) // 2],
+        device_ms, host = median_ms(fn, reps), host_ms(fn, reps)
+        out.append(dict(case=f"{t}x{n}x{k}", layer=name, ms=device_ms, host_ms=host,
                         tflops=3 * 2.0 * t * n * k / device_ms / 1e9))  # fmt: skip
         x.grad = None
     base = out[0]["ms"]

@@ -116,6 +116,18 @@ def median_ms(fn: Callable[[], object], reps: int, *, warmup: int = 3,
     return statistics.median(times)
 
 
+def host_ms(fn: Callable[[], object], reps: int) -> float:
+    """Median host milliseconds of a `fn()` call, the device idle before each (so a call never waits on the last)."""
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - t0))
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     """GB/s (read + write) of a device-to-device copy of `nbytes` on the current GPU: the ceiling the benches'
     bandwidths are given against."""

@@ -75,6 +75,23 @@ struct RoundFp32 {
     static constexpr bool kIdentityOnBf16 = true;
 };
 
+// fp32 values at base (an address) + i elements: one, or 16 consecutive ones from a 16-byte aligned i (the FP8 and
+// NVFP4 1-D quantizers' loader of fp32 inputs).
+struct LoadFp32 {
+    static __device__ __forceinline__ float at(i64 base, i64 i) { return reinterpret_cast<const float*>(base)[i]; }
+    static __device__ __forceinline__ void load16(i64 base, i64 i, float* v) {
+        const uint4* p = reinterpret_cast<const uint4*>(reinterpret_cast<const float*>(base) + i);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const uint4 a = p[j];
+            v[4 * j] = __uint_as_float(a.x);
+            v[4 * j + 1] = __uint_as_float(a.y);
+            v[4 * j + 2] = __uint_as_float(a.z);
+            v[4 * j + 3] = __uint_as_float(a.w);
+        }
+    }
+};
+
 // bf16 bits -> the fp32 value they hold (exact).
 // 8 consecutive shard values from element `idx` of the shard at address `src` in 16-byte loads: bf16 fills `a`, fp32 fills `a` and `b`.
 // The caller has checked that all 8 are owned and that the address is 16-byte aligned.

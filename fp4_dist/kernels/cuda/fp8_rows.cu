@@ -60,21 +60,6 @@ struct LoadFp16 {
     }
 };
 
-struct LoadFp32 {
-    static __device__ __forceinline__ float at(i64 base, i64 i) { return reinterpret_cast<const float*>(base)[i]; }
-    static __device__ __forceinline__ void load16(i64 base, i64 i, float* v) {
-        const uint4* p = reinterpret_cast<const uint4*>(reinterpret_cast<const float*>(base) + i);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const uint4 a = p[j];
-            v[4 * j] = __uint_as_float(a.x);
-            v[4 * j + 1] = __uint_as_float(a.y);
-            v[4 * j + 2] = __uint_as_float(a.z);
-            v[4 * j + 3] = __uint_as_float(a.w);
-        }
-    }
-};
-
 // fp32 2^e from its bits, as the reference's pow2 builds it (for e outside [-126, 127] the same bits as there).
 __device__ __forceinline__ float pow2_bits(int e) { return __uint_as_float(static_cast<u32>(e + 127) << 23); }
 

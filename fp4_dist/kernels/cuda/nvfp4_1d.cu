@@ -70,21 +70,9 @@ struct SrcFp16 {
     }
 };
 
-struct SrcFp32 {
+struct SrcFp32 : LoadFp32 {
     using Round = RoundFp32;
     static constexpr int kBytes = 4;
-    static __device__ __forceinline__ float at(i64 base, i64 i) { return reinterpret_cast<const float*>(base)[i]; }
-    static __device__ __forceinline__ void load16(i64 base, i64 i, float (&v)[16]) {
-        const uint4* p = reinterpret_cast<const uint4*>(reinterpret_cast<const float*>(base) + i);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const uint4 a = p[j];
-            v[4 * j] = __uint_as_float(a.x);
-            v[4 * j + 1] = __uint_as_float(a.y);
-            v[4 * j + 2] = __uint_as_float(a.z);
-            v[4 * j + 3] = __uint_as_float(a.w);
-        }
-    }
 };
 
 // max that returns NaN if either input is NaN, as torch's amax does (fmaxf would drop it).
