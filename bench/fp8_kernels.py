@@ -29,7 +29,7 @@ import fp4_dist  # noqa: E402
 from fp4_dist.kernels import _launch, fp8_block, fp8_rows  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import copy_bandwidth, median_ms, publish, require_gpu  # noqa: E402 - bench/timing.py, beside this script
+from timing import bandwidth, copy_bandwidth, publish, require_gpu  # noqa: E402 - bench/timing.py, beside this script
 
 
 def kernel_launches(fn) -> int:
@@ -43,10 +43,8 @@ def kernel_launches(fn) -> int:
 
 
 def row(what: str, shape: str, variant: str, default: str, fn, nbytes: int, reps: int, copy_gbs: float) -> dict:
-    ms = median_ms(fn, reps)
-    gbs = nbytes / ms / 1e6
-    return dict(kernel=what, shape=shape, variant=variant + ("*" if variant == default else ""), ms=ms, gbs=gbs,
-                pct_copy=100.0 * gbs / copy_gbs, launches=kernel_launches(fn))  # fmt: skip
+    return dict(kernel=what, shape=shape, variant=variant + ("*" if variant == default else ""),
+                **bandwidth(fn, nbytes, reps, copy_gbs), launches=kernel_launches(fn))  # fmt: skip
 
 
 def quantize_rows(tokens: int, cols: int, reps: int, copy_gbs: float) -> list[dict]:

@@ -32,7 +32,8 @@ from fp4_dist.compute.fp8_gemm import Fp8Operand, cublas_mm, require_fp8_gemm  #
 from fp4_dist.kernels import fp8_block, fp8_rows  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import copy_bandwidth, host_ms, median_ms, publish, require_gpu  # noqa: E402 - bench/timing.py, beside this script
+# bench/timing.py, beside this script
+from timing import bandwidth, copy_bandwidth, host_ms, median_ms, publish, require_gpu  # noqa: E402
 
 
 def gemm_rows(t: int, n: int, k: int, reps: int) -> list[dict]:
@@ -75,12 +76,8 @@ def kernel_rows(t: int, n: int, k: int, reps: int, copy_gbs: float) -> list[dict
              ("weight copy [N, K]", lambda: fp8_block.fp8_block_copy(w.rowwise_data, w.rowwise_scale_inv, w.amax),
               copy_bytes),
              ("its transpose (the dgrad's)", lambda: fp8_block.transposed_bytes(wop.bits), 2 * n * k)]  # fmt: skip
-    out = []
-    for name, fn, nbytes in cases:
-        ms = median_ms(fn, reps)
-        out.append(dict(shape=f"{n}x{k}", kernel=name, ms=ms, gbs=nbytes / ms / 1e6,
-                        pct_copy=100.0 * nbytes / ms / 1e6 / copy_gbs))  # fmt: skip
-    return out
+    return [dict(shape=f"{n}x{k}", kernel=name, **bandwidth(fn, nbytes, reps, copy_gbs))
+            for name, fn, nbytes in cases]
 
 
 def fp8_rows_out(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,7 +30,8 @@ from fp4_dist.compute import nvfp4, nvfp4_gemm  # noqa: E402
 from fp4_dist.kernels import nvfp4_1d  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import copy_bandwidth, host_ms, median_ms, publish, require_gpu  # noqa: E402 - bench/timing.py, beside this script
+# bench/timing.py, beside this script
+from timing import bandwidth, copy_bandwidth, host_ms, median_ms, publish, require_gpu  # noqa: E402
 
 
 def _quant_bytes(rows: int, cols: int, passes: int) -> int:
@@ -50,12 +51,8 @@ def kernel_rows(t: int, n: int, k: int, reps: int, copy_gbs: float) -> list[dict
               _quant_bytes(n, t, 2)),
              ("unscaled bf16 values of x", lambda: nvfp4_1d.unscaled_values(xq), t * k // 2 + t * k // 16 + 2 * t * k),
              ]  # fmt: skip
-    out = []
-    for name, fn, nbytes in cases:
-        ms = median_ms(fn, reps)
-        out.append(dict(case=f"{t}x{n}x{k}", kernel=name, ms=ms, gbs=nbytes / ms / 1e6,
-                        pct_copy=100.0 * nbytes / ms / 1e6 / copy_gbs))  # fmt: skip
-    return out
+    return [dict(case=f"{t}x{n}x{k}", kernel=name, **bandwidth(fn, nbytes, reps, copy_gbs))
+            for name, fn, nbytes in cases]
 
 
 def layer_rows(t: int, n: int, k: int, reps: int) -> list[dict]:

@@ -116,6 +116,14 @@ def median_ms(fn: Callable[[], object], reps: int, *, warmup: int = 3,
     return statistics.median(times)
 
 
+def bandwidth(fn: Callable[[], object], nbytes: int, reps: int, copy_gbs: float) -> dict:
+    """{ms, gbs, pct_copy} of `fn()`: its median device milliseconds (`median_ms`), the GB/s of the `nbytes` it
+    must move, and those in % of the device copy's `copy_gbs` (`copy_bandwidth`)."""
+    ms = median_ms(fn, reps)
+    gbs = nbytes / ms / 1e6
+    return dict(ms=ms, gbs=gbs, pct_copy=100.0 * gbs / copy_gbs)
+
+
 def host_ms(fn: Callable[[], object], reps: int) -> float:
     """Median host milliseconds of a `fn()` call, the device idle before each (so a call never waits on the last)."""
     torch.cuda.synchronize()

@@ -73,9 +73,9 @@ class Fp8Operand(NamedTuple):
         (`DEVICES`), else by the PyTorch reference (the same bits); on a GPU with its scales laid out for cuBLAS
         too."""
         fields = (rowwise_data, scale_inv, amax)
+        if _kernel_copies(rowwise_data, scale_inv):
+            return cls._of_block_operand(fp8_block.fp8_block_operand(*fields))
         if rowwise_data.is_cuda:
-            if device_report(rowwise_data.device).block_kernel and fp8_block.can_copy(*fields[:2]):
-                return cls._of_block_operand(fp8_block.fp8_block_operand(*fields))
             return cls(*fp8_block_copy(*fields), blocks=True).with_cublas_scales()
         return cls(*fp8_block_copy(*fields), blocks=True)
 
@@ -87,9 +87,8 @@ class Fp8Operand(NamedTuple):
         """Write the FP8 block copy of the NVFP4 weight these fields hold (as `block_copy`) into this operand's
         tensors in place, by the one launch that made them (`fp8_block.fp8_block_operand`), and say so; False (and
         nothing written) where this operand was not made so (the reference's copies, a CPU weight)."""
-        if not (self.blocks and self.bits_t is not None and self.bits.is_cuda and rowwise_data.is_cuda
-                and device_report(rowwise_data.device).block_kernel
-                and fp8_block.can_copy(rowwise_data, scale_inv)):  # fmt: skip
+        if not (self.blocks and self.bits_t is not None and self.bits.is_cuda
+                and _kernel_copies(rowwise_data, scale_inv)):  # fmt: skip
             return False
         out = fp8_block.BlockOperand(self.bits, self.scales, self.bits_t, self.cublas_scales, self.cublas_scales_t)
         fp8_block.fp8_block_operand(rowwise_data, scale_inv, amax, out=out)
@@ -145,6 +144,13 @@ def _device_key(device) -> torch.device:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def _kernel_copies(rowwise_data: torch.Tensor, scale_inv: torch.Tensor) -> bool:
+    """Whether the one-launch CUDA copy (`fp8_block.fp8_block_operand`) makes this weight's FP8 block copy: a GPU
+    where the kernel gave the reference's bits (`DEVICES`), and fields it reads."""
+    return (rowwise_data.is_cuda and device_report(rowwise_data.device).block_kernel
+            and fp8_block.can_copy(rowwise_data, scale_inv))  # fmt: skip
 
 
 def device_report(device: torch.device) -> DeviceReport:

@@ -96,7 +96,8 @@ MODES: dict[str, ComputeMode] = {
                     per_use="the NVFP4 1 x 16 blocks of x and dy, and of their transformed transposes",
                     devices="the CPU and CUDA GPUs of sm_80 to sm_90 (emulated GEMMs; quantizers bit for bit "
                     "TransformerEngine's, CuPy kernels on a GPU; the GPU path not yet run by CI); sm_100+ is refused "
-                    "until its native NVFP4 GEMM is built and run", bytes_per_weight="0.5", kept_copies=False, lean_depth=False,
+                    "until its native NVFP4 GEMM is built and run", bytes_per_weight="0.5", kept_copies=False,
+                    lean_depth=False,
                     check_device=nvfp4.check_device, linear=nvfp4.linear, parallel_linear=nvfp4.parallel_linear,
                     options=nvfp4.Nvfp4Recipe, cuda_graphs=nvfp4.CUDA_GRAPHS,
                     fsdp_unsharded=nvfp4.FsdpUnsharded),

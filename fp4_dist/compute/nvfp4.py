@@ -82,10 +82,10 @@ class Nvfp4Recipe:
 
     def gradient_rows(self, dy: torch.Tensor) -> q1d.Nvfp4Rows:
         """The dgrad operand: the output gradient dy [T, N] in 1 x 16 blocks along N, on dy's device."""
-        kernels = operand_kernels(dy.device)
+        quantizers = operand_kernels(dy.device)
         if self.stochastic_rounding:
-            return kernels.quantize_rows_1x16_sr(dy, q1d.draw_seed())
-        return kernels.quantize_rows_1x16(dy)
+            return quantizers.quantize_rows_1x16_sr(dy, q1d.draw_seed())
+        return quantizers.quantize_rows_1x16(dy)
 
 
 DEFAULT_RECIPE = Nvfp4Recipe()
@@ -114,10 +114,10 @@ def wgrad_operand(t: torch.Tensor, stochastic: bool, rht: bool) -> q1d.Nvfp4Rows
     """t [T, C] (tokens first) as a wgrad operand: t^T [C, T16] (tokens zero-padded to 16 | T16), transformed along
     the tokens when `rht`, then quantized in 1 x 16 blocks along the tokens, stochastically when `stochastic` (a
     seed drawn now), on t's device."""
-    kernels = operand_kernels(t.device)
+    quantizers = operand_kernels(t.device)
     if stochastic:
-        return kernels.quantize_cols_1x16_sr(t, rht, q1d.draw_seed())
-    return kernels.quantize_cols_1x16(t, rht)
+        return quantizers.quantize_cols_1x16_sr(t, rht, q1d.draw_seed())
+    return quantizers.quantize_cols_1x16(t, rht)
 
 
 def _saved(q: q1d.Nvfp4Rows) -> tuple:

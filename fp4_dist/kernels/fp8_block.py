@@ -112,8 +112,8 @@ def fp8_block_operand(rowwise_data: torch.Tensor, rowwise_scale_inv: torch.Tenso
             if (got.device != device or got.dtype != like.dtype or got.shape != like.shape
                     or got.stride() != like.stride() or got.data_ptr() % 16):  # fmt: skip
                 raise ValueError(f"fp8_block.fp8_block_operand: out.{name} must be {like.dtype} {list(like.shape)} "
-                                 f"with strides {like.stride()} on {device}, 16-byte aligned; got {got.dtype} {list(got.shape)} "
-                                 f"with strides {got.stride()} on {got.device}")  # fmt: skip
+                                 f"with strides {like.stride()} on {device}, 16-byte aligned; got {got.dtype} "
+                                 f"{list(got.shape)} with strides {got.stride()} on {got.device}")  # fmt: skip
     amax = amax.reshape(1).to(device=device, dtype=torch.float32)
     if not (m and k):
         return out

@@ -1,6 +1,7 @@
 """Activations and gradients as NVFP4 with one E4M3 scale per 1 x 16 block, in plain eager PyTorch: the CPU path of
-the nvfp4 compute mode and the oracle of its CUDA kernels (`kernels.nvfp4_1d`). Equal, bit for bit, to TransformerEngine's pure-PyTorch
-reference quantizer (`NVFP4QuantizerRef`, 1 x 16 tiles) on the golden data of tests/unit/kernels/golden/.
+the nvfp4 compute mode and the oracle of its CUDA kernels (`kernels.nvfp4_1d`). Equal, bit for bit, to
+TransformerEngine's pure-PyTorch reference quantizer (`NVFP4QuantizerRef`, 1 x 16 tiles) on the golden data of
+tests/unit/kernels/golden/.
 
 A row of x [R, C] is cut into blocks of 16 along C (the last one ragged: zero padding, which changes no amax), and
 the scale chain is the weight's (`kernels.reference`), with a block of 1 x 16 where a weight has a tile of 16 x 16:

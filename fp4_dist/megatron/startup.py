@@ -133,8 +133,9 @@ def refuse_unsupported_args(args) -> None:
 
 def _graph_refusals(args) -> list:
     """(refused, what) rows of the CUDA-graph options that --fp4-param-gather does not take. Megatron's own graphs
-    (``--cuda-graph-impl local`` and ``full_iteration``) run every compute mode whose row allows them (``cuda_graphs``) as it runs eagerly: what a replay
-    reads is decided outside the captured region (`fp4_dist.compute.fp8_copy`, `pool.Buffer.graphed`)."""
+    (``--cuda-graph-impl local`` and ``full_iteration``) run every compute mode whose row allows them
+    (``cuda_graphs``) as it runs eagerly: what a replay reads is decided outside the captured region
+    (`fp4_dist.compute.fp8_copy`, `pool.Buffer.graphed`)."""
     flag = _cuda_graphs(args)
     if flag is None:
         return []
