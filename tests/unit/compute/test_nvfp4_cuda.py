@@ -102,15 +102,17 @@ def test_a_model_trains_on_the_gpu_in_the_mode():
     assert report.in_mode == ["0", "2", "4"]
     masters = [(p, p.dequantize(torch.float32) if fp4_dist.is_nvfp4_tensor(p) else p.detach().float())
                for p in model.parameters()]  # fmt: skip
-    x, target = torch.randn(256, 64, device="cuda").to(torch.bfloat16), torch.randn(256, 32, device="cuda")
+    x = torch.randn(256, 64, device="cuda")
+    target = x @ torch.randn(64, 32, device="cuda") / 8  # learnable: a linear map of the input
+    x = x.to(torch.bfloat16)
     losses = []
-    for _ in range(10):
-        loss = (model(x).float() - target).pow(2).mean()
+    for _ in range(12):
+        loss = (model(x).float() - target).pow(2).sum(1).mean()
         model.zero_grad()
         loss.backward()
         with torch.no_grad():
             for p, master in masters:
-                master -= 0.3 * p.grad.float()
+                master -= 0.1 * p.grad.float()
                 p.quantize_(master) if fp4_dist.is_nvfp4_tensor(p) else p.copy_(master)
-        losses.append(float(loss))
-    assert losses[-1] < 0.9 * losses[0], losses
+        losses.append(float(loss.detach()))
+    assert losses[-1] < 0.7 * losses[0], losses  # the same loop on the CPU: 30.8 -> 17.4
