@@ -76,7 +76,8 @@ def canonical_name(name: str) -> str:
 
 
 def master_digest(model: torch.nn.Module, optimizer, group=None, *, experts: Optional[bool] = None) -> str:
-    """sha256 over every parameter's full fp32 master, in canonical-name order (a collective).
+    """sha256 over every parameter's name and the fingerprint of its full fp32 master (`fingerprint`), in
+    canonical-name order (a collective).
 
     Equal digests mean bit-identical masters; used to compare an NVFP4 run with its fake-quant reference and
     two runs with each other. `experts`: only MoE expert parameters (True), only the others (False), or all.
@@ -88,8 +89,34 @@ def master_digest(model: torch.nn.Module, optimizer, group=None, *, experts: Opt
             continue
         full = full_master(p, optimizers, group)
         h.update(canonical_name(name).encode())
-        h.update(full.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(fingerprint(full))
     return h.hexdigest()
+
+
+_CHUNK = 1 << 24  # words per pass: a few hundred MB of int64 temporaries on the master's device
+_ODD = 6364136223846793005  # odd multipliers (int64): Knuth's MMIX LCG constant and the golden ratio's, halved
+_MIX = 4611686018427387903
+
+
+def fingerprint(x: torch.Tensor) -> bytes:
+    """The bytes a master digest hashes for tensor x: its shape and dtype, then on the CPU x's bytes themselves, and
+    on a GPU two 64-bit sums per 16M 32-bit words, computed there (a billion-weight model's masters in well under a
+    second, where copying them to the host and hashing them there takes seconds). Sum one weighs word i by an odd number that depends on i
+    (integer arithmetic, wrapping: the same on every device and in any order of summation), so any change of one
+    word changes it; sum two mixes each weighted word's high bits into its low ones first, so changes that cancel
+    in one sum do not cancel in the other."""
+    head = f"{tuple(x.shape)} {x.dtype};".encode()
+    if not x.is_cuda or x.element_size() != 4:
+        return head + x.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    words = x.detach().contiguous().reshape(-1).view(torch.int32)
+    sums = []
+    for start in range(0, words.numel(), _CHUNK):
+        w = words[start:start + _CHUNK].to(torch.int64)
+        odd = torch.arange(start, start + w.numel(), dtype=torch.int64, device=w.device).mul_(_ODD).mul_(2).add_(1)
+        weighted = w.mul_(odd)
+        sums.append(weighted.sum())
+        sums.append(weighted.bitwise_xor_(weighted >> 29).mul_(_MIX).sum())
+    return head + (torch.stack(sums).cpu().numpy().tobytes() if sums else b"")
 
 
 def _reference(name: str, p, master: torch.Tensor, tp_group):
