@@ -1,15 +1,17 @@
 """Step time and peak memory of Megatron's own training loop with CUDA graphs, per compute mode, on one GPU.
 
     python bench/megatron_graphs.py [--graphs full_iteration] [--rounds 3] [--iters 16] [--shape llama|tiny]
-        [--modes bf16,lean,kept,fp8] [--check-every N] [--out DIR]
+        [--modes bf16,lean,kept,fp8,fp8-lowmem] [--check-every N] [--out DIR]
 
 One process per run (`examples/pretrain_gpt.py` through ``python -m fp4_dist.megatron.run``), the modes taking turns
-(bf16, lean, kept, fp8, then again, --rounds times), so a slowdown that lasts a run lands on one mode only:
+(bf16, lean, kept, fp8, fp8-lowmem, then again, --rounds times), so a slowdown that lasts a run lands on one mode only:
 
     bf16   plain bf16 weights, no --fp4-param-gather
     lean   --fp4-param-gather, the default compute (a copy made around each use)
     kept   --fp4-param-gather --compute-copy (a bf16 copy per weight, made once per step)
-    fp8    --fp4-param-gather --compute fp8 (FP8 block-scaled GEMMs on the weights' FP8 copies)
+    fp8    --fp4-param-gather --compute fp8 (FP8 block-scaled GEMMs on the weights' FP8 copies and their kept
+           transposes)
+    fp8-lowmem  the same with --compute-option keep_transpose=false (each dgrad transposes its weight's copy)
 
 The llama shape is the one of the CUDA-graphs issue: hidden 4096 x 6 layers, ffn 11,008, GQA 8 groups, RMSNorm,
 SwiGLU, RoPE, untied embeddings, vocab 32,000, seq 2,048, micro-batch 1, global batch 4 (four microbatches a step),
@@ -52,7 +54,8 @@ COMMON = ("--transformer-impl local --bf16 --use-distributed-optimizer --lr 1e-4
           "--split 100,0,0 --log-interval 1 --eval-interval 100000 --eval-iters 0 --seed 1234 --num-workers 0 "
           "--no-gradient-accumulation-fusion --no-check-for-nan-in-loss-and-grad")
 MODES = {"bf16": ([], False), "lean": ([], True), "kept": (["--compute-copy"], True),
-         "fp8": (["--compute", "fp8"], True)}
+         "fp8": (["--compute", "fp8"], True),
+         "fp8-lowmem": (["--compute", "fp8", "--compute-option", "keep_transpose=false"], True)}
 
 
 def run(out: Path, name: str, mode: str, a) -> dict:

@@ -339,7 +339,7 @@ def build(args: argparse.Namespace, device: torch.device):
         config, vocab_size=VOCAB_SIZE, max_sequence_length=args.max_position_embeddings, weights=weight_mode(args),
         numerics=options.numerics, position_embedding_type=args.position_embedding_type,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights, device=device,
-        compute_copy=options.compute_copy, compute=options.compute,
+        compute_copy=options.compute_copy, compute=options.compute, compute_options=options.mode_options(),
     )
     ddp_config = training.get_megatron_ddp_config(args)  # fp4_param_gather flows in by field name
     layout = None

@@ -5,7 +5,8 @@ runs, bytes per weight) and one module each:
 
     modes.py         the table of modes, its one-time device check (`prepare`)
     bf16.py          the bf16 mode (the default): the GEMMs read the weight's values, kept or lean
-    fp8.py           the FP8 mode: the GEMMs read FP8 block copies (cuBLAS on Hopper, emulated on the CPU)
+    fp8.py           the FP8 mode: the GEMMs read FP8 block copies (cuBLAS on Hopper, emulated on the CPU); its
+                     options `Fp8Options`
     nvfp4.py         the nvfp4 mode: TransformerEngine's NVFP4 training recipe, every GEMM on NVFP4 operands
                      (emulated: the reference on the CPU, CuPy kernels on sm_80 to sm_90); its options `Nvfp4Recipe`
     nvfp4_gemm.py    its emulated GEMMs and operand kernels per device, and the per-device check table
@@ -23,7 +24,7 @@ What the FP8 mode computes with:
 
     fp8_autograd.py  the FP8 linear's forward and backward (`Fp8Linear`), with tensor-parallel communication
     fp8_gemm.py      the block-scaled GEMMs and their operands (`Fp8Operand`); the per-device check table
-    fp8_copy.py      a layer's FP8 block copy of its weight, made once per weight update
+    fp8_copy.py      a layer's FP8 block copy of its weight, made once per weight update, and what it keeps
     fp8_param.py     FSDP2's unsharded weight in the FP8 mode: a parameter holding the FP8 block copy
 
 And the layer:

@@ -10,6 +10,7 @@ What the row names:
     linear           an NVFP4Linear's forward: the layer's FP8 copy of its weight, `Fp8Linear`
     parallel_linear  a Megatron parallel linear's: the same, with its tensor-parallel communication
     FsdpUnsharded    FSDP2's unsharded weight: an `Fp8Param` holding the FP8 copy of the gathered bytes
+    Fp8Options       what the layers keep between weight updates (`fp8_copy.Fp8Options`)
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ import torch.nn.functional as F
 from ..tensor import NVFP4Tensor
 from . import fp8_copy, fp8_gemm, fp8_param
 from .fp8_autograd import Fp8Linear, fp8_linear
+from .fp8_copy import Fp8Options
 from .fp8_gemm import Fp8Operand
 
-__all__ = ["check_device", "linear", "parallel_linear", "FsdpUnsharded", "Fp8Operand", "fp8_linear"]
+__all__ = ["check_device", "linear", "parallel_linear", "FsdpUnsharded", "Fp8Operand", "Fp8Options", "fp8_linear"]
 
 
 def check_device(device: torch.device) -> Optional[str]:

@@ -8,8 +8,9 @@ GEMM reading them (Megatron's ``--cuda-graph-impl local`` / ``full_iteration``) 
 replay, with no Python deciding anything at the use: the decision is made once per gather, outside the graph.
 
 1 byte per weight and one fp32 per 128 x 128 block, beside the packed 0.5 bytes, and on a GPU the copy's transpose
-(1 byte per weight, the dgrad's operand), all written by one launch per remake (`Fp8Operand.rewrite_block_copy`):
-2.5 bytes per weight on a GPU (1.5 on the CPU) against bf16's 2. The copy proves itself current as the lean copies
+(1 byte per weight, the dgrad's operand; `Fp8Options.keep_transpose`), all written by one launch per remake
+(`Fp8Operand.rewrite_block_copy`): 2.5 bytes per weight on a GPU (1.5 on the CPU, or without the kept transpose)
+against bf16's 2. The copy proves itself current as the lean copies
 do (`pool.copy_token`: the weight's cast count and the version counters of its bytes); between a cast and its all-gather's processing nothing proves a copy current, and
 each use makes one of its own (not kept).
 """
@@ -17,6 +18,7 @@ each use makes one of its own (not kept).
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -25,9 +27,31 @@ from ..tensor.copy import bound, rowwise_fields
 from .fp8_gemm import Fp8Operand
 from .pool import copy_token
 
-__all__ = ["weight_operand", "kept_operand", "forget", "fp8_copy_bytes"]
+__all__ = ["Fp8Options", "weight_operand", "kept_operand", "forget", "fp8_copy_bytes"]
 
 _ATTR = "_fp4_fp8_copy"
+
+
+@dataclass(frozen=True)
+class Fp8Options:
+    """What the fp8 mode's layers keep between weight updates (``convert_linear_weights(compute="fp8",
+    options=Fp8Options(...))``; ``--compute-option keep_transpose=false`` in Megatron)."""
+
+    keep_transpose: bool = True
+    """Keep each GPU weight copy's transpose, made by the copy's launch (the dgrad's operand: 1 byte per weight);
+    False: each dgrad transposes the copy into memory freed after its GEMM (a byte transpose per backward of the
+    layer), and the copies hold 1.5 bytes per weight instead of 2.5. The GEMMs read the same bits either way."""
+
+    def __post_init__(self):
+        if not isinstance(self.keep_transpose, bool):
+            raise ValueError(f"Fp8Options: keep_transpose is a bool, got {self.keep_transpose!r}")
+
+    def kept_in_default(self, names: list[str]) -> dict[str, str]:
+        """No linear keeps the default mode for these options."""
+        return {}
+
+
+DEFAULT_OPTIONS = Fp8Options()
 
 
 class Fp8Copy:
@@ -86,7 +110,8 @@ def weight_operand(module: torch.nn.Module, w) -> Fp8Operand:
         if kept.token != token:
             kept._write(w, token)
         return kept.operand
-    operand = Fp8Operand.weight(w)
+    options = getattr(module, "fp4_options", None) or DEFAULT_OPTIONS
+    operand = Fp8Operand.weight(w, transposed=options.keep_transpose)
     # Not kept when nothing proves it current: the next use makes its own, and the old copy's memory goes now.
     kept = module.__dict__[_ATTR] = Fp8Copy(w, token, operand) if token is not None else None
     if kept is not None:

@@ -62,19 +62,20 @@ class Fp8Operand(NamedTuple):
         return cls.rows(x), cls.rows(x.t())
 
     @classmethod
-    def weight(cls, w) -> Fp8Operand:
+    def weight(cls, w, transposed: bool = True) -> Fp8Operand:
         """NVFP4 weight `w` [N, K] as its FP8 block copy (`block_copy` of its rowwise fields)."""
-        return cls.block_copy(w.rowwise_data, w.rowwise_scale_inv, w.amax)
+        return cls.block_copy(w.rowwise_data, w.rowwise_scale_inv, w.amax, transposed)
 
     @classmethod
-    def block_copy(cls, rowwise_data: torch.Tensor, scale_inv: torch.Tensor, amax: torch.Tensor) -> Fp8Operand:
+    def block_copy(cls, rowwise_data: torch.Tensor, scale_inv: torch.Tensor, amax: torch.Tensor,
+                   transposed: bool = True) -> Fp8Operand:  # fmt: skip
         """The FP8 block copy of the NVFP4 weight [N, K] these fields hold (packed codes, E4M3 tile scales
         row-expanded or as the tile grid, fp32 amax): by the CUDA kernel on a GPU where it gave the reference's bits
-        (`DEVICES`), else by the PyTorch reference (the same bits); on a GPU with its scales laid out for cuBLAS
-        too."""
+        (`DEVICES`), with its transpose in the same launch unless not `transposed`, else by the PyTorch reference
+        (the same bits); on a GPU with its scales laid out for cuBLAS too."""
         fields = (rowwise_data, scale_inv, amax)
         if _kernel_copies(rowwise_data, scale_inv):
-            return cls._of_block_operand(fp8_block.fp8_block_operand(*fields))
+            return cls._of_block_operand(fp8_block.fp8_block_operand(*fields, transposed=transposed))
         if rowwise_data.is_cuda:
             return cls(*fp8_block_copy(*fields), blocks=True).with_cublas_scales()
         return cls(*fp8_block_copy(*fields), blocks=True)
@@ -87,7 +88,7 @@ class Fp8Operand(NamedTuple):
         """Write the FP8 block copy of the NVFP4 weight these fields hold (as `block_copy`) into this operand's
         tensors in place, by the one launch that made them (`fp8_block.fp8_block_operand`), and say so; False (and
         nothing written) where this operand was not made so (the reference's copies, a CPU weight)."""
-        if not (self.blocks and self.bits_t is not None and self.bits.is_cuda
+        if not (self.blocks and self.cublas_scales is not None and self.bits.is_cuda
                 and _kernel_copies(rowwise_data, scale_inv)):  # fmt: skip
             return False
         out = fp8_block.BlockOperand(self.bits, self.scales, self.bits_t, self.cublas_scales, self.cublas_scales_t)

@@ -8,8 +8,8 @@ A mode is one module of this package holding its `ComputeMode` row and the code 
     mode   GEMMs read                          per weight update           per use                  bytes/weight
     bf16   the weight's bf16 values            nothing (lean), or a bf16   a bf16 copy in the lean  0.5 (lean),
                                                copy (kept copies)          pool (lean only)         2.5 (kept)
-    fp8    its FP8 128 x 128 block copy; x     the FP8 block copy          the activation's and     1.5
-           and dy in FP8 1 x 128 groups        (at its first use)          gradient's FP8 groups
+    fp8    its FP8 128 x 128 block copy; x     the FP8 block copy and its  the activation's and     2.5 (GPU),
+           and dy in FP8 1 x 128 groups        transpose (GPU; optional)   gradient's FP8 groups    else 1.5
     nvfp4  the NVFP4 weight itself; x, dy      nothing                     x, dy in NVFP4 1 x 16;   0.5
            and their Hadamard-transformed                                  RHT(x^T), RHT(dy^T)
            transposes in NVFP4 1 x 16
@@ -19,14 +19,14 @@ A mode is one module of this package holding its `ComputeMode` row and the code 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable, Optional
 
 import torch
 
 from . import bf16, fp8, nvfp4
 
-__all__ = ["ComputeMode", "MODES", "DEFAULT", "mode_named", "prepare"]
+__all__ = ["ComputeMode", "MODES", "DEFAULT", "mode_named", "options_from_pairs", "prepare"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,8 +87,9 @@ MODES: dict[str, ComputeMode] = {
                     "gradients in FP8 1 x 128 groups", per_update="the FP8 block copy (1 byte per weight)",
                     per_use="the FP8 1 x 128 groups of the activation and of the output gradient",
                     devices="Hopper GPUs (sm_90, cuBLAS's block-scaled GEMMs) and the CPU (emulated)",
-                    bytes_per_weight="1.5", kept_copies=False, lean_depth=False, check_device=fp8.check_device,
-                    linear=fp8.linear, parallel_linear=fp8.parallel_linear, fsdp_unsharded=fp8.FsdpUnsharded),
+                    bytes_per_weight="2.5 on a GPU (the copy's transpose kept; Fp8Options), else 1.5",
+                    kept_copies=False, lean_depth=False, check_device=fp8.check_device, linear=fp8.linear,
+                    parallel_linear=fp8.parallel_linear, options=fp8.Fp8Options, fsdp_unsharded=fp8.FsdpUnsharded),
         ComputeMode(name="nvfp4", gemms_read="the NVFP4 weight's codes and tile scales, with the activations and "
                     "output gradients in NVFP4 1 x 16 blocks (the gradients stochastically rounded) and both "
                     "weight-gradient operands through a 16-point random Hadamard transform",
@@ -115,6 +116,43 @@ def mode_named(name, who: str) -> ComputeMode:
     if mode is None:
         raise ValueError(f"{who}: compute must be one of {tuple(MODES)}, got {name!r}")
     return mode
+
+
+def options_from_pairs(mode: ComputeMode, pairs, who: str):
+    """`mode`'s options (an instance of its ``options`` dataclass) with the fields that `pairs` ("NAME=VALUE"
+    strings, from the command line) set, the rest at their defaults; None where `pairs` is empty. ValueError naming
+    `who` (the flag) for a mode without options, an unknown field or a value of the wrong kind."""
+    pairs = list(pairs or ())
+    if not pairs:
+        return None
+    if mode.options is None:
+        raise ValueError(f"{who}: the {mode.name} compute mode has no options; got {', '.join(pairs)}")
+    known = {f.name: f.type for f in fields(mode.options)}
+    values = {}
+    for pair in pairs:
+        name, eq, text = pair.partition("=")
+        if not eq or name not in known:
+            raise ValueError(f"{who}: expected NAME=VALUE with NAME one of {sorted(known)} (the {mode.name} mode's "
+                             f"{mode.options.__name__}), got {pair!r}")
+        if name in getattr(mode.options, "LAYER_CHOICE", ()):
+            raise ValueError(f"{who}: {name} chooses layers, which only convert_linear_weights(options=...) applies; "
+                             "here every converted linear computes in the mode")
+        values[name] = _option_value(known[name], text, f"{who} {name}")
+    return mode.options(**values)
+
+
+def _option_value(kind, text: str, who: str):
+    kind = {"bool": bool, "int": int}.get(kind, kind)  # the dataclass annotations are strings here
+    if kind is bool:
+        if text.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(f"{who}: expected true or false, got {text!r}")
+        return text.lower() in ("true", "1")
+    if kind is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"{who}: expected an integer, got {text!r}") from None
+    raise ValueError(f"{who}: options of type {kind} are not set from the command line")
 
 
 def prepare(mode: ComputeMode, devices) -> Optional[str]:

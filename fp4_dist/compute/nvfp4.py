@@ -30,7 +30,7 @@ mode, as the recipe's paper keeps the first and last layers in higher precision.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 import torch.distributed as dist
@@ -65,6 +65,10 @@ class Nvfp4Recipe:
     """How many of the model's first linears (module order) keep the default mode."""
     bf16_last: int = 1
     """How many of the model's last linears keep the default mode."""
+
+    LAYER_CHOICE: ClassVar[tuple] = ("bf16_first", "bf16_last")
+    """Fields that choose layers, which only `convert_linear_weights` applies (the Megatron adapter and FSDP2 put
+    every converted linear in the mode): ``--compute-option`` refuses them."""
 
     def __post_init__(self):
         for name in ("bf16_first", "bf16_last"):

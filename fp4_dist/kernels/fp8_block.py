@@ -74,8 +74,9 @@ class BlockOperand(NamedTuple):
     """E4M3, uint8 [M, K] row-major."""
     scales: torch.Tensor
     """fp32 [bm, bk] row-major: value = float(e) * scale of its 128 x 128 block."""
-    bits_t: torch.Tensor
-    """The copy of W^T: bits transposed, uint8 [K, M] row-major (the dgrad's operand)."""
+    bits_t: Optional[torch.Tensor]
+    """The copy of W^T: bits transposed, uint8 [K, M] row-major (the dgrad's operand); None where the copy is
+    made without it (the dgrad then transposes the bits at each use: `transposed_bytes`)."""
     cublas_scales: torch.Tensor
     """scales as cuBLAS's 128 x 128 recipe reads them: [roundup(bk, 4), bm] with strides (1, roundup(bk, 4)),
     zero padded (`fp8_gemm._block_scales(scales, M, bk)`)."""
@@ -83,32 +84,36 @@ class BlockOperand(NamedTuple):
     """Those of the transpose: [roundup(bm, 4), bk], strides (1, roundup(bm, 4)), zero padded."""
 
 
-def block_operand_empty(m: int, k: int, device) -> BlockOperand:
-    """Unwritten tensors of a `BlockOperand` for a weight [M, K] (the kernel writes every byte, padding too)."""
+def block_operand_empty(m: int, k: int, device, transposed: bool = True) -> BlockOperand:
+    """Unwritten tensors of a `BlockOperand` for a weight [M, K] (the kernel writes every byte, padding too);
+    without `bits_t` unless `transposed`."""
     bm, bk = ceil_div(m, FP8_BLOCK), ceil_div(k, FP8_BLOCK)
     pk, pm = ceil_div(bk, 4) * 4, ceil_div(bm, 4) * 4
     with outputs.unfilled():
         return BlockOperand(torch.empty(m, k, dtype=torch.uint8, device=device),
                             torch.empty(bm, bk, dtype=torch.float32, device=device),
-                            torch.empty(k, m, dtype=torch.uint8, device=device),
+                            torch.empty(k, m, dtype=torch.uint8, device=device) if transposed else None,
                             torch.empty_strided((pk, bm), (1, pk), dtype=torch.float32, device=device),
                             torch.empty_strided((pm, bk), (1, pm), dtype=torch.float32, device=device))
 
 
 def fp8_block_operand(rowwise_data: torch.Tensor, rowwise_scale_inv: torch.Tensor, amax: torch.Tensor,
-                      out: Optional[BlockOperand] = None, variant: Optional[str] = None) -> BlockOperand:  # fmt: skip
-    """The FP8 block copy of the NVFP4 weight [M, K] (as `fp8_block_copy`), its transpose and both sets of block
-    scales as cuBLAS reads them (`BlockOperand`), into `out` where given (a weight's kept copy, rewritten in place:
-    its tensors keep their addresses), else into new tensors; on torch's current stream, without a host
-    synchronization. `variant` (default `_launch.FP8_BLOCK_COPY`): "fused", one launch for all five; "split", the
+                      out: Optional[BlockOperand] = None, variant: Optional[str] = None,
+                      transposed: bool = True) -> BlockOperand:  # fmt: skip
+    """The FP8 block copy of the NVFP4 weight [M, K] (as `fp8_block_copy`), its transpose (unless `transposed` is
+    False, or `out` has none) and both sets of block scales as cuBLAS reads them (`BlockOperand`), into `out` where
+    given (a weight's kept copy, rewritten in place: its tensors keep their addresses), else into new tensors; on
+    torch's current stream, without a host synchronization. `variant` (default `_launch.FP8_BLOCK_COPY`): "fused", one launch for all five; "split", the
     copy's kernel, the byte-transpose kernel and torch copies for the scales (the same bytes)."""
     m, k, scales = _checked(rowwise_data, rowwise_scale_inv, "fp8_block_operand")
     device = rowwise_data.device
-    want = block_operand_empty(m, k, "meta")
     if out is None:
-        out = block_operand_empty(m, k, device)
+        out = block_operand_empty(m, k, device, transposed)
     else:
+        want = block_operand_empty(m, k, "meta", out.bits_t is not None)
         for name, got, like in zip(BlockOperand._fields, out, want):
+            if got is None and like is None:
+                continue
             if (got.device != device or got.dtype != like.dtype or got.shape != like.shape
                     or got.stride() != like.stride() or got.data_ptr() % 16):  # fmt: skip
                 raise ValueError(f"fp8_block.fp8_block_operand: out.{name} must be {like.dtype} {list(like.shape)} "
@@ -121,9 +126,9 @@ def fp8_block_operand(rowwise_data: torch.Tensor, rowwise_scale_inv: torch.Tenso
         _launch.launch_fp8_block_copy_fused(rowwise_data, scales, TILE, m, k, amax, *out)
         return out
     _launch.launch_fp8_block_copy(rowwise_data, scales, TILE, m, k, amax, out.bits, out.scales)
-    if m % 16 == 0 and k % 16 == 0:
+    if out.bits_t is not None and m % 16 == 0 and k % 16 == 0:
         _launch.launch_transpose_bytes(out.bits, out.bits_t)
-    else:
+    elif out.bits_t is not None:
         out.bits_t.copy_(out.bits.t())
     for dst, src in ((out.cublas_scales, out.scales.t()), (out.cublas_scales_t, out.scales)):
         dst.zero_()

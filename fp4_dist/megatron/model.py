@@ -54,6 +54,7 @@ def build_gpt_model(
     device: Optional[torch.device] = None,
     compute_copy: bool = False,
     compute: str = DEFAULT,
+    compute_options=None,
 ) -> nn.Module:
     """GPTModel with the local layer spec, wrapped in Megatron's Float16Module when ``config.bf16``.
 
@@ -65,6 +66,7 @@ def build_gpt_model(
         compute_copy: NVFP4 weights keep a model-dtype compute copy between updates (default False, lean: a copy
             around each use; `fp4_dist.NVFP4Tensor.compute_copy`).
         compute: what the NVFP4 layers' GEMMs read, a name in `fp4_dist.compute.modes.MODES` (`convert_to_nvfp4`).
+        compute_options: that mode's options (`convert_to_nvfp4`'s ``options``; None: its defaults).
     Raises:
         ValueError naming every linear weight whose K (in_features) is not a multiple of 16, before any
         weight is converted.
@@ -87,7 +89,8 @@ def build_gpt_model(
     if device is not None:
         model = model.to(device)
     if weights == "nvfp4":
-        convert_to_nvfp4(model, config, numerics=numerics, compute_copy=compute_copy, compute=compute)
+        convert_to_nvfp4(model, config, numerics=numerics, compute_copy=compute_copy, compute=compute,
+                         options=compute_options)
     elif weights == "fake-nvfp4":
         apply_fake_quant(model, config, numerics=numerics)
     return model
@@ -215,7 +218,7 @@ def release_init_values(params) -> int:
 
 def convert_to_nvfp4(model: nn.Module, config: TransformerConfig, *, numerics: str = DEFAULT_NUMERICS,
                      compute_copy: bool = False, device: Optional[torch.device] = None,
-                     compute: str = DEFAULT) -> list[str]:  # fmt: skip
+                     compute: str = DEFAULT, options=None) -> list[str]:  # fmt: skip
     """Replace the NVFP4-eligible linear weights by ``nn.Parameter(NVFP4Tensor)`` in place; returns names.
 
     Call it after ``.cuda()`` and Float16Module and before DistributedDataParallel (a DDP-wrapped model is
@@ -234,10 +237,15 @@ def convert_to_nvfp4(model: nn.Module, config: TransformerConfig, *, numerics: s
         compute: what the converted layers' GEMMs read, a name in `fp4_dist.compute.modes.MODES`
             (`fp4_dist.megatron.mode_linear`); a layer's choice, made here, so that models of several modes can
             train in one process.
+        options: the mode's options (an instance of its row's ``options`` dataclass: `AdapterOptions.mode_options`,
+            from ``--compute-option``), each converted layer's ``fp4_options``; None: the mode's defaults.
     Raises for models and layers fp4_dist does not convert (not a GPTModel, grouped-GEMM experts,
     TransformerEngine linears) and for shapes NVFP4 cannot tile, before any weight is converted.
     """
     mode = mode_named(compute, "convert_to_nvfp4")
+    if options is not None and (mode.options is None or not isinstance(options, mode.options)):
+        raise TypeError(f"convert_to_nvfp4: options for the {mode.name} compute mode must be "
+                        f"{mode.options.__name__ if mode.options else 'None'}, got {type(options).__name__}")
     if compute_copy and not mode.kept_copies:
         raise ValueError(f"convert_to_nvfp4: the {mode.name} compute mode keeps no bf16 compute copy; leave "
                          "compute_copy False")
@@ -260,7 +268,7 @@ def convert_to_nvfp4(model: nn.Module, config: TransformerConfig, *, numerics: s
         new.get_high_precision_init_val = types.MethodType(_get_init, new)
         new.clear_high_precision_init_val = types.MethodType(_clear_init, new)
         module.weight = new
-        module.fp4_compute = compute
+        module.fp4_compute, module.fp4_options = compute, options
     return [name for name, _ in named]
 
 

@@ -13,7 +13,7 @@ import argparse
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
-from ..compute.modes import DEFAULT, MODES, mode_named
+from ..compute.modes import DEFAULT, MODES, mode_named, options_from_pairs
 from ..compute.pool import set_pool_depth
 from ..format import DEFAULT_NUMERICS, NUMERICS
 
@@ -47,6 +47,11 @@ class AdapterOptions:
                            "weight's FP8 block copy, 1 byte per weight made once per update, with FP8 activations "
                            "and gradients: cuBLAS's block-scaled GEMMs on Hopper (sm_90), emulated on CPU ranks, "
                            "refused elsewhere (docs/fp8.md)", choices=MODES)  # fmt: skip
+    compute_options: tuple = _option((), "a field of the compute mode's options, NAME=VALUE (repeat the flag for "
+                                     "several): e.g. keep_transpose=false in the fp8 mode (1.5 bytes per weight "
+                                     "instead of 2.5: each dgrad transposes the weight's copy), stochastic_rounding="
+                                     "false or rht=false in the nvfp4 mode (docs/fp8.md, docs/nvfp4_recipe.md)",
+                                     flag="compute-option", action="append", metavar="NAME=VALUE")
     columnwise: bool = _option(False, "also build the columnwise NVFP4 copies after every param all-gather, as "
                                "TransformerEngine does (nothing in fp4_dist's compute path reads them)")
     check_every: int = _option(0, "every N iterations, check on every rank that the gathered NVFP4 weights equal "
@@ -61,6 +66,9 @@ class AdapterOptions:
         if self.numerics not in NUMERICS:
             raise ValueError(f"numerics must be one of {list(NUMERICS)}, got {self.numerics!r}")
         mode = mode_named(self.compute, "AdapterOptions")
+        object.__setattr__(self, "compute_options", tuple(self.compute_options or ()))
+        options_from_pairs(mode, self.compute_options, "--compute-option (--fp4-compute-option in the example "
+                           "trainer)")
         if self.compute_copy and not mode.kept_copies:
             raise ValueError(f"the {mode.name} compute mode's GEMMs read {mode.gemms_read}, never a bf16 compute "
                              f"copy: drop --compute-copy (--fp4-compute-copy in the example trainer) or "
@@ -74,6 +82,10 @@ class AdapterOptions:
                              f"lean compute mode holds; with {other}: drop one of them")
         if isinstance(self.check_every, bool) or not isinstance(self.check_every, int) or self.check_every < 0:
             raise ValueError(f"check_every must be an int >= 0 (iterations; 0: off), got {self.check_every!r}")
+
+    def mode_options(self):
+        """The compute mode's options instance that ``compute_options`` spell (None: the mode's defaults)."""
+        return options_from_pairs(MODES[self.compute], self.compute_options, "--compute-option")
 
     @classmethod
     def flags(cls, prefix: str = "") -> dict[str, str]:
@@ -97,7 +109,9 @@ class AdapterOptions:
             if f.type in (bool, "bool"):
                 kwargs["action"] = "store_true"  # every boolean option is off by default
             else:
-                kwargs.update(default=f.default, **f.metadata["argparse"])
+                # argparse's "append" extends its default in place: a list per parse, made a tuple by the class
+                append = f.metadata["argparse"].get("action") == "append"
+                kwargs.update(default=None if append else f.default, **f.metadata["argparse"])
             parser.add_argument(flag, **kwargs)
             if off:
                 parser.add_argument(off, action="store_false", dest=kwargs["dest"], default=argparse.SUPPRESS,

@@ -289,7 +289,7 @@ def _convert_before_ddp(chunks, ddp_config, data_parallel: str) -> None:
     for chunk in chunks:
         converted += len(convert_to_nvfp4(chunk, get_model_config(chunk), numerics=options.numerics,
                                           compute_copy=options.compute_copy, device=device,
-                                          compute=options.compute))  # fmt: skip
+                                          compute=options.compute, options=options.mode_options()))  # fmt: skip
     anywhere = converted
     if torch.distributed.is_initialized() and _pipeline_stages() > 1:
         count = torch.tensor([converted], device=collective_device())

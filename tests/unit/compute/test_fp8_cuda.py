@@ -133,3 +133,41 @@ def test_under_deterministic_mode_a_layer_launches_no_fills_and_computes_the_sam
     assert fills == [], fills[:3]
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+@needs_hopper
+@pytest.mark.parametrize("k, n", [(272, 200), (4096, 1024), (160, 48)])
+def test_without_a_kept_transpose_the_dgrad_transposes_per_use_and_computes_the_same_bits(k, n):
+    # Fp8Options(keep_transpose=False): the kept copy holds no transpose (1 byte per weight less), each dgrad makes
+    # one; the GEMMs read the same bits, so the outputs and gradients are equal bit for bit, and after a weight
+    # update the copy is rewritten in place by the same one launch
+    from fp4_dist.compute import fp8_copy
+    from fp4_dist.compute.fp8 import Fp8Options
+
+    torch.manual_seed(6)
+    layers = [nn.Linear(k, n, bias=False).to(torch.bfloat16).cuda() for _ in range(2)]
+    layers[1].load_state_dict(layers[0].state_dict())
+    fp4_dist.convert_linear_weights(layers[0], compute="fp8")
+    fp4_dist.convert_linear_weights(layers[1], compute="fp8", options=Fp8Options(keep_transpose=False))
+    master = layers[0].weight.dequantize(torch.float32)
+    x = torch.randn(300, k, dtype=torch.bfloat16, device="cuda")
+    dy = torch.randn(300, n, dtype=torch.bfloat16, device="cuda")
+    for step in range(2):
+        outs = []
+        for layer in layers:
+            xi = x.detach().requires_grad_()
+            y = layer(xi)
+            y.backward(dy)
+            outs.append((y.detach(), xi.grad, layer.weight.grad))
+            layer.weight.grad = None
+        for got, want in zip(outs[1], outs[0]):
+            assert torch.equal(got, want), step
+        kept = [fp8_copy.kept_operand(layer, layer.weight) for layer in layers]
+        assert kept[0].bits_t is not None and kept[1].bits_t is None
+        assert fp8_copy.fp8_copy_bytes(layers[0]) - fp8_copy.fp8_copy_bytes(layers[1]) == k * n
+        addresses = kept[1].bits.data_ptr()
+        master -= 0.01 * outs[0][2].float()
+        for layer in layers:
+            layer.weight.quantize_(master)
+        layers[1](x)  # the next use rewrites the copy in place
+        assert fp8_copy.kept_operand(layers[1], layers[1].weight).bits.data_ptr() == addresses

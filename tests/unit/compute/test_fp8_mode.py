@@ -203,3 +203,21 @@ def test_the_device_check_sees_a_scale_read_from_the_wrong_place():
             wrong_left = Fp8Operand(left.bits, scales, left.blocks) if i == 2 else left
             wrong_right = Fp8Operand(right.bits, scales, right.blocks) if i != 2 else right
             assert disagreement(emulated_mm(wrong_left, wrong_right), left, right, out_dtype) is not None, (name, i)
+
+
+def test_the_modes_options_reach_each_layer_and_other_modes_options_are_refused():
+    from fp4_dist.compute.fp8 import Fp8Options
+    from fp4_dist.compute.nvfp4 import Nvfp4Recipe
+
+    model = _model()
+    options = Fp8Options(keep_transpose=False)
+    fp4_dist.convert_linear_weights(model, compute="fp8", options=options)
+    assert model[0].fp4_options is options and model[2].fp4_options is options
+    x = torch.randn(5, 272, dtype=torch.bfloat16)
+    want = _model()
+    fp4_dist.convert_linear_weights(want, compute="fp8")
+    assert torch.equal(model(x), want(x))  # the CPU keeps no transpose either way: the same GEMMs
+    with pytest.raises(TypeError, match="must be a Fp8Options, got Nvfp4Recipe"):
+        fp4_dist.convert_linear_weights(_model(), compute="fp8", options=Nvfp4Recipe())
+    with pytest.raises(ValueError, match="keep_transpose is a bool"):
+        Fp8Options(keep_transpose="no")

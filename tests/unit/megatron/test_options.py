@@ -16,16 +16,17 @@ from fp4_dist.megatron.run import _parser
 REPO = Path(__file__).parents[3]
 # Every field away from its default, in three sets: kept bf16 copies, the FP8 compute mode and the lean pool's depth
 # exclude one another.
-CHOSEN = dict(numerics="te-2.14", compute_copy=True, lean_depth=1, compute="bf16", columnwise=True, check_every=7,
-              log_json="run.json", allow_untested_version=True)  # fmt: skip
-CHOSEN_FP8 = dict(CHOSEN, compute_copy=False, compute="fp8")
+CHOSEN = dict(numerics="te-2.14", compute_copy=True, lean_depth=1, compute="bf16", compute_options=(),
+              columnwise=True, check_every=7, log_json="run.json", allow_untested_version=True)  # fmt: skip
+CHOSEN_FP8 = dict(CHOSEN, compute_copy=False, compute="fp8", compute_options=("keep_transpose=false",))
 CHOSEN_LEAN = dict(CHOSEN, compute_copy=False, lean_depth=3)
 MODES = {"kept": CHOSEN, "fp8": CHOSEN_FP8, "lean": CHOSEN_LEAN}
 
 
 def _argv(prefix: str, mode: str = "kept") -> list[str]:
     flags = AdapterOptions.flags(prefix)
-    middle = {"kept": [flags["compute_copy"]], "fp8": [flags["compute"], "fp8"], "lean": [flags["lean_depth"], "3"]}
+    middle = {"kept": [flags["compute_copy"]], "lean": [flags["lean_depth"], "3"],
+              "fp8": [flags["compute"], "fp8", flags["compute_options"], "keep_transpose=false"]}
     return [flags["numerics"], "te-2.14", *middle[mode], flags["columnwise"], flags["check_every"], "7",
             flags["log_json"], "run.json", flags["allow_untested_version"]]  # fmt: skip
 
@@ -44,6 +45,28 @@ def test_every_field_is_chosen_away_from_its_default_here():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="lean_depth must be an int >= 1"):
             AdapterOptions(lean_depth=bad)
+
+
+def test_a_compute_option_sets_a_field_of_the_modes_options_or_is_refused_naming_the_flag():
+    from fp4_dist.compute.fp8 import Fp8Options
+    from fp4_dist.compute.nvfp4 import Nvfp4Recipe
+
+    assert AdapterOptions(compute="fp8", compute_options=["keep_transpose=False"]).mode_options() == \
+        Fp8Options(keep_transpose=False)
+    assert AdapterOptions(compute="fp8").mode_options() is None  # the mode's defaults
+    recipe = AdapterOptions(compute="nvfp4", compute_options=("rht=0", "stochastic_rounding=false")).mode_options()
+    assert recipe == Nvfp4Recipe(rht=False, stochastic_rounding=False)
+    refusals = {
+        ("bf16", "keep_transpose=false"): "the bf16 compute mode has no options",
+        ("fp8", "keep_transpose"): "expected NAME=VALUE with NAME one of ['keep_transpose']",
+        ("fp8", "rht=false"): "expected NAME=VALUE",
+        ("fp8", "keep_transpose=maybe"): "keep_transpose: expected true or false, got 'maybe'",
+        ("nvfp4", "bf16_first=2"): "bf16_first chooses layers, which only convert_linear_weights",
+    }
+    for (compute, pair), said in refusals.items():
+        with pytest.raises(ValueError, match=re.escape(said)) as e:
+            AdapterOptions(compute=compute, compute_options=(pair,))
+        assert "--compute-option" in str(e.value)
 
 
 def test_the_launcher_reads_every_option_from_its_flags():
