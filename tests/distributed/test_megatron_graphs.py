@@ -43,6 +43,7 @@ MODES = {
     "lean_depth2": ["--lean-depth", "2"],
     "kept": ["--compute-copy"],
     "fp8": ["--compute", "fp8"],
+    "fp8_no_kept_transpose": ["--compute", "fp8", "--compute-option", "keep_transpose=false"],
 }
 
 
