@@ -10,9 +10,9 @@ replay, with no Python deciding anything at the use: the decision is made once p
 1 byte per weight and one fp32 per 128 x 128 block, beside the packed 0.5 bytes, and on a GPU the copy's transpose
 (1 byte per weight, the dgrad's operand; `Fp8Options.keep_transpose`), all written by one launch per remake
 (`Fp8Operand.rewrite_block_copy`): 2.5 bytes per weight on a GPU (1.5 on the CPU, or without the kept transpose)
-against bf16's 2. The copy proves itself current as the lean copies
-do (`pool.copy_token`: the weight's cast count and the version counters of its bytes); between a cast and its all-gather's processing nothing proves a copy current, and
-each use makes one of its own (not kept).
+against bf16's 2. The copy proves itself current as the lean copies do (`pool.copy_token`: the weight's cast count
+and the version counters of its bytes); between a cast and its all-gather's processing nothing proves a copy current,
+and each use makes one of its own (not kept).
 """
 
 from __future__ import annotations

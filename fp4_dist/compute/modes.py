@@ -132,7 +132,8 @@ def options_from_pairs(mode: ComputeMode, pairs, who: str):
     for pair in pairs:
         name, eq, text = pair.partition("=")
         if not eq or name not in known:
-            raise ValueError(f"{who}: expected NAME=VALUE with NAME one of {sorted(known)} (the {mode.name} mode's "
+            settable = sorted(set(known) - set(getattr(mode.options, "LAYER_CHOICE", ())))
+            raise ValueError(f"{who}: expected NAME=VALUE with NAME one of {settable} (the {mode.name} mode's "
                              f"{mode.options.__name__}), got {pair!r}")
         if name in getattr(mode.options, "LAYER_CHOICE", ()):
             raise ValueError(f"{who}: {name} chooses layers, which only convert_linear_weights(options=...) applies; "
