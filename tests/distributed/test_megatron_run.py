@@ -368,11 +368,15 @@ def test_a_nan_master_in_pretrain_stops_every_rank_before_the_next_forward_reads
         assert "ValueError: model_weights[" in line and ".weight master: values are not finite" in line, line
 
 
-def test_the_nvfp4_compute_mode_trains_through_pretrain_with_every_check_passing(tmp_path, data):
+@pytest.mark.parametrize("layout", [(1, ()), (2, ("--tensor-model-parallel-size", "2"))], ids=["dp1", "tp2"])
+def test_the_nvfp4_compute_mode_trains_through_pretrain_with_every_check_passing(tmp_path, data, layout):
     """``--compute nvfp4`` (TransformerEngine's NVFP4 recipe emulated: 4-bit activations and gradients too) through
-    Megatron's own loop on a CPU rank: every iteration's parity check passes and the loss falls."""
-    record = train(tmp_path, "nvfp4", 1, "--data-path", data, "--train-iters", "4", "--eval-interval", "1000",
-                   runner=("--compute", "nvfp4"))
+    Megatron's own loop on CPU ranks, alone and split by tensor parallelism (the mode's linears all-reduce their
+    row-parallel outputs and column-parallel input gradients as Megatron's do; sequence parallelism needs
+    TransformerEngine's norms): every iteration's parity check passes and the loss falls."""
+    nproc, parallel = layout
+    record = train(tmp_path, "nvfp4", nproc, "--data-path", data, "--train-iters", "4", "--eval-interval", "1000",
+                   *parallel, runner=("--compute", "nvfp4"))
     losses = [it["loss"] for it in record["iterations"]]
     assert len(losses) == 4 and all(it["check"].startswith("ok") for it in record["iterations"])
     assert losses[-1] < losses[0], losses
