@@ -59,8 +59,9 @@ class FsdpUnsharded:
     in tensors of the weight's own that FSDP2 frees and allocates around each gather (`fp8_param.own`)."""
 
     @staticmethod
-    def make(fields: tuple, dtype: torch.dtype) -> tuple:
-        """(what the weight holds, the unsharded parameter, its tensors FSDP2 manages) at the first gather."""
+    def make(fields: tuple, dtype: torch.dtype, numerics: str) -> tuple:
+        """(what the weight holds, the unsharded parameter, its tensors FSDP2 manages) at the first gather (the FP8
+        copy's values are those of the gathered bytes, whatever `numerics` made them)."""
         held = fp8_param.own(Fp8Operand.block_copy(*fields))
         tensors = tuple(t for t in held if isinstance(t, torch.Tensor))
         return held, fp8_param.Fp8Param(held, dtype), tensors

@@ -67,8 +67,9 @@ class ComputeMode:
     """None where a captured CUDA graph replays this mode's GEMMs as they run eagerly; else why it does not, in a
     clause (Megatron's start-up refuses its graphs with the mode, naming it)."""
     fsdp_unsharded: Optional[object] = None
-    """FSDP2's unsharded weight in this mode, an object with ``make(fields, dtype) -> (held, parameter, tensors)``
-    and ``write(held, fields)`` (the gathered ``(rowwise_data, scale_inv, amax)``); None: the dequantized values."""
+    """FSDP2's unsharded weight in this mode, an object with ``make(fields, dtype, numerics) -> (held, parameter,
+    tensors)`` and ``write(held, fields)`` (the gathered ``(rowwise_data, scale_inv, amax)``); None: the dequantized
+    values."""
 
     def flags(self) -> str:
         """The command-line spelling of this mode, for messages that name the flag to drop."""

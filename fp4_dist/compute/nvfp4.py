@@ -220,15 +220,16 @@ class FsdpUnsharded:
     gathered bytes."""
 
     @staticmethod
-    def make(fields: tuple, dtype: torch.dtype) -> tuple:
-        """(what the weight holds, the unsharded parameter, its tensors FSDP2 manages) at the first gather."""
+    def make(fields: tuple, dtype: torch.dtype, numerics: str) -> tuple:
+        """(what the weight holds, the unsharded parameter, its tensors FSDP2 manages) at the first gather; `numerics`:
+        the weight's block-scale formula, which the unsharded weight reports."""
         data, scale_inv, amax = fields
         m, k = data.shape[0], 2 * data.shape[1]
         with torch.inference_mode(False):  # normal tensors even under inference mode: later gathers write them
             own_amax = torch.empty(1, dtype=torch.float32, device=data.device)
             own_scales = (torch.empty(rowwise_scale_shape(m, k), dtype=torch.uint8, device=data.device)
                           if is_tile_grid(scale_inv.shape, m, k) else scale_inv)  # fmt: skip
-        held = NVFP4Tensor((m, k), dtype, data, own_scales, own_amax, compute_copy=False)
+        held = NVFP4Tensor((m, k), dtype, data, own_scales, own_amax, compute_copy=False, numerics=numerics)
         FsdpUnsharded.write(held, fields)
         tensors = (own_amax,) if own_scales is scale_inv else (own_scales, own_amax)
         return held, held, tensors

@@ -217,7 +217,7 @@ class NVFP4Master(torch.Tensor):
         state.gathered_fields = (data, scale_inv, amax)
         if unsharded is not None:
             if first:
-                state.held, param, tensors = unsharded.make(state.gathered_fields, state.model_dtype)
+                state.held, param, tensors = unsharded.make(state.gathered_fields, state.model_dtype, state.numerics)
                 return param, (*tensors, *b.values())
             unsharded.write(state.held, state.gathered_fields)
             return None

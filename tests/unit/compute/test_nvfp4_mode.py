@@ -176,7 +176,7 @@ def test_fsdp2_unsharded_weight_is_an_nvfp4_tensor_on_the_gathered_bytes_written
     weight, its bytes the gathered ones (no copy), and a later gather written into the same tensors without a
     version change (its layer's forward saved them for the backward); FSDP2's as_strided keeps it whole."""
     m, k = 48, 80
-    first, later = fp4_dist.quantize(torch.randn(m, k)), fp4_dist.quantize(torch.randn(m, k))
+    first, later = (fp4_dist.quantize(torch.randn(m, k), numerics="te-2.14") for _ in range(2))
 
     def fields(q):  # as the gather gives them: tile grid (NVFP4 gather) or row-expanded (bf16 gather, quantized)
         if gathered == "row-expanded":
@@ -185,8 +185,9 @@ def test_fsdp2_unsharded_weight_is_an_nvfp4_tensor_on_the_gathered_bytes_written
         return q.rowwise_data, grid, q.amax.clone()
 
     gathered_fields = fields(first)
-    held, param, tensors = nvfp4.FsdpUnsharded.make(gathered_fields, torch.bfloat16)
+    held, param, tensors = nvfp4.FsdpUnsharded.make(gathered_fields, torch.bfloat16, "te-2.14")
     assert param is held and type(param) is fp4_dist.NVFP4Tensor and param.rowwise_data is first.rowwise_data
+    assert param.numerics == "te-2.14"  # the weight's own formula, which the gathered bytes were made by
     for f in ("rowwise_data", "rowwise_scale_inv", "amax"):
         assert torch.equal(getattr(param, f), getattr(first, f)), f
     own = [held.amax] if gathered == "row-expanded" else [held.rowwise_scale_inv, held.amax]
