@@ -368,15 +368,19 @@ def test_a_nan_master_in_pretrain_stops_every_rank_before_the_next_forward_reads
         assert "ValueError: model_weights[" in line and ".weight master: values are not finite" in line, line
 
 
-@pytest.mark.parametrize("layout", [(1, ()), (2, ("--tensor-model-parallel-size", "2"))], ids=["dp1", "tp2"])
+@pytest.mark.parametrize("layout", [(1, ("--compute-option", "rht=false")), (2, ("--tensor-model-parallel-size", "2"))],
+                         ids=["dp1-without-rht", "tp2"])
 def test_the_nvfp4_compute_mode_trains_through_pretrain_with_every_check_passing(tmp_path, data, layout):
     """``--compute nvfp4`` (TransformerEngine's NVFP4 recipe emulated: 4-bit activations and gradients too) through
-    Megatron's own loop on CPU ranks, alone and split by tensor parallelism (the mode's linears all-reduce their
-    row-parallel outputs and column-parallel input gradients as Megatron's do; sequence parallelism needs
-    TransformerEngine's norms): every iteration's parity check passes and the loss falls."""
-    nproc, parallel = layout
+    Megatron's own loop on CPU ranks: alone, in the paper's ablation without the Hadamard transform (the recipe's
+    fields through ``--compute-option``), and in the whole recipe split by tensor parallelism (the mode's linears
+    all-reduce their row-parallel outputs and column-parallel input gradients as Megatron's do; sequence parallelism
+    needs TransformerEngine's norms). Every iteration's parity check passes and the loss falls."""
+    nproc, args = layout
+    options = tuple(a for a in args if a == "--compute-option" or "=" in a)
     record = train(tmp_path, "nvfp4", nproc, "--data-path", data, "--train-iters", "4", "--eval-interval", "1000",
-                   *parallel, runner=("--compute", "nvfp4"))
+                   *(a for a in args if a not in options), runner=("--compute", "nvfp4", *options))
     losses = [it["loss"] for it in record["iterations"]]
     assert len(losses) == 4 and all(it["check"].startswith("ok") for it in record["iterations"])
     assert losses[-1] < losses[0], losses
+    assert ("GEMMs in nvfp4, rht=false)" in record["stdout"]) == bool(options), record["stdout"][-2000:]
