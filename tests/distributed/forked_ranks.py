@@ -349,6 +349,15 @@ def serve(kind: str) -> None:
             importlib.import_module(name)
         except ImportError:
             pass
+    import gc
+
+    # What the imports left moves to the collector's permanent generation: a forked process's collections and its
+    # interpreter's teardown skip those objects instead of walking them all again (writing to every page the fork
+    # shares with the zygote). A 2-rank Megatron launch of one iteration took 2.6 s without it, 2.1 s with it. The
+    # job's own objects are collected as in a fresh rank; the zygote's are modules and what they hold, which a fresh
+    # rank keeps until its end as well.
+    gc.collect()
+    gc.freeze()
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # what the imports or a fork print goes to the log, not into the replies
     own_path = set(filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)))
