@@ -378,10 +378,10 @@ def _freeze() -> None:
     """What torch's imports left moves to the collector's permanent generation: a forked process's collections and
     its interpreter's teardown skip those objects instead of walking them all again (writing to every page the fork
     shares with the zygote). The torch-only multi-process tests (test_forked_ranks, test_launch, test_fsdp: -n 2,
-    alone) took 137.6 s without it, 111.7 and 122.6 s with it. Only torch's: a fresh rank's last collections free what other
-    imports leave in cycles, and an extension module may check that they did (triton's nanobind bindings, imported
-    by Megatron-Core, print every object of theirs still alive at the end; frozen, they all are). The job's own
-    objects are collected as in a fresh rank."""
+    alone) took 137.6 s without it, 111.7 and 122.6 s with it. Only torch's: a fresh rank's last collections free
+    what other imports leave in cycles, and an extension module may check that they did (triton's nanobind
+    bindings, imported by Megatron-Core, print every object of theirs still alive at the end; frozen, they all
+    are). The job's own objects are collected as in a fresh rank."""
     import gc
 
     gc.collect()
