@@ -41,6 +41,8 @@ from .. import launch
 from . import defaults
 from .options import AdapterOptions
 
+# Seconds a failed rank waits before it exits (main's grace); FP4_DIST_ERROR_GRACE_S sets another, e.g. 0 under a
+# launcher that waits for every rank's own exit anyway (torchrun --monitor-interval longer than a refusal takes).
 ERROR_GRACE_S = 3.0
 # What gloo raises on a rank whose peer's process ended during a collective (its connection closes or resets).
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer")
@@ -169,7 +171,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not deliberate(e):
             traceback.print_exc()
         if not lost:
-            time.sleep(ERROR_GRACE_S)
+            time.sleep(float(os.environ.get("FP4_DIST_ERROR_GRACE_S", ERROR_GRACE_S)))
         return 1
 
 

@@ -61,11 +61,13 @@ def launch(nproc: int, args, *, log: Path = None, check: bool = True, refused: b
     opts = (["--check-every", "1"] if check else []) + list(runner)
     opts += ["--log-json", str(log)] if log else []
     # A run every rank refuses: torchrun stops the other ranks once it sees one fail (it looks every 0.1 s); looking
-    # every 5 s lets each rank's own refusal reach the log, which is what these runs check.
+    # every 5 s lets each rank's own refusal reach the log, which is what these runs check. The launcher's grace
+    # before a failed rank exits (3 s, for a launcher that looks every 0.1 s) would then only add to each run.
     agent = ["--monitor-interval", "5"] if refused else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *agent,
            "-m", "fp4_dist.megatron.run", *opts, *wrapper, str(SCRIPT), *MODEL, *args]  # fmt: skip
-    env = dict(megatron_env(), CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONFAULTHANDLER="1")
+    env = dict(megatron_env(), CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONFAULTHANDLER="1",
+               **({"FP4_DIST_ERROR_GRACE_S": "0"} if refused else {}))  # fmt: skip
     return run_or_dump_stacks(cmd, env)
 
 

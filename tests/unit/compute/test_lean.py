@@ -300,7 +300,9 @@ def test_uses_whose_copy_is_made_already_make_no_launch(recompute):
 
 @pytest.fixture
 def depth():
-    """Set the pool's depth for a test; back to one layer after."""
+    """Set the pool's depth for a test, from an empty pool (the buffers of shapes an earlier test in this process
+    left would count in its sizes); back to one layer after."""
+    pool.release_pool()
     yield pool.set_pool_depth
     pool.set_pool_depth(1)
 
