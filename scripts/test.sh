@@ -11,9 +11,10 @@ for a in "$@"; do [[ "$a" != -* && -e "${a%%::*}" ]] && where=(); done
 # One worker per core (pytest-xdist): the multi-process tests are bound by their ranks' start-up, the rest by one
 # core; their ranks are forked from a process that has imported torch and Megatron-Core already
 # (tests/distributed/forked_ranks.py; FP4_DIST_TEST_FORK=0: torchrun), and a launch several tests read is made once
-# whichever worker asks first (tests/distributed/shared.py). Tests
-# go out two at a time as workers free up (--maxschedchunk 2): the longest come first (tests/conftest.py), and
-# xdist's default first batch, a quarter of the suite per worker, would hand them all to one worker.
+# whichever worker asks first (tests/distributed/shared.py). Tests go out two at a time as workers free up
+# (--maxschedchunk 2): the longest come first, by the seconds tests/durations.json records (tests/conftest.py;
+# `bash scripts/test.sh --record-durations tests/durations.json` records them again), and xdist's default first
+# batch, a quarter of the suite per worker, would hand them all to one worker.
 # FP4_DIST_TEST_WORKERS=0: one process.
 exec .venv/bin/python -m pytest "${where[@]}" -ra --durations=15 -n "${FP4_DIST_TEST_WORKERS:-auto}" \
   --maxschedchunk 2 "$@"
