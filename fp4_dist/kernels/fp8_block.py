@@ -100,11 +100,12 @@ def block_operand_empty(m: int, k: int, device, transposed: bool = True) -> Bloc
 def fp8_block_operand(rowwise_data: torch.Tensor, rowwise_scale_inv: torch.Tensor, amax: torch.Tensor,
                       out: Optional[BlockOperand] = None, variant: Optional[str] = None,
                       transposed: bool = True) -> BlockOperand:  # fmt: skip
-    """The FP8 block copy of the NVFP4 weight [M, K] (as `fp8_block_copy`), its transpose (unless `transposed` is
-    False, or `out` has none) and both sets of block scales as cuBLAS reads them (`BlockOperand`), into `out` where
-    given (a weight's kept copy, rewritten in place: its tensors keep their addresses), else into new tensors; on
-    torch's current stream, without a host synchronization. `variant` (default `_launch.FP8_BLOCK_COPY`): "fused", one launch for all five; "split", the
-    copy's kernel, the byte-transpose kernel and torch copies for the scales (the same bytes)."""
+    """The FP8 block copy of the NVFP4 weight [M, K] (as `fp8_block_copy`), its transpose and both sets of block
+    scales as cuBLAS reads them (`BlockOperand`), into `out` where given (a weight's kept copy, rewritten in place:
+    its tensors keep their addresses; without the transpose where `out` has none), else into new tensors (without
+    the transpose unless `transposed`); on torch's current stream, without a host synchronization. `variant`
+    (default `_launch.FP8_BLOCK_COPY`): "fused", one launch for all; "split", the copy's kernel, the byte-transpose
+    kernel and torch copies for the scales (the same bytes)."""
     m, k, scales = _checked(rowwise_data, rowwise_scale_inv, "fp8_block_operand")
     device = rowwise_data.device
     if out is None:
