@@ -100,11 +100,11 @@ _MIX = 4611686018427387903
 
 def fingerprint(x: torch.Tensor) -> bytes:
     """The bytes a master digest hashes for tensor x: its shape and dtype, then on the CPU x's bytes themselves, and
-    on a GPU two 64-bit sums per 16M 32-bit words, computed there (a billion-weight model's masters in well under a
-    second, where copying them to the host and hashing them there takes seconds). Sum one weighs word i by an odd number that depends on i
-    (integer arithmetic, wrapping: the same on every device and in any order of summation), so any change of one
-    word changes it; sum two mixes each weighted word's high bits into its low ones first, so changes that cancel
-    in one sum do not cancel in the other."""
+    on a GPU two 64-bit sums per 16M 32-bit words, computed there (copying a billion masters to the host and hashing
+    them there takes seconds). Sum one weighs word i by an odd number that depends on i (integer arithmetic,
+    wrapping: the same in any order of summation), so any change of one word changes it; sum two mixes each
+    weighted word's high bits into its low ones first, so changes that cancel in one sum do not cancel in the
+    other."""
     head = f"{tuple(x.shape)} {x.dtype};".encode()
     if not x.is_cuda or x.element_size() != 4:
         return head + x.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
