@@ -117,9 +117,6 @@ def _scaled(x: torch.Tensor, amax: Optional[torch.Tensor]) -> tuple[torch.Tensor
     if blocks.numel() == 0:
         a = torch.zeros(1, dtype=torch.float32, device=x.device)
     scales = tile_scales(blocks.abs().amax(dim=-1), a)
-    # A NaN scale (a non-finite amax: inf * 0) is E4M3's positive NaN, 0x7F, as CUDA's and TransformerEngine's
-    # kernels write it; the NaN an x86 CPU computes has its sign bit set, which would give 0xFF here only.
-    scales = torch.where(scales == 0xFF, torch.full_like(scales, 0x7F), scales)
     y = blocks * encode_multipliers(scales, a).unsqueeze(-1)
     return y.reshape(x.shape[0], -1), scales, a
 

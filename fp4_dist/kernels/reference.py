@@ -109,8 +109,11 @@ def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
 
 
 def e4m3_rne_satfinite(d: torch.Tensor) -> torch.Tensor:
-    """E4M3 bits (uint8) of non-negative fp32 values: RNE, subnormals kept, >= 448 and inf give 448."""
-    return torch.clamp(d, max=E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    """E4M3 bits (uint8) of non-negative fp32 values: RNE, subnormals kept, >= 448 and inf give 448, NaN gives 0x7F
+    (the kernels' `e4m3_rne_satfinite`, and TransformerEngine's): whatever its sign bit, which the NaN an x86 CPU
+    computes (inf * 0) carries and torch's conversion would keep."""
+    bits = torch.clamp(d, max=E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    return torch.where(torch.isnan(d), torch.full_like(bits, 0x7F), bits)
 
 
 def e4m3_to_float(bits: torch.Tensor) -> torch.Tensor:

@@ -62,6 +62,10 @@ def test_e4m3_rounding_matches_nearest_even_search_including_subnormals_and_satu
     d = torch.cat([table, mids, torch.rand(5000) * 500, torch.rand(5000) * 0.02])
     np.testing.assert_array_equal(R.e4m3_rne_satfinite(d).numpy(), O.e4m3_code(d.numpy()))
     assert R.e4m3_rne_satfinite(special).tolist() == [0, 0, 0x7E, 0x7E, 0x7E, 0x7E, 0x7E, 0x7E, 0x7E]
+    # NaN is 0x7F whatever its sign bit (x86 computes inf * 0 as a NaN with it set), as the kernels write it
+    nans = torch.tensor([0x7FC00000, 0xFFC00000 - (1 << 32), 0x7F800001], dtype=torch.int32).view(torch.float32)
+    inf = torch.tensor([float("inf")])
+    assert R.e4m3_rne_satfinite(torch.cat([nans, inf * 0.0])).tolist() == [0x7F] * 4
 
 
 SHAPES = [(1, 16), (15, 48), (16, 16), (17, 80), (33, 64), (40, 48), (64, 144), (97, 32)]
