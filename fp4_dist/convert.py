@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .compute.linear import NVFP4Linear, ready_for_compile
-from .compute.modes import DEFAULT, mode_named, prepare
+from .compute.modes import DEFAULT, check_options, mode_named, prepare
 from .format import DEFAULT_NUMERICS, MODEL_DTYPES, TILE
 from .quantize import quantize
 from .shared_amax import ATTR as AMAX_GROUP_ATTR
@@ -136,10 +136,7 @@ def convert_linear_weights(
             "fully_shard); convert the unsharded model, or shard it with fp4_dist.fsdp.fully_shard_nvfp4, which "
             "converts the linear weights itself")
     mode = mode_named(compute, "convert_linear_weights")
-    if options is not None and (mode.options is None or not isinstance(options, mode.options)):
-        want = f"a {mode.options.__name__}" if mode.options else "None (it has no options)"
-        raise TypeError(f"convert_linear_weights: options for compute={compute!r} must be {want}, got "
-                        f"{type(options).__name__}")
+    check_options(mode, options, "convert_linear_weights")
     if compute_copy and not mode.kept_copies:
         raise ValueError(f"convert_linear_weights: compute={compute!r} reads {mode.gemms_read}, never a bf16 "
                          "compute copy: leave compute_copy False")

@@ -26,7 +26,7 @@ import torch
 
 from . import bf16, fp8, nvfp4
 
-__all__ = ["ComputeMode", "MODES", "DEFAULT", "mode_named", "options_from_pairs", "prepare"]
+__all__ = ["ComputeMode", "MODES", "DEFAULT", "mode_named", "check_options", "options_from_pairs", "prepare"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,6 +119,15 @@ def mode_named(name, who: str) -> ComputeMode:
     return mode
 
 
+def check_options(mode: ComputeMode, options, who: str) -> None:
+    """TypeError naming `who` (the function and its compute argument) unless `options` is None or an instance of
+    `mode`'s ``options`` dataclass."""
+    if options is not None and (mode.options is None or not isinstance(options, mode.options)):
+        want = f"a {mode.options.__name__}" if mode.options else "None (it has no options)"
+        raise TypeError(f"{who}: options for the {mode.name} compute mode must be {want}, got "
+                        f"{type(options).__name__}")
+
+
 def options_from_pairs(mode: ComputeMode, pairs, who: str):
     """`mode`'s options (an instance of its ``options`` dataclass) with the fields that `pairs` ("NAME=VALUE"
     strings, from the command line) set, the rest at their defaults; None where `pairs` is empty. ValueError naming
@@ -129,14 +138,15 @@ def options_from_pairs(mode: ComputeMode, pairs, who: str):
     if mode.options is None:
         raise ValueError(f"{who}: the {mode.name} compute mode has no options; got {', '.join(pairs)}")
     known = {f.name: f.type for f in fields(mode.options)}
+    layer_choice = getattr(mode.options, "LAYER_CHOICE", ())
     values = {}
     for pair in pairs:
         name, eq, text = pair.partition("=")
         if not eq or name not in known:
-            settable = sorted(set(known) - set(getattr(mode.options, "LAYER_CHOICE", ())))
+            settable = sorted(set(known) - set(layer_choice))
             raise ValueError(f"{who}: expected NAME=VALUE with NAME one of {settable} (the {mode.name} mode's "
                              f"{mode.options.__name__}), got {pair!r}")
-        if name in getattr(mode.options, "LAYER_CHOICE", ()):
+        if name in layer_choice:
             raise ValueError(f"{who}: {name} chooses layers, which only convert_linear_weights(options=...) applies; "
                              "here every converted linear computes in the mode")
         values[name] = _option_value(known[name], text, f"{who} {name}")

@@ -71,7 +71,7 @@ class Nvfp4Recipe:
     every converted linear in the mode): ``--compute-option`` refuses them."""
 
     def __post_init__(self):
-        for name in ("bf16_first", "bf16_last"):
+        for name in self.LAYER_CHOICE:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"Nvfp4Recipe: {name} is a number of linears (an int >= 0), got {value!r}")

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ..compute.modes import DEFAULT, mode_named
+from ..compute.modes import DEFAULT, check_options, mode_named
 from ..format import DEFAULT_NUMERICS, TILE
 from ..quantize import quantize
 from ..tensor import is_nvfp4_tensor
@@ -243,9 +243,7 @@ def convert_to_nvfp4(model: nn.Module, config: TransformerConfig, *, numerics: s
     TransformerEngine linears) and for shapes NVFP4 cannot tile, before any weight is converted.
     """
     mode = mode_named(compute, "convert_to_nvfp4")
-    if options is not None and (mode.options is None or not isinstance(options, mode.options)):
-        raise TypeError(f"convert_to_nvfp4: options for the {mode.name} compute mode must be "
-                        f"{mode.options.__name__ if mode.options else 'None'}, got {type(options).__name__}")
+    check_options(mode, options, "convert_to_nvfp4")
     if compute_copy and not mode.kept_copies:
         raise ValueError(f"convert_to_nvfp4: the {mode.name} compute mode keeps no bf16 compute copy; leave "
                          "compute_copy False")
