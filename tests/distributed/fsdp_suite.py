@@ -232,6 +232,17 @@ def suite_train(ctx, world, rank) -> dict:
 FP8_STEPS = 8
 
 
+def sharded_after_conversion(compute: str) -> tuple:
+    """(a fresh Net converted with ``convert_linear_weights(compute=...)`` and then sharded by fully_shard_nvfp4 with
+    the default compute, its FSDPReport): the layers keep the mode they were converted to."""
+    torch.manual_seed(1)
+    converted = Net().to(DEVICE)
+    fp4_dist.convert_linear_weights(converted, dtype=torch.bfloat16, compute=compute)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return converted, fully_shard_nvfp4(converted, mp_policy=BF16)
+
+
 def suite_train_fp8(ctx, world, rank) -> dict:
     """compute="fp8": inside every forward each NVFP4 linear's unsharded weight is the FP8 block copy of
     quantize(full master) (its bits and block scales bit for bit), the gathered bytes are quantize(full master),
@@ -271,12 +282,7 @@ def suite_train_fp8(ctx, world, rank) -> dict:
         ref_losses.append(ref.step(step, world)[rank])
     agree_with_reference(ctx, losses, ref_losses, model, ref)
     # Layers converted with compute="fp8" first compute in FP8 under the default compute="bf16" too
-    torch.manual_seed(1)
-    converted = Net().to(DEVICE)
-    fp4_dist.convert_linear_weights(converted, dtype=torch.bfloat16, compute="fp8")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        second = fully_shard_nvfp4(converted, mp_policy=BF16)
+    converted, second = sharded_after_conversion("fp8")
     seen = []
     converted.mix.register_forward_pre_hook(lambda m, a: seen.append(type(m.weight)))
     loss_of(converted(batch(0, rank).to(torch.bfloat16))).backward()
@@ -398,12 +404,7 @@ def suite_train_nvfp4(ctx, world, rank) -> dict:
     agree_with_reference(ctx, losses, ref_losses, model, ref)
     # Layers converted with compute="nvfp4" first keep their recipe under the default compute: its first and last
     # linears compute in bf16, the others multiply the unsharded NVFP4 weights
-    torch.manual_seed(1)
-    converted = Net().to(DEVICE)
-    fp4_dist.convert_linear_weights(converted, dtype=torch.bfloat16, compute="nvfp4")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        second = fully_shard_nvfp4(converted, mp_policy=BF16)
+    converted, second = sharded_after_conversion("nvfp4")
     kinds = {}
     for name in ("inp", "mix", "odd"):
         converted.get_submodule(name).register_forward_pre_hook(
