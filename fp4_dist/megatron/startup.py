@@ -115,6 +115,10 @@ def refuse_unsupported_args(args) -> None:
             (getattr(args, "data_parallel_random_init", False), "--data-parallel-random-init"),
             (getattr(args, "overlap_param_gather_with_optimizer_step", False),
              "--overlap-param-gather-with-optimizer-step"),
+            # The optimizer step holds the shard cast, whose non-finite verdicts and copy bookkeeping are the host's
+            (getattr(args, "optimizer_cuda_graph", False),
+             "--optimizer-cuda-graph (the shard cast's checks run on the host each step; graph the forward and "
+             "backward with --cuda-graph-impl local or full_iteration instead)"),
             *_graph_refusals(args),
         ]
         problems += [f"--fp4-param-gather with {what} is not supported by fp4_dist" for bad, what in unsupported
