@@ -68,5 +68,7 @@ class FsdpUnsharded:
 
     @staticmethod
     def write(held: Fp8Operand, fields: tuple) -> None:
-        """Write the copy of a later gather's bytes into the tensors `make` gave."""
-        fp8_param.write(held, Fp8Operand.block_copy(*fields))
+        """Write the copy of a later gather's bytes into the tensors `make` gave: on a GPU by the one launch that
+        made them (`Fp8Operand.rewrite_block_copy`), else by making a copy and copying it in."""
+        if not fp8_param.rewrite(held, fields):
+            fp8_param.write(held, Fp8Operand.block_copy(*fields))

@@ -20,7 +20,7 @@ from ..kernels.fp8_block_reference import fp8_block_values
 from .fp8_autograd import fp8_linear
 from .fp8_gemm import Fp8Operand
 
-__all__ = ["Fp8Param", "allocated", "own", "write"]
+__all__ = ["Fp8Param", "allocated", "own", "rewrite", "write"]
 
 aten = torch.ops.aten
 
@@ -154,6 +154,15 @@ def own(fresh: Fp8Operand) -> Fp8Operand:
     under inference mode, so that later gathers can write them."""
     with torch.inference_mode(False):
         return Fp8Operand(*(t.clone() if isinstance(t, torch.Tensor) else t for t in fresh))
+
+
+def rewrite(dst: Fp8Operand, fields: tuple) -> bool:
+    """Write the FP8 copy of the NVFP4 fields (rowwise data, scales, amax) into the weight's tensors `dst` in place
+    by the copy's one launch (`Fp8Operand.rewrite_block_copy`), and say so; False where it does not apply (a CPU
+    weight, the reference's copies). The same version-counter rule as `write`."""
+    tensors = tuple(t for t in dst if isinstance(t, torch.Tensor))
+    with torch.inference_mode(False), torch.autograd._unsafe_preserve_version_counter(tensors):
+        return dst.rewrite_block_copy(*fields)
 
 
 def write(dst: Fp8Operand, fresh: Fp8Operand) -> None:
