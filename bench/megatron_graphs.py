@@ -144,6 +144,10 @@ def main(argv=None) -> int:
     modes = a.modes.split(",")
     if unknown := set(modes) - set(MODES):
         p.error(f"--modes: unknown {sorted(unknown)}; choose from {list(MODES)}")
+    if a.check_every and a.check_every >= a.iters:
+        # the last iteration's step also writes the run record: a check there is not timed against the others
+        p.error(f"--check-every {a.check_every} needs --iters above it (got {a.iters}): the check table times the "
+                "checked iterations before the last")
     a.out.mkdir(parents=True, exist_ok=True)
     a.data = str(a.out / "data" / "corpus")
     subprocess.run([sys.executable, "-m", "examples.megatron_preprocess", "--input",

@@ -102,7 +102,7 @@ HOOKS: tuple[Hook, ...] = (
          "setup with AdapterOptions.log_json; nothing otherwise)"),
     Hook((_TRAINING,), "train_step", MONITOR.wrap_train_step,
          "after each of megatron.training's steps: the parity check every AdapterOptions.check_every iterations "
-         "and the run record (both off by default: the step is passed through)"),
+         "and the run record (both off by default); before each, the cast verdicts a captured graph cannot read"),
     Hook((_INIT, _TRAINING), "initialize_megatron", startup.make_initialize_megatron,
          "initialize.py:66 asserts torch.cuda.is_available() unless allow_no_cuda; the CPU layer covers the rest",
          cpu_only=True),

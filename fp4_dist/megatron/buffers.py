@@ -74,13 +74,30 @@ def make_shard_cast(original):
 # post-all-gather processing (in the step, or in the next forward's pre-hook with --overlap-param-gather), before
 # any layer reads a weight, on every rank (the verdict is the all-reduced one).
 _DEFERRED_CHECKS: list = []
+# Set once a processing ran inside a CUDA-graph capture (a full-iteration graph captures the overlapped gather's
+# pre-hooks): its replays run no Python, so from then on each training step reads the verdicts at its start, on the
+# host, before the graph replays (`resolve_cast_checks_before_a_step`).
+_PROCESSING_CAPTURED = [False]
 
 
 def resolve_cast_checks() -> None:
     """Read the verdicts of the casts since the last call; raises ValueError naming the weight, on every rank,
-    if a cast read a non-finite fp32 master (the weights were written from it: resume from a checkpoint)."""
+    if a cast read a non-finite fp32 master (the weights were written from it: resume from a checkpoint). Inside a
+    CUDA-graph capture, where a read to the host cannot run, the verdicts wait for the next step's start."""
+    from .. import kernels
+
+    if kernels.capturing():
+        _PROCESSING_CAPTURED[0] = True
+        return
     while _DEFERRED_CHECKS:
         _DEFERRED_CHECKS.pop(0).resolve(" in the fp32 master after the optimizer step, on some rank")
+
+
+def resolve_cast_checks_before_a_step() -> None:
+    """At a training step's start, outside any graph: read the verdicts a captured processing cannot read (see
+    `_PROCESSING_CAPTURED`); nothing otherwise, so an eager step keeps the optimizer's device work queued."""
+    if _PROCESSING_CAPTURED[0]:
+        resolve_cast_checks()
 
 
 def make_post_all_gather(original):

@@ -29,6 +29,7 @@ from ..compute.pool import audit_uses, audit_verdicts
 from ..tensor import is_nvfp4_tensor
 from ..tensor.copy import weight_name
 from . import parity
+from .buffers import resolve_cast_checks_before_a_step
 from .options import current_options
 from .parallel import collective_device
 
@@ -71,6 +72,7 @@ class Monitor:
 
     def wrap_train_step(self, original):
         def train_step(*args, **kwargs):
+            resolve_cast_checks_before_a_step()  # before a full-iteration graph replays a step's processing
             options = current_options()
             if not (options.check_every or options.log_json) or self.optimizer is None:
                 return original(*args, **kwargs)

@@ -138,8 +138,9 @@ def refuse_unsupported_args(args) -> None:
 def _graph_refusals(args) -> list:
     """(refused, what) rows of the CUDA-graph options that --fp4-param-gather does not take. Megatron's own graphs
     (``--cuda-graph-impl local`` and ``full_iteration``) run every compute mode whose row allows them
-    (``cuda_graphs``) as it runs eagerly: what a replay reads is decided outside the captured region
-    (`fp4_dist.compute.fp8_copy`, `pool.Buffer.graphed`)."""
+    (``cuda_graphs``) as it runs eagerly, with ``--overlap-param-gather`` too: what a replay reads is decided outside
+    the captured region (`fp4_dist.compute.fp8_copy`, `pool.Buffer.graphed`), and the cast verdicts a captured
+    gather's processing cannot read are read at the next step's start (`buffers.resolve_cast_checks`)."""
     flag = _cuda_graphs(args)
     if flag is None:
         return []
@@ -151,11 +152,6 @@ def _graph_refusals(args) -> list:
         (not torch.cuda.is_available(), f"{flag} on CPU ranks (CUDA graphs need CUDA; run without them)"),
         (getattr(args, "cuda_graph_impl", None) == "transformer_engine" or getattr(args, "external_cuda_graph", False),
          f"{flag} (TransformerEngine's graphs; use --cuda-graph-impl local or full_iteration)"),
-        # The overlapped gather runs in the forward's pre-hooks, inside the captured region: its processing (the
-        # FP8 copies' remake, the cast's verdicts) would be decided once, at capture. Not run on a GPU yet.
-        (getattr(args, "overlap_param_gather", False),
-         f"{flag} and --overlap-param-gather (the overlapped all-gather and its processing would run inside the "
-         "captured graph; drop --overlap-param-gather, --overlap-grad-reduce stays)"),
     ]
 
 

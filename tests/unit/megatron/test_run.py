@@ -127,8 +127,6 @@ def _args(**kw):
     (dict(bf16=False), "an fp32 model"),
     (dict(cuda_graph_impl="transformer_engine"), "--cuda-graph-impl transformer_engine (TransformerEngine's graphs"),
     (dict(external_cuda_graph=True), "--external-cuda-graph (TransformerEngine's graphs"),
-    (dict(cuda_graph_impl="full_iteration", overlap_param_gather=True),
-     "--cuda-graph-impl full_iteration and --overlap-param-gather"),
     (dict(optimizer_cuda_graph=True), "--optimizer-cuda-graph (the shard cast's checks"),
     # Megatron's own graphs run on GPUs (tests/distributed/test_megatron_graphs.py); CPU ranks refuse them
     *[pytest.param(change, named, marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CPU ranks only"))
