@@ -1,7 +1,7 @@
 """Step time and peak memory of Megatron's own training loop with CUDA graphs, per compute mode, on one GPU.
 
     python bench/megatron_graphs.py [--graphs full_iteration] [--rounds 3] [--iters 16] [--shape llama|tiny]
-        [--modes bf16,lean,kept,fp8,fp8-lowmem] [--check-every N] [--out DIR]
+        [--modes bf16,lean,kept,fp8,fp8-lowmem,nvfp4] [--check-every N] [--out DIR]
 
 One process per run (`examples/pretrain_gpt.py` through ``python -m fp4_dist.megatron.run``), the modes taking turns
 (bf16, lean, kept, fp8, fp8-lowmem, then again, --rounds times), so a slowdown that lasts a run lands on one mode only:
@@ -12,6 +12,8 @@ One process per run (`examples/pretrain_gpt.py` through ``python -m fp4_dist.meg
     fp8    --fp4-param-gather --compute fp8 (FP8 block-scaled GEMMs on the weights' FP8 copies and their kept
            transposes)
     fp8-lowmem  the same with --compute-option keep_transpose=false (each dgrad transposes its weight's copy)
+    nvfp4  --fp4-param-gather --compute nvfp4 (the emulated NVFP4 recipe: 4-bit activations and gradients too);
+           eager only (``--graphs none``): Megatron's start-up refuses its graphs
 
 The llama shape is the one of the CUDA-graphs issue: hidden 4096 x 6 layers, ffn 11,008, GQA 8 groups, RMSNorm,
 SwiGLU, RoPE, untied embeddings, vocab 32,000, seq 2,048, micro-batch 1, global batch 4 (four microbatches a step),
@@ -55,7 +57,9 @@ COMMON = ("--transformer-impl local --bf16 --use-distributed-optimizer --lr 1e-4
           "--no-gradient-accumulation-fusion --no-check-for-nan-in-loss-and-grad")
 MODES = {"bf16": ([], False), "lean": ([], True), "kept": (["--compute-copy"], True),
          "fp8": (["--compute", "fp8"], True),
-         "fp8-lowmem": (["--compute", "fp8", "--compute-option", "keep_transpose=false"], True)}
+         "fp8-lowmem": (["--compute", "fp8", "--compute-option", "keep_transpose=false"], True),
+         "nvfp4": (["--compute", "nvfp4"], True)}
+EAGER_ONLY = {"nvfp4"}
 
 
 def run(out: Path, name: str, mode: str, a) -> dict:
@@ -137,13 +141,15 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--iters", type=int, default=16)
     p.add_argument("--shape", default="llama", choices=list(SHAPES))
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", default=",".join(m for m in MODES if m not in EAGER_ONLY))
     p.add_argument("--check-every", type=int, default=0, help="the NVFP4 runs' parity check interval (0: none)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "graphs")
     a = p.parse_args(argv)
     modes = a.modes.split(",")
     if unknown := set(modes) - set(MODES):
         p.error(f"--modes: unknown {sorted(unknown)}; choose from {list(MODES)}")
+    if a.graphs != "none" and (eager := sorted(EAGER_ONLY & set(modes))):
+        p.error(f"--modes {','.join(eager)} runs eagerly only (its CUDA graphs are refused): add --graphs none")
     if a.check_every and a.check_every >= a.iters:
         # the last iteration's step also writes the run record: a check there is not timed against the others
         p.error(f"--check-every {a.check_every} needs --iters above it (got {a.iters}): the check table times the "
