@@ -11,7 +11,9 @@ GPUs), every run's per-iteration record kept, the figures drawn, and any two run
 Variants: ``bf16`` (plain bf16 weights), ``fp4`` (``--fp4-param-gather``: NVFP4 weights, 4-bit gather, lean
 compute), ``fake`` (``--fp4-fake-quant``: bf16 weights, the NVFP4 forward of every step; bitwise fp4's reference),
 ``fp4-fl`` (fp4 with the first and the last layer in bf16), ``kept`` (fp4 with kept compute copies,
-``--fp4-compute-copy``), ``fp8`` (fp4 in the FP8 compute mode, ``--fp4-compute fp8``: Hopper GPUs). Every run
+``--fp4-compute-copy``), ``fp8`` (fp4 in the FP8 compute mode, ``--fp4-compute fp8``: Hopper GPUs), ``nvfp4`` (the
+whole NVFP4 recipe emulated, ``--fp4-compute nvfp4``), ``nvfp4-plain`` (the recipe without its random Hadamard
+transform and stochastic rounding: the paper's ablation). Every run
 writes DIR/<variant>-lr<lr>-s<seed>.json (the trainer's record: loss, grad norm and lr of every iteration,
 validation losses; written after each evaluation and at the end) and .log, and DIR/runs.json says how they
 were made; a run stopped before its end (a time limit) is plotted as far as its record, or without one its log,
@@ -50,6 +52,11 @@ VARIANTS = {
                "--num-layers-at-end-in-bf16", "1"],
     "kept": ["--fp4-param-gather", "--fp4-compute-copy"],
     "fp8": ["--fp4-param-gather", "--fp4-compute", "fp8"],
+    # the whole NVFP4 recipe (4-bit activations and gradients too; docs/nvfp4_recipe.md), and its ablation without
+    # the random Hadamard transform and without stochastic rounding (every E2M1 value rounded to nearest even)
+    "nvfp4": ["--fp4-param-gather", "--fp4-compute", "nvfp4"],
+    "nvfp4-plain": ["--fp4-param-gather", "--fp4-compute", "nvfp4", "--fp4-compute-option", "rht=false",
+                    "--fp4-compute-option", "stochastic_rounding=false"],
 }  # fmt: skip
 MODELS = {
     "gpt12x1024": "--num-layers 12 --hidden-size 1024 --num-attention-heads 16 --seq-length 512 "
