@@ -358,13 +358,17 @@ def test_mpirun_and_plain_python_launch_the_same_script(tmp_path, data):
 def test_a_nan_master_in_pretrain_stops_every_rank_before_the_next_forward_reads_it(tmp_path, data):
     # fp4_dist's cast inside Megatron's optimizer step does not wait for its non-finite check; the check is read
     # at the post-all-gather processing, here the next forward's pre-hook (--overlap-param-gather). Iteration 3
-    # casts from the NaN and completes; iteration 4's forward must not run on the weights cast from it.
+    # casts from the NaN and completes; iteration 4's forward must not run on the weights cast from it, and the save
+    # due after iteration 3 must not write them (Megatron syncs the parameters before a save, and the processing
+    # that follows reads the verdict: the error says to resume from the newest checkpoint).
     nan = str(REPO / "tests" / "distributed" / "megatron_nan_master.py")
+    save = tmp_path / "ckpt"
     proc = launch(2, ["--data-path", data, "--train-iters", "6", "--eval-interval", "1000", "--fp4-param-gather",
-                      "--overlap-param-gather", "--overlap-grad-reduce"], check=False, refused=True,
-                  wrapper=(nan, "1", "3"))  # fmt: skip
+                      "--overlap-param-gather", "--overlap-grad-reduce", "--save", str(save), "--save-interval", "3",
+                      "--ckpt-format", "torch"], check=False, refused=True, wrapper=(nan, "1", "3"))  # fmt: skip
     assert proc.returncode != 0 and "injected a NaN into an fp32 master at step 3" in proc.stdout, proc.stdout[-2000:]
     assert "iteration        3/" in proc.stdout and "iteration        4/" not in proc.stdout, proc.stdout[-2000:]
+    assert not (save / "iter_0000003").exists(), sorted(p.name for p in save.iterdir())
     for rank in (0, 1):
         line = refusal(proc, rank)
         assert "ValueError: model_weights[" in line and ".weight master: values are not finite" in line, line
