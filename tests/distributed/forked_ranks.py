@@ -227,7 +227,9 @@ def _import_env(env: dict) -> tuple:
 
 
 _ZYGOTES: dict = {}
-_MAX_ZYGOTES = 4  # the suite launches with four import environments (Megatron, torch; warnings filtered or not)
+# The suite launches with five import environments: Megatron or torch, warnings filtered or not, and torch with
+# TORCH_LOGS (test_compile).
+_MAX_ZYGOTES = 5
 
 
 def _zygote_for(env: dict) -> Optional["Zygote"]:
