@@ -12,11 +12,12 @@ would give to ``subprocess.run`` and runs it as torchrun would, on ranks forked 
                 fails, the others get SIGTERM after the monitor interval, SIGKILL 30 s later) and exits 0 or 1
         rank    forked per rank: torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...), the
                 command's environment, working directory, sys.path and argv, its own session, stdout and stderr to
-                the job's files; then the target runs as ``python -u`` would run it (runpy), and the interpreter
-                exits as a rank does (atexit handlers, exit status 1 on an uncaught exception)
+                the job's files; then the target runs as ``python -u`` would run it (runpy), and the rank exits as
+                an interpreter does (threads joined, atexit handlers, exit status 1 on an uncaught exception),
+                without its teardown of the modules (`_exit`)
 
 What the ranks run is the same code on the same real torch.distributed (gloo) and Megatron-Core: only the start-up
-differs. `run_python` does the same for a plain ``python [-m|-c] TARGET ARGS`` process (a bench script, a
+and the end differ. `run_python` does the same for a plain ``python [-m|-c] TARGET ARGS`` process (a bench script, a
 command-line tool): one process, forked as a rank is, without the launcher's variables. A zygote serves only commands
 whose environment equals its own (outside the variables a rank gets from the launcher and a few read only at run
 time), so nothing read at import time can differ from a fresh rank's.
@@ -226,7 +227,9 @@ def _import_env(env: dict) -> tuple:
 
 
 _ZYGOTES: dict = {}
-_MAX_ZYGOTES = 4  # the suite launches with four import environments (Megatron, torch; warnings filtered or not)
+# The suite launches with five import environments: Megatron or torch, warnings filtered or not, and torch with
+# TORCH_LOGS (test_compile).
+_MAX_ZYGOTES = 5
 
 
 def _zygote_for(env: dict) -> Optional["Zygote"]:
@@ -375,13 +378,13 @@ def serve(kind: str) -> None:
 
 
 def _freeze() -> None:
-    """What torch's imports left moves to the collector's permanent generation: a forked process's collections and
-    its interpreter's teardown skip those objects instead of walking them all again (writing to every page the fork
-    shares with the zygote). The torch-only multi-process tests (test_forked_ranks, test_launch, test_fsdp: -n 2,
-    alone) took 137.6 s without it, 111.7 and 122.6 s with it. Only torch's: a fresh rank's last collections free
-    what other imports leave in cycles, and an extension module may check that they did (triton's nanobind
-    bindings, imported by Megatron-Core, print every object of theirs still alive at the end; frozen, they all
-    are). The job's own objects are collected as in a fresh rank."""
+    """What torch's imports left moves to the collector's permanent generation: a forked process's collections skip
+    those objects instead of walking them all again (writing to every page the fork shares with the zygote). The
+    torch-only multi-process tests (test_forked_ranks, test_launch, test_fsdp: -n 2, alone) took 137.6 s without it,
+    111.7 and 122.6 s with it. Only torch's: a fresh rank's last collections free what other imports leave in
+    cycles, and an extension module may check that they did (triton's nanobind bindings, imported by Megatron-Core,
+    print every object of theirs still alive at the end; frozen, they all are). The job's own objects are collected
+    as in a fresh rank."""
     import gc
 
     gc.collect()
@@ -466,9 +469,7 @@ def _ephemeral_low() -> int:
 
 def _rank(job: dict, rank: int, port: int, run_id: str, base_path: list) -> None:
     """Become rank `rank` as torchrun makes it (``python -u TARGET ARGS`` in a session of its own), run the target,
-    and exit the way that interpreter would."""
-    import runpy
-
+    and exit the way that interpreter would (`_exit`)."""
     os.setsid()
     # the dispositions a fresh interpreter starts with: SIGPIPE ignored (a write to a dead peer's socket is an error
     # the rank reports, not a silent death), SIGINT to KeyboardInterrupt (a plain process: ignored where its caller
@@ -512,6 +513,26 @@ def _rank(job: dict, rank: int, port: int, run_id: str, base_path: list) -> None
         faulthandler.enable(file=stacks, all_threads=True)
     else:
         faulthandler.disable()
+    try:
+        _run_target(job, env, base_path)
+        status = 0
+    except SystemExit as stop:
+        status = _exit_status(stop)
+    except BaseException as error:  # noqa: BLE001 (uncaught in the target: the interpreter prints it, status 1)
+        tb = error.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:  # the zygote's frames: not the rank's
+            tb = tb.tb_next
+        sys.excepthook(type(error), error.with_traceback(tb), tb)
+        status = 1
+        if isinstance(error, KeyboardInterrupt):
+            status = -signal.SIGINT
+    _exit(status)
+
+
+def _run_target(job: dict, env: dict, base_path: list) -> None:
+    """Run the job's target as ``python [-u] [-m] TARGET ARGS`` or ``python -c COMMAND ARGS`` would."""
+    import runpy
+
     target, args = job["target"], job["args"]
     own_path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     first = os.getcwd() if job["module"] else str(Path(target).resolve().parent)
@@ -530,7 +551,43 @@ def _rank(job: dict, rank: int, port: int, run_id: str, base_path: list) -> None
         runpy.run_module(target, run_name="__main__", alter_sys=True)
     else:
         runpy.run_path(target, run_name="__main__")
-    raise SystemExit(0)  # up through the zygote's frames (none catches it): the interpreter exits as a rank would
+
+
+def _exit_status(stop: SystemExit) -> int:
+    """The exit status a fresh interpreter gives an uncaught SystemExit: its code (None: 0), or 1 after printing a
+    code that is not an int to stderr."""
+    if stop.code is None:
+        return 0
+    if isinstance(stop.code, int):
+        return stop.code
+    print(stop.code, file=sys.stderr)
+    return 1
+
+
+def _exit(status: int) -> None:
+    """End the rank as a fresh interpreter's finalization does, up to its teardown of the modules: non-daemon threads
+    joined, atexit handlers run (weakref finalizers among them), the cyclic garbage collected (its finalizers run
+    while the modules are whole), stdout and stderr flushed (status 120 if that fails), an uncaught
+    KeyboardInterrupt ending it by SIGINT. Then os._exit: the teardown left out frees every object that the imports
+    made, about a second of CPU per Megatron rank on the 2-core test machine (in a fresh interpreter too) that the
+    suite's few hundred ranks would each spend. What it skips are the destructors of objects alive until the modules
+    go, and the C library's exit handlers; the tests of a rank's teardown itself launch with real torchrun."""
+    import atexit
+    import gc
+    import threading
+
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    gc.collect()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            status = status or 120
+    if status == -signal.SIGINT:  # an uncaught KeyboardInterrupt: the interpreter ends by SIGINT
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(status & 0xFF)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--serve"]:

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from . import forked_ranks
 from .test_launch import REPO, TIMEOUT_S, _env
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -50,8 +51,7 @@ def test_the_fsdp2_snippet_runs_as_written_on_two_ranks(tmp_path):
     # snippet creates no process group, and the report must still see the 2 ranks.
     script = tmp_path / "snippet.py"
     script.write_text(FSDP2_PREAMBLE + python_block("fsdp2.md") + '\nprint("SNIPPET DONE", flush=True)\n')
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
-    proc = subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
+    proc = _torchrun(script, REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stdout.count("SNIPPET DONE") == 2
     assert "FSDP world size 2" in proc.stdout and "FSDP world size 1" not in proc.stdout, proc.stdout[-2000:]
@@ -64,9 +64,11 @@ config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_
 '''
 
 
-def _torchrun(script, cwd) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
-    return subprocess.run(cmd, env=_env(), cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT_S)
+def _torchrun(script, cwd, *options: str) -> subprocess.CompletedProcess:
+    """`script` under ``torchrun --nproc_per_node=2 OPTIONS``, its ranks forked from a process that has imported
+    torch (tests/distributed/forked_ranks.py: torchrun's rank environment, checked against it)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *options, str(script)]
+    return forked_ranks.run(cmd, env=_env(), cwd=cwd, timeout=TIMEOUT_S)
 
 
 def test_the_export_snippet_runs_as_written_on_two_ranks_and_without_its_process_group_is_refused(tmp_path):
@@ -82,7 +84,9 @@ def test_the_export_snippet_runs_as_written_on_two_ranks_and_without_its_process
     at = next(i for i, line in enumerate(lines) if "init_process_group" in line)
     alone = tmp_path / "alone.py"
     alone.write_text(EXPORT_PREAMBLE + "\n".join(lines[:at - 1] + lines[at + 1:]))
-    proc = _torchrun(alone, tmp_path)
+    # torchrun stops the other rank once it sees one fail (it looks every 0.1 s); looking every 5 s lets each rank's
+    # own refusal reach the log, which is what this run checks.
+    proc = _torchrun(alone, tmp_path, "--monitor-interval", "5")
     assert proc.returncode != 0
     refusal = "but torch.distributed is not initialised: call torch.distributed.init_process_group()"
     assert proc.stderr.count(refusal) >= 2
@@ -151,8 +155,6 @@ def batch_at(step):
                                                 ("fsdp2.md", FSDP2_RECIPE_PREAMBLE, "optimizer")],
                          ids=["zero1", "fsdp2"])  # fmt: skip
 def test_the_checkpoint_recipe_runs_as_written_and_resumes_from_the_newest_save(doc, preamble, opt, tmp_path):
-    from . import forked_ranks
-
     recipe = next(b for b in re.findall(r"```python\n(.*?)```", (REPO / "docs" / doc).read_text(), flags=re.S)
                   if "latest_complete_checkpoint" in b)  # fmt: skip
     script = tmp_path / "recipe.py"
@@ -183,8 +185,6 @@ fp4_dist.launch.shutdown()
 
 
 def assert_export_md_loads_the_fsdp2_recipe_checkpoint(tmp_path) -> None:
-    from . import forked_ranks
-
     row = next(line for line in (REPO / "docs" / "export.md").read_text().splitlines()
                if line.startswith("| an FSDP2 DCP checkpoint"))  # fmt: skip
     load = re.search(r"`(fp4_dist\.checkpoint\.load_distributed_checkpoint\(.*?\))`", row).group(1)

@@ -4,19 +4,22 @@ not grow with the number of layers, and (with aot_eager, which keeps eager numer
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.distributed import forked_ranks
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def compile_log(backend: str, blocks: int) -> str:
+    # A process of its own, forked from a process that has imported torch with the same environment (TORCH_LOGS
+    # included: torch reads it at import) instead of a fresh interpreter importing torch again for each of the four.
     env = dict(os.environ, PYTHONPATH=str(REPO), TORCH_LOGS="recompiles", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("compile_case.py")), backend, str(blocks)],
-                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    cmd = [sys.executable, str(Path(__file__).with_name("compile_case.py")), backend, str(blocks)]
+    proc = forked_ranks.run_python(cmd, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout + proc.stderr
 
