@@ -60,7 +60,7 @@ PRELOAD = {"torch": ("torch", "torch.distributed", "torch.distributed.fsdp", "to
                      "torch.distributed.tensor", "torch.optim"),  # fmt: skip
            "megatron": ("torch", "torch.distributed", "torch.optim", "megatron.core", "megatron.core.models.gpt",
                         "megatron.core.distributed", "megatron.core.optimizer", "megatron.core.datasets.gpt_dataset",
-                        "megatron.core.datasets.blended_megatron_dataset_builder")}  # fmt: skip
+                        "megatron.core.datasets.blended_megatron_dataset_builder", "megatron.training")}  # fmt: skip
 
 STOP_GRACE_S = 30.0  # torchrun's agent: SIGTERM, then SIGKILL what is left after this
 
@@ -352,6 +352,8 @@ def serve(kind: str) -> None:
         if not name.startswith("torch") and not frozen:  # torch's imports done: frozen (_freeze says why)
             _freeze()
             frozen = True
+        if name.startswith("megatron.training"):
+            _typing_override()
         try:
             importlib.import_module(name)
         except ImportError:
@@ -375,6 +377,19 @@ def serve(kind: str) -> None:
         _, status = os.waitpid(pid, 0)
         replies.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
         replies.flush()
+
+
+def _typing_override() -> None:
+    """``typing.override`` on Python 3.11 (typing_extensions'), which megatron.training imports from typing (3.12+):
+    what every Megatron rank's launcher under test sets before it imports megatron.training
+    (fp4_dist.megatron.patching.python_311_shim), set here once for the zygote's import of it. That import (some 350
+    modules, CuPy's among them) otherwise costs each forked Megatron rank most of a second."""
+    import typing
+
+    if sys.version_info < (3, 12) and not hasattr(typing, "override"):
+        import typing_extensions
+
+        typing.override = typing_extensions.override
 
 
 def _freeze() -> None:
