@@ -643,9 +643,8 @@ def _summary(args, result: RunResult) -> str:
                             f"dequantize launches writing {lean['copies']} copies for {lean['uses']} uses")
     times = sorted(r.step_ms for r in result.records[1:]) or [r.step_ms for r in result.records]
     median = times[len(times) // 2] if times else float("nan")
-    options = options_of(args)
-    gemms = "".join([f", GEMMs in {options.compute}", *(f", {pair}" for pair in options.compute_options)])
-    return (f"done: {result.mode} weights ({result.nvfp4_weights} NVFP4{gemms if result.nvfp4_weights else ''}), "
+    gemms = f", {options_of(args).gemms()}" if result.nvfp4_weights else ""
+    return (f"done: {result.mode} weights ({result.nvfp4_weights} NVFP4{gemms}), "
             f"{result.world_size} ranks, "
             f"iterations {result.start_iteration + 1}..{args.train_iters}, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
             f"median step {median:.1f} ms, DDP buffers and compute copies {mib}"

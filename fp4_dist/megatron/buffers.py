@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from .. import kernels
 from .. import tensor as _tensor
 from ..buffers.layout import packed_layout_of
 from . import parallel
@@ -84,8 +85,6 @@ def resolve_cast_checks() -> None:
     """Read the verdicts of the casts since the last call; raises ValueError naming the weight, on every rank,
     if a cast read a non-finite fp32 master (the weights were written from it: resume from a checkpoint). Inside a
     CUDA-graph capture, where a read to the host cannot run, the verdicts wait for the next step's start."""
-    from .. import kernels
-
     if kernels.capturing():
         _PROCESSING_CAPTURED[0] = True
         return

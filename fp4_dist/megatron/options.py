@@ -87,6 +87,11 @@ class AdapterOptions:
         """The compute mode's options instance that ``compute_options`` spell (None: the mode's defaults)."""
         return options_from_pairs(MODES[self.compute], self.compute_options, "--compute-option")
 
+    def gemms(self) -> str:
+        """How a run's messages name what its GEMMs compute in: the mode and the options given (``GEMMs in nvfp4,
+        rht=false``)."""
+        return ", ".join([f"GEMMs in {self.compute}", *self.compute_options])
+
     @classmethod
     def flags(cls, prefix: str = "") -> dict[str, str]:
         """{field name: its command-line flag} with `prefix` (``"fp4-"`` in the example trainer)."""

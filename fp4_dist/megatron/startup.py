@@ -301,8 +301,7 @@ def _convert_before_ddp(chunks, ddp_config, data_parallel: str) -> None:
             "layer is kept in bf16 (e.g. by --first-last-layers-bf16); drop --fp4-param-gather")
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         print(f"fp4_dist: {converted} linear weights converted to NVFP4 before DDP on rank 0 (their fp32 masters "
-              f"start from the bf16 init; GEMMs in {options.compute}"
-              f"{''.join(f', {pair}' for pair in options.compute_options)})", flush=True)
+              f"start from the bf16 init; {options.gemms()})", flush=True)
 
 
 def require_compute_mode(compute: str, device: Optional[torch.device]) -> None:
